@@ -1,0 +1,46 @@
+"""Command line: ``python -m dspark_precompute [overrides]`` (also ``dspark-precompute``).
+
+Thin Hydra entry point: compose ``conf/``, convert to the typed config, call ``run``.
+Examples::
+
+    python -m dspark_precompute                                   # embedded default, seconds on a CPU
+    python -m dspark_precompute model=qwen3_0_6b data.path=/data/chat.jsonl seq_length=4096
+    python -m dspark_precompute -m seq_length=1024,2048           # one cache per value
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from dspark_precompute.errors import DsparkError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+log = logging.getLogger("dspark_precompute")
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def _app(dcfg: DictConfig) -> None:
+    from dspark_precompute.config import from_dictconfig
+    from dspark_precompute.pipeline import run
+
+    try:
+        run(from_dictconfig(dcfg))
+    except DsparkError as exc:
+        log.error("%s", exc)
+        raise SystemExit(2) from None
+
+
+def main() -> None:
+    if not CONF_DIR.is_dir():
+        sys.exit(f"dspark-precompute: config directory {CONF_DIR} is missing; install the project with "
+                 "`pip install -e .` from its checkout")
+    _app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Typed run configuration, validated before anything heavy happens.
+
+Hydra composes ``conf/`` into a DictConfig; :func:`from_dictconfig` turns it into these
+dataclasses. Every dataclass lists its own problems; :class:`PrecomputeConfig` gathers
+them in ``__post_init__`` and raises one :class:`~dspark_precompute.errors.ConfigError`
+naming every bad key, its value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dspark_precompute.errors import ConfigError
+from dspark_precompute.layers import layer_id_problems
+
+EMBEDDED = "embedded"  # data.path value: the chat set shipped inside the package
+TINY = "tiny"  # model.path value: a random-weight Qwen3 built from model.random
+
+STORAGE_DTYPES = ("bf16", "fp16", "fp32")
+COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+COMPRESSORS = ("none", "zstd", "blosc_zstd", "blosc_lz4")
+SHUFFLES = ("none", "byte", "bit")
+DATA_FORMATS = ("auto", "messages", "sharegpt")
+ON_INVALID = ("skip", "error")
+_SPLIT_RE = re.compile(r"^(\w+)(?:\[(-?\d*):(-?\d*)\])?$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    parts = value.split("/")
+    return len(parts) == 2 and all(parts) and not value.startswith((".", "/", "~"))
+
+
+@dataclass
+class RandomTargetConfig:
+    """Shape of the random-weight Qwen3 built when ``model.path=tiny`` (tests, demo, benchmarks)."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    vocab_size: int | None = None  # null: the tokenizer's size
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size"):
+            if getattr(self, name) < 1:
+                out.append(f"model.random.{name}={getattr(self, name)} must be >= 1")
+        if self.num_hidden_layers < 2:
+            out.append(f"model.random.num_hidden_layers={self.num_hidden_layers}: a target needs >= 2 layers")
+        if self.num_key_value_heads >= 1 and self.num_attention_heads % self.num_key_value_heads:
+            out.append(
+                f"model.random.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        return out
+
+
+@dataclass
+class ModelConfig:
+    """The frozen target: where it comes from, how it runs, which layers are captured."""
+
+    path: str = TINY
+    tokenizer: str | None = None  # null: the tokenizer that ships with model.path
+    revision: str | None = None
+    dtype: str = "auto"  # compute dtype; auto = bf16 on CUDA, fp32 on CPU
+    device: str = "auto"
+    device_map: str | None = None  # "auto" spreads a large target over the node's GPUs
+    layer_ids: list[int] | None = None  # null: NeMo's default for draft_num_hidden_layers
+    draft_num_hidden_layers: int = 5
+    attn_implementation: str | None = "sdpa"
+    trust_remote_code: bool = False
+    fingerprint: str = "sampled"  # sampled | full: how much of each weight file is hashed
+    random: RandomTargetConfig = field(default_factory=RandomTargetConfig)
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.dtype not in COMPUTE_DTYPES:
+            out.append(f"model.dtype={self.dtype!r} is not one of {list(COMPUTE_DTYPES)}")
+        if not _DEVICE_RE.match(str(self.device)):
+            out.append(f"model.device={self.device!r} must be auto, cpu, cuda or cuda:N")
+        if self.device_map not in (None, "auto"):
+            out.append(f"model.device_map={self.device_map!r} must be null or 'auto'")
+        if self.draft_num_hidden_layers < 1:
+            out.append(f"model.draft_num_hidden_layers={self.draft_num_hidden_layers} must be >= 1")
+        if self.layer_ids is not None:
+            out += layer_id_problems(self.layer_ids)
+        if self.fingerprint not in ("sampled", "full"):
+            out.append(f"model.fingerprint={self.fingerprint!r} must be 'sampled' or 'full'")
+        if self.path != TINY:
+            p = Path(self.path).expanduser()
+            if not p.exists() and not _looks_like_hub_id(self.path):
+                out.append(
+                    f"model.path={self.path!r} is neither an existing directory nor a hub id like "
+                    "'Qwen/Qwen3-0.6B'; fix the path, or use model=tiny for the built-in random target"
+                )
+            elif p.exists() and not p.is_dir():
+                out.append(f"model.path={self.path!r} is a file; point it at the model directory")
+        else:
+            out += self.random.problems()
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists() \
+                and not _looks_like_hub_id(self.tokenizer):
+            out.append(f"model.tokenizer={self.tokenizer!r} does not exist and is not a hub id")
+        return out
+
+
+@dataclass
+class DataConfig:
+    """The chat dataset and how its conversations become tokens and loss masks."""
+
+    path: str = EMBEDDED
+    format: str = "auto"
+    split: str = "train"
+    shuffle_seed: int | None = None
+    chat_template: str | None = None  # inline Jinja or a path (a .jinja file or tokenizer_config.json)
+    mask_reasoning_content: bool = False
+    mask_generation_prompt: bool = False
+    max_samples: int | None = None
+    on_invalid: str = "skip"
+    max_invalid_fraction: float = 0.01
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.format not in DATA_FORMATS:
+            out.append(f"data.format={self.format!r} is not one of {list(DATA_FORMATS)}")
+        if not _SPLIT_RE.match(str(self.split)):
+            out.append(f"data.split={self.split!r} must look like 'train' or 'train[100:200]'")
+        if self.max_samples is not None and self.max_samples < 1:
+            out.append(f"data.max_samples={self.max_samples} must be >= 1 or null")
+        if self.on_invalid not in ON_INVALID:
+            out.append(f"data.on_invalid={self.on_invalid!r} must be 'skip' or 'error'")
+        if not 0.0 <= float(self.max_invalid_fraction) <= 1.0:
+            out.append(f"data.max_invalid_fraction={self.max_invalid_fraction} must be in [0, 1]")
+        if self.path != EMBEDDED:
+            p = Path(self.path).expanduser()
+            if not p.exists() and not _looks_like_hub_id(self.path):
+                out.append(
+                    f"data.path={self.path!r} does not exist (and is not a hub dataset id); "
+                    "give a .jsonl/.json/.parquet file or a dataset directory"
+                )
+        return out
+
+    def split_slice(self) -> tuple[str, slice]:
+        m = _SPLIT_RE.match(self.split)
+        assert m, self.split
+        start, stop = m.group(2), m.group(3)
+        return m.group(1), slice(int(start) if start else None, int(stop) if stop else None)
+
+
+@dataclass
+class StorageConfig:
+    """Where the cache goes and how its arrays are laid out and compressed."""
+
+    path: str | None = None  # null: derived from model, data and seq_length under root
+    root: str = "caches"
+    dtype: str = "bf16"
+    compressor: str = "blosc_zstd"
+    compression_level: int = 1
+    shuffle: str = "byte"
+    chunk_tokens: int | None = None  # null: about 4 MiB per chunk of the widest array
+    unit_tokens: int | None = None  # null: as many chunks as fit in unit_mib
+    unit_mib: int = 256
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.dtype not in STORAGE_DTYPES:
+            out.append(f"storage.dtype={self.dtype!r} is not one of {list(STORAGE_DTYPES)}")
+        if self.compressor not in COMPRESSORS:
+            out.append(f"storage.compressor={self.compressor!r} is not one of {list(COMPRESSORS)}")
+        if self.shuffle not in SHUFFLES:
+            out.append(f"storage.shuffle={self.shuffle!r} is not one of {list(SHUFFLES)}")
+        if self.compressor == "zstd" and not -7 <= self.compression_level <= 22:
+            out.append(f"storage.compression_level={self.compression_level} must be in [-7, 22] for zstd")
+        if self.compressor.startswith("blosc") and not 0 <= self.compression_level <= 9:
+            out.append(f"storage.compression_level={self.compression_level} must be in [0, 9] for blosc")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            out.append(f"storage.chunk_tokens={self.chunk_tokens} must be >= 1 or null")
+        if self.unit_tokens is not None:
+            if self.unit_tokens < 1:
+                out.append(f"storage.unit_tokens={self.unit_tokens} must be >= 1 or null")
+            elif self.chunk_tokens is not None and self.unit_tokens % self.chunk_tokens:
+                out.append(
+                    f"storage.unit_tokens={self.unit_tokens} must be a multiple of "
+                    f"storage.chunk_tokens={self.chunk_tokens} so units own whole chunks"
+                )
+        if self.unit_mib < 1:
+            out.append(f"storage.unit_mib={self.unit_mib} must be >= 1")
+        if self.path is not None and not str(self.path).startswith(("s3://", "gs://", "memory://")):
+            p = Path(self.path).expanduser()
+            if p.exists() and not p.is_dir():
+                out.append(f"storage.path={self.path!r} is a file; give a directory for the cache")
+        return out
+
+
+@dataclass
+class BatchConfig:
+    """How samples are grouped for each forward pass (not part of the cache identity)."""
+
+    max_tokens: int = 16384  # padded tokens per forward (batch rows x longest row)
+    max_samples: int | None = None  # cap on rows per forward; 1 = no padding at all
+    writer_slots: int = 2  # unit buffers in flight between the forward loop and the writer
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.max_tokens < 1:
+            out.append(f"batch.max_tokens={self.max_tokens} must be >= 1")
+        if self.max_samples is not None and self.max_samples < 1:
+            out.append(f"batch.max_samples={self.max_samples} must be >= 1 or null")
+        if self.writer_slots < 1:
+            out.append(f"batch.writer_slots={self.writer_slots} must be >= 1")
+        return out
+
+
+@dataclass
+class PrecomputeConfig:
+    """One precompute run. Constructing it validates everything that needs no weights."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    seq_length: int = 2048
+    overwrite: bool = False
+    log_level: str = "INFO"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if self.seq_length <= 0:
+            out.append(f"seq_length={self.seq_length} must be a positive number of tokens")
+        elif self.batch.max_tokens >= 1 and self.batch.max_tokens < self.seq_length:
+            out.append(
+                f"batch.max_tokens={self.batch.max_tokens} is smaller than seq_length={self.seq_length}: "
+                f"a sample of seq_length tokens would not fit in one forward; set batch.max_tokens "
+                f">= {self.seq_length}"
+            )
+        if str(self.log_level).upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            out.append(f"log_level={self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
+        for part in (self.model, self.data, self.storage, self.batch):
+            out += part.problems()
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str, problems: list[str]) -> Any:
+    """Instantiate a dataclass from a plain dict, recording unknown keys instead of failing."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in (values or {}).items():
+        if key not in fields:
+            problems.append(f"unknown key {prefix}{key} (known: {', '.join(sorted(fields))})")
+            continue
+        ftype = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
+        if ftype is not None and dataclasses.is_dataclass(ftype) and isinstance(value, dict):
+            kwargs[key] = _build(ftype, value, f"{prefix}{key}.", problems)
+        else:
+            kwargs[key] = list(value) if isinstance(value, tuple) else value
+    return cls(**kwargs)
+
+
+def from_dict(values: dict[str, Any]) -> PrecomputeConfig:
+    """Build and validate a config from a plain (resolved) dict, e.g. Hydra's composed config."""
+    problems: list[str] = []
+    values = {k: v for k, v in values.items() if k != "hydra"}
+    sub: dict[str, Any] = {}
+    for name, cls in (("model", ModelConfig), ("data", DataConfig), ("storage", StorageConfig),
+                      ("batch", BatchConfig)):
+        sub[name] = _build(cls, values.pop(name, None) or {}, f"{name}.", problems)
+    top_fields = {f.name for f in dataclasses.fields(PrecomputeConfig)}
+    for key in list(values):
+        if key not in top_fields:
+            problems.append(f"unknown key {key}")
+            values.pop(key)
+    try:
+        cfg = PrecomputeConfig(**sub, **values)
+    except ConfigError as exc:
+        raise ConfigError(problems + exc.problems) from None
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def from_dictconfig(cfg: Any) -> PrecomputeConfig:
+    """Resolve an OmegaConf/Hydra config (interpolations included) into a typed config."""
+    from omegaconf import OmegaConf
+
+    return from_dict(OmegaConf.to_container(cfg, resolve=True))

@@ -1,0 +1,517 @@
+"""``run(cfg)``: config -> target & tokenizer -> samples -> batches -> capture -> writer -> store.
+
+Everything cheap happens first (config checks, fingerprints, the resume decision, the
+tokenization of every row) so a wrong run fails in seconds, before weights load.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark_precompute import __version__
+from dspark_precompute import format as fmt
+from dspark_precompute.chat import ChatEncoder, Encoded, resolve_chat_template, sha256_text
+from dspark_precompute.config import EMBEDDED, PrecomputeConfig
+from dspark_precompute.data import Reject, normalize, read_rows, resolve_source
+from dspark_precompute.errors import (
+    CacheFormatError, ConfigError, DataError, IncompatibleCacheError, InvalidRowError, TargetError,
+)
+from dspark_precompute.layers import layer_id_problems, resolve_layer_ids
+from dspark_precompute.lock import WriterLock
+from dspark_precompute.progress import Progress, human_bytes
+from dspark_precompute.store import CacheStore, is_url
+from dspark_precompute.target import (
+    HiddenStateCapture, export_weights, inspect_target, load_target, load_tokenizer, resolve_compute_dtype,
+    resolve_device, tokenizer_sha256,
+)
+from dspark_precompute.writer import ArraySpec, UnitWriter, allocate, token_array_specs
+
+log = logging.getLogger(__name__)
+
+_TORCH_STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:64] or "x"
+
+
+def default_storage_path(cfg: PrecomputeConfig) -> str:
+    """``<root>/<model>/<data>/seq<S>-<hash>``: swept values give separate caches, same values the same one.
+
+    The short hash covers the settings that change stored values (layers, masks, dtype,
+    split, template, chunking) but not file contents, so a changed data file under the
+    same settings maps to the same path and is refused rather than silently forked.
+    """
+    m, d, s = cfg.model, cfg.data, cfg.storage
+    model = "tiny" if m.path == "tiny" else Path(m.path.rstrip("/")).name
+    if m.path == "tiny":
+        r = m.random
+        model = f"tiny-h{r.hidden_size}-l{r.num_hidden_layers}"
+    data = "embedded" if d.path == EMBEDDED else Path(d.path.rstrip("/")).stem
+    knobs = {
+        "model": {k: v for k, v in cfg.to_dict()["model"].items()
+                  if k in ("path", "tokenizer", "revision", "dtype", "layer_ids", "draft_num_hidden_layers", "random")},
+        "data": {k: v for k, v in cfg.to_dict()["data"].items()
+                 if k in ("path", "format", "split", "shuffle_seed", "chat_template", "mask_reasoning_content",
+                          "mask_generation_prompt", "max_samples")},
+        "storage": {k: v for k, v in cfg.to_dict()["storage"].items() if k not in ("path", "root")},
+        "seq_length": cfg.seq_length,
+    }
+    tag = fmt.config_hash(knobs)[:8]
+    root = s.root.rstrip("/")
+    return f"{root}/{_slug(model)}/{_slug(data)}/seq{cfg.seq_length}-{tag}"
+
+
+@dataclass
+class Plan:
+    """Everything known before the target's weights load."""
+
+    cfg: PrecomputeConfig
+    path: str
+    store: CacheStore
+    tokenizer: Any
+    template: str
+    target: Any  # TargetInfo
+    layer_ids: list[int]
+    device: torch.device
+    compute_dtype: torch.dtype
+    identity: dict[str, Any]
+    config_hash: str
+    specs: list[ArraySpec]
+    names: dict[str, str]
+    chunk_tokens: int
+    unit_tokens: int
+    data_sha256: str
+
+
+@dataclass
+class RunResult:
+    path: str
+    samples: int
+    tokens: int
+    supervised_tokens: int
+    truncated_samples: int
+    rejected: int
+    bytes_on_disk: int
+    wall_seconds: float
+    units_written: int
+    resumed_units: int
+    complete: bool = True
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+def prepare(cfg: PrecomputeConfig) -> Plan:
+    """Resolve paths, tokenizer, template and target identity; validate it all together."""
+    path = cfg.storage.path or default_storage_path(cfg)
+    store = CacheStore(path)
+    problems: list[str] = []
+    try:
+        source = resolve_source(cfg.data.path)
+        data_sha = source.content_sha256() if source.files else source.content_sha256()
+    except DataError as exc:
+        problems.append(str(exc))
+        source, data_sha = None, ""
+    tokenizer = template = target = None
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+        template = resolve_chat_template(tokenizer, cfg.data.chat_template)
+    except (TargetError, ValueError, OSError) as exc:
+        problems.append(str(exc))
+    if tokenizer is not None:
+        try:
+            target = inspect_target(cfg.model, tokenizer)
+        except TargetError as exc:
+            problems.append(str(exc))
+    layer_ids: list[int] = []
+    if target is not None:
+        if cfg.model.layer_ids is not None:
+            problems += layer_id_problems(cfg.model.layer_ids, target.num_hidden_layers)
+        if not problems:
+            try:
+                layer_ids = resolve_layer_ids(cfg.model.layer_ids, target.num_hidden_layers,
+                                              cfg.model.draft_num_hidden_layers)
+            except (ConfigError, ValueError) as exc:
+                problems.append(str(exc))
+    if problems:
+        raise ConfigError(problems)
+    device = resolve_device(cfg.model.device)
+    compute_dtype = resolve_compute_dtype(cfg.model.dtype, device)
+    hidden = target.hidden_size
+    specs = token_array_specs(layer_ids, target.num_hidden_layers, hidden, cfg.storage.dtype)
+    names = fmt.hidden_arrays(layer_ids, target.num_hidden_layers)
+    itemsize = np.dtype(fmt.STORAGE_DTYPES[cfg.storage.dtype][0]).itemsize
+    chunk = cfg.storage.chunk_tokens or fmt.auto_chunk_tokens(hidden, itemsize)
+    n_hidden = sum(1 for s in specs if s.width)
+    per_token = fmt.bytes_per_token(hidden, itemsize, n_hidden)
+    unit = cfg.storage.unit_tokens or max(chunk, (cfg.storage.unit_mib << 20) // per_token // chunk * chunk)
+    unit = max(unit, -(-cfg.seq_length // chunk) * chunk)
+    storage_knobs = {k: v for k, v in cfg.to_dict()["storage"].items() if k not in ("path", "root", "unit_mib")}
+    storage_knobs.update(chunk_tokens=chunk, unit_tokens=unit)
+    identity = {
+        "format_version": fmt.FORMAT_VERSION,
+        "target": {
+            "path": target.path, "model_type": target.model_type, "config_sha256": target.config_sha256,
+            "weights_fingerprint": target.weights_fingerprint, "fingerprint_kind": cfg.model.fingerprint,
+            "revision": cfg.model.revision,
+        },
+        "compute_dtype": str(compute_dtype).replace("torch.", ""),
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "chat_template_sha256": sha256_text(template),
+        "data": {
+            "path": str(cfg.data.path), "content_sha256": data_sha, "format": cfg.data.format,
+            "split": cfg.data.split, "shuffle_seed": cfg.data.shuffle_seed, "max_samples": cfg.data.max_samples,
+            "mask_reasoning_content": cfg.data.mask_reasoning_content,
+            "mask_generation_prompt": cfg.data.mask_generation_prompt,
+        },
+        "seq_length": cfg.seq_length,
+        "layer_ids": layer_ids,
+        "storage": storage_knobs,
+    }
+    return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,
+                fmt.config_hash(identity), specs, names, chunk, unit, data_sha)
+
+
+def _read_manifest(store: CacheStore) -> dict[str, Any] | None:
+    if not store.exists(fmt.MANIFEST):
+        return None
+    try:
+        return json.loads(store.read_bytes(fmt.MANIFEST))
+    except json.JSONDecodeError as exc:
+        raise CacheFormatError(f"{store.path}/{fmt.MANIFEST} is corrupt ({exc}); pass overwrite=true") from exc
+
+
+def check_resume(plan: Plan) -> dict[str, Any] | None:
+    """The existing manifest if this run may continue it; raise if it must not."""
+    store, cfg = plan.store, plan.cfg
+    manifest = _read_manifest(store)
+    if manifest is None:
+        if not store.is_empty():
+            if cfg.overwrite:
+                return None
+            raise CacheFormatError(
+                f"storage.path={plan.path} exists and is not empty but holds no cache manifest; choose an "
+                "empty directory or pass overwrite=true to replace its contents"
+            )
+        return None
+    if cfg.overwrite:
+        return None
+    problems = fmt.manifest_problems(manifest)
+    if problems:
+        raise CacheFormatError(f"{plan.path}: " + "; ".join(problems) + " (pass overwrite=true to replace it)")
+    if manifest["config_hash"] != plan.config_hash:
+        raise IncompatibleCacheError(plan.path, fmt.identity_differences(manifest["identity"], plan.identity))
+    return manifest
+
+
+def encode_all(plan: Plan) -> tuple[list[Encoded], list[int], list[Reject], int]:
+    """Tokenize every selected row: samples (with their selection rows) and rejects."""
+    cfg = plan.cfg
+    source = resolve_source(cfg.data.path)
+    rows = read_rows(source, cfg.data)
+    encoder = ChatEncoder(plan.tokenizer, plan.template, cfg.seq_length, cfg.data.mask_reasoning_content,
+                          cfg.data.mask_generation_prompt)
+    samples: list[Encoded] = []
+    sample_rows: list[int] = []
+    rejects: list[Reject] = []
+    for sel_index, raw in enumerate(rows):
+        item = normalize(raw, cfg.data.format)
+        if not isinstance(item, Reject):
+            item = encoder.encode(item, raw.row)
+        if isinstance(item, Reject):
+            item.row, item.line = raw.row, raw.line
+            if cfg.data.on_invalid == "error":
+                raise InvalidRowError(str(cfg.data.path), raw.row, item.reason,
+                                      item.message + (f" (line {raw.line})" if raw.line else ""))
+            rejects.append(item)
+            continue
+        samples.append(item)
+        sample_rows.append(sel_index)
+    n = len(rows)
+    if n == 0:
+        raise DataError(f"data.path={cfg.data.path!r} with split={cfg.data.split!r} selects no rows")
+    if rejects and len(rejects) / n > cfg.data.max_invalid_fraction:
+        by = _reason_counts(rejects)
+        raise DataError(
+            f"{len(rejects)} of {n} rows ({len(rejects) / n:.1%}) are invalid, above "
+            f"data.max_invalid_fraction={cfg.data.max_invalid_fraction}: "
+            + ", ".join(f"{k}={v}" for k, v in sorted(by.items()))
+            + f". First: row {rejects[0].row}: {rejects[0].message}. Fix the data or raise the threshold."
+        )
+    if not samples:
+        raise DataError(f"no row of data.path={cfg.data.path!r} became a sample")
+    return samples, sample_rows, rejects, n
+
+
+def _reason_counts(rejects: list[Reject]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rejects:
+        out[r.reason] = out.get(r.reason, 0) + 1
+    return out
+
+
+def build_manifest(plan: Plan, layout: fmt.Layout, counts: dict[str, Any], complete: bool,
+                   created_at: str, timing: dict[str, float] | None = None) -> dict[str, Any]:
+    t = plan.target
+    hidden = t.hidden_size
+    n_hidden = sum(1 for s in plan.specs if s.width)
+    itemsize = np.dtype(fmt.STORAGE_DTYPES[plan.cfg.storage.dtype][0]).itemsize
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return {
+        "format": fmt.FORMAT_NAME,
+        "format_version": fmt.FORMAT_VERSION,
+        "tool_version": __version__,
+        "config_hash": plan.config_hash,
+        "identity": plan.identity,
+        "config": plan.cfg.to_dict(),
+        "target_model": t.path,
+        "target_model_type": t.model_type,
+        "target_vocab_size": t.vocab_size,
+        "num_hidden_layers": t.num_hidden_layers,
+        "hidden_size": hidden,
+        "layer_ids": plan.layer_ids,
+        "target_hidden_dim": hidden * len(plan.layer_ids),
+        "target_last_hidden_dim": hidden,
+        "seq_length": plan.cfg.seq_length,
+        "storage_dtype": plan.cfg.storage.dtype,
+        "bytes_per_token": fmt.bytes_per_token(hidden, itemsize, n_hidden),
+        "pad_token_id": getattr(plan.tokenizer, "pad_token_id", None),
+        "eos_token_id": getattr(plan.tokenizer, "eos_token_id", None),
+        "chat_template": plan.template,
+        "arrays": plan.names,
+        "layout": {"chunk_tokens": layout.chunk_tokens, "unit_tokens": layout.unit_tokens,
+                   "num_units": layout.num_units, "total_token_slots": layout.total_slots},
+        "counts": counts,
+        "complete": complete,
+        "created_at": created_at,
+        "updated_at": now,
+        **({"completed_at": now} if complete else {}),
+        **({"timing": timing} if timing else {}),
+    }
+
+
+def _write_json(store: CacheStore, key: str, obj: Any) -> None:
+    store.write_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _write_weights(plan: Plan, model: Any) -> None:
+    from safetensors.torch import save
+
+    dtype = _TORCH_STORAGE[plan.cfg.storage.dtype]
+    tensors = {k: v.to("cpu", dtype).contiguous() for k, v in export_weights(model).items()}
+    meta = {"tied": str("lm_head.weight" not in tensors).lower(), "target": str(plan.target.path)}
+    plan.store.write_bytes(fmt.WEIGHTS, save(tensors, metadata=meta))
+
+
+def make_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int, max_samples: int | None
+                 ) -> list[np.ndarray]:
+    """Greedy batches over longest-first samples: rows x longest row <= max_tokens."""
+    out, i, n = [], 0, len(order)
+    cap = max_samples or n
+    while i < n:
+        longest = int(lengths[order[i]])
+        j = i + 1
+        while j < n and j - i < cap and (j - i + 1) * longest <= max_tokens:
+            j += 1
+        out.append(order[i:j])
+        i = j
+    return out
+
+
+def _setup_logging(level: str) -> None:
+    root = logging.getLogger("dspark_precompute")
+    root.setLevel(level.upper())
+    if not logging.getLogger().handlers and not root.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(h)
+
+
+def run(cfg: PrecomputeConfig) -> RunResult:
+    """Precompute the cache described by ``cfg`` (resuming a compatible partial cache)."""
+    _setup_logging(cfg.log_level)
+    t_start = time.perf_counter()
+    timing: dict[str, float] = {}
+    plan = prepare(cfg)
+    store = plan.store
+    lock = WriterLock(store.root) if not is_url(plan.path) else None
+    if lock:
+        lock.acquire()
+    try:
+        manifest = check_resume(plan)
+        if manifest is not None and manifest.get("complete"):
+            log.info("cache %s is complete (%d samples): nothing to do", plan.path, manifest["counts"]["samples"])
+            c = manifest["counts"]
+            return RunResult(plan.path, c["samples"], c["tokens"], c["supervised_tokens"], c["truncated_samples"],
+                             c["rejected"], store.nbytes(), time.perf_counter() - t_start, 0,
+                             manifest["layout"]["num_units"])
+        if manifest is None and not store.is_empty():
+            log.warning("overwrite=true: deleting the existing contents of %s", plan.path)
+            _clear(store)
+
+        t0 = time.perf_counter()
+        samples, sample_rows, rejects, rows_in = encode_all(plan)
+        timing["tokenize_s"] = time.perf_counter() - t0
+        lengths = np.asarray([len(s.input_ids) for s in samples], dtype=np.int64)
+        layout = fmt.plan_layout(lengths, plan.chunk_tokens, plan.unit_tokens)
+        counts = {
+            "rows_in": rows_in, "samples": len(samples), "rejected": len(rejects),
+            "rejected_by_reason": _reason_counts(rejects),
+            "tokens": int(lengths.sum()),
+            "supervised_tokens": int(sum(int(s.loss_mask.sum()) for s in samples)),
+            "truncated_samples": int(sum(s.truncated for s in samples)),
+        }
+        tables = {
+            "samples/start": layout.start, "samples/length": layout.length,
+            "samples/source_row": np.asarray(sample_rows, dtype=np.int64), "samples/unit": layout.unit,
+            "samples/untruncated_length": np.asarray([s.untruncated_length for s in samples], dtype=np.int32),
+        }
+        if manifest is None:
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            attrs = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "manifest": fmt.MANIFEST}
+            allocate(store, plan.specs, layout, plan.identity["storage"], tables, attrs)
+            store.write_bytes(fmt.REJECTS, "".join(json.dumps(r.to_json(), sort_keys=True) + "\n"
+                                                   for r in rejects).encode())
+            _write_json(store, fmt.MANIFEST, build_manifest(plan, layout, counts, False, created))
+            done: set[int] = set()
+        else:
+            created = manifest.get("created_at", "")
+            _check_same_layout(store, layout, tables, manifest)
+            done = {int(k.rsplit("u", 1)[1].split(".")[0]) for k in store.list_keys(fmt.COMMITS)}
+            log.info("resuming %s: %d of %d units already committed", plan.path, len(done), layout.num_units)
+
+        t0 = time.perf_counter()
+        model = load_target(cfg.model, plan.target, len(plan.tokenizer), plan.device, plan.compute_dtype)
+        timing["load_target_s"] = time.perf_counter() - t0
+        if not store.exists(fmt.WEIGHTS):
+            _write_weights(plan, model)
+        todo = [u for u in range(layout.num_units) if u not in done]
+        t0 = time.perf_counter()
+        written = _forward_units(plan, model, samples, layout, todo, counts) if todo else 0
+        timing["forward_write_s"] = time.perf_counter() - t0
+        timing["wall_s"] = time.perf_counter() - t_start
+        _write_json(store, fmt.MANIFEST, build_manifest(plan, layout, counts, True, created, timing))
+        nbytes = store.nbytes()
+        result = RunResult(plan.path, counts["samples"], counts["tokens"], counts["supervised_tokens"],
+                           counts["truncated_samples"], counts["rejected"], nbytes, timing["wall_s"], written,
+                           len(done), True, timing)
+        _log_summary(result)
+        return result
+    finally:
+        if lock:
+            lock.release()
+
+
+def _clear(store: CacheStore) -> None:
+    if store.url:
+        store.remove_all()
+        return
+    for p in Path(store.root).iterdir():
+        if p.name == ".writer.lock":
+            continue
+        store.delete(p.name)
+
+
+def _check_same_layout(store: CacheStore, layout: fmt.Layout, tables: dict[str, np.ndarray],
+                       manifest: dict[str, Any]) -> None:
+    import zarr
+
+    group = zarr.open_group(store.zarr_store(read_only=True), mode="r")
+    for name in ("samples/length", "samples/source_row", "samples/start"):
+        if not np.array_equal(np.asarray(group[name][:]), tables[name]):
+            raise CacheFormatError(
+                f"{store.path}: the recorded {name} differs from this run's tokenization although the "
+                "configuration hash matches (non-deterministic tokenizer?); pass overwrite=true"
+            )
+    if manifest["layout"]["num_units"] != layout.num_units:
+        raise CacheFormatError(f"{store.path}: recorded unit count differs; pass overwrite=true")
+
+
+def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.Layout, todo: list[int],
+                   counts: dict[str, Any]) -> int:
+    cfg = plan.cfg
+    device = plan.device
+    capture = HiddenStateCapture(model, plan.layer_ids)
+    storage_dtype = _TORCH_STORAGE[cfg.storage.dtype]
+    lengths = layout.length.astype(np.int64)
+    pad_id = getattr(plan.tokenizer, "pad_token_id", None)
+    pad_id = int(pad_id if pad_id is not None else (plan.tokenizer.eos_token_id or 0))
+    n_layers = plan.target.num_hidden_layers
+    total_tok = int(sum(layout.unit_stop[u] - layout.unit_start[u] for u in todo))
+    total_smp = int(sum(len(layout.unit_order[u]) for u in todo))
+    progress = Progress(total_smp, total_tok, enabled=cfg.progress)
+    writer = UnitWriter(plan.store, plan.specs, layout, cfg.batch.writer_slots)
+    hidden_specs = [s for s in plan.specs if s.width]
+    try:
+        for u in todo:
+            slot = writer.acquire()
+            bufs = writer.buffers(slot)
+            base = int(layout.unit_start[u])
+            order = layout.unit_order[u]
+            views = {s.name: torch.from_numpy(bufs[s.name].view(np.int16) if s.dtype == "uint16" else bufs[s.name])
+                     for s in hidden_specs}
+            for s in order:
+                a = int(layout.start[s]) - base
+                bufs[fmt.INPUT_IDS][a:a + lengths[s]] = samples[s].input_ids
+                bufs[fmt.LOSS_MASK][a:a + lengths[s]] = samples[s].loss_mask
+            for batch in make_batches(order, lengths, cfg.batch.max_tokens, cfg.batch.max_samples):
+                blens = lengths[batch]
+                T = int(blens.max())
+                ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+                attn = torch.zeros((len(batch), T), dtype=torch.long)
+                for r, s in enumerate(batch):
+                    ids[r, : blens[r]] = torch.from_numpy(samples[s].input_ids.astype(np.int64))
+                    attn[r, : blens[r]] = 1
+                padded = bool((blens != T).any())
+                ids = ids.to(device, non_blocking=True)
+                states, last = capture(ids, attn.to(device) if padded else None)
+                rows = attn.bool().to(device) if padded else None
+                a = int(layout.start[batch[0]]) - base
+                n = int(blens.sum())
+                for spec in hidden_specs:
+                    t = states[spec.layer_id] if spec.layer_id in states else last
+                    flat = (t[rows] if rows is not None else t.reshape(-1, t.shape[-1])).to(storage_dtype)
+                    if spec.dtype == "uint16":
+                        flat = flat.view(torch.int16)
+                    views[spec.name][a:a + n].copy_(flat)
+                progress.update(samples=len(batch), tokens=n, bytes_written=writer.raw_bytes)
+                writer.poll()
+            n_tok = int(layout.unit_stop[u] - layout.unit_start[u])
+            record = {"unit": u, "token_start": base, "token_stop": base + n_tok, "samples": len(order),
+                      "host": socket.gethostname()}
+            writer.submit(u, slot, n_tok, record)
+        writer.drain()
+        progress.update(bytes_written=writer.raw_bytes)
+        progress.close()
+    finally:
+        writer.close()
+        capture.close()
+    del n_layers, counts
+    return len(todo)
+
+
+def _log_summary(r: RunResult) -> None:
+    log.info(
+        "done: %d samples, %d tokens (%d supervised, %.1f%%), %d truncated, %d rejected; %s on disk "
+        "(%.1f B/token) in %.1fs -> %s",
+        r.samples, r.tokens, r.supervised_tokens, 100.0 * r.supervised_tokens / max(1, r.tokens),
+        r.truncated_samples, r.rejected, human_bytes(r.bytes_on_disk), r.bytes_on_disk / max(1, r.tokens),
+        r.wall_seconds, r.path,
+    )
+    log.info("open it with: from dspark_precompute import open_cache; c = open_cache(%r); c[0]", r.path)
+
+
+def describe(result: RunResult) -> str:
+    buf = io.StringIO()
+    json.dump(result.__dict__, buf, indent=2, default=str)
+    return buf.getvalue()

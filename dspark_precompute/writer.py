@@ -1,0 +1,248 @@
+"""Writes the cache: allocate every array up front, then one whole unit at a time.
+
+The forward loop fills a unit buffer in shared memory; a separate writer process
+(not a thread: compression would fight the forward loop for the GIL) compresses the
+unit's chunk-aligned region of every array, then writes the unit's commit record. A
+unit is visible to readers only once its commit record exists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import queue
+import traceback
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+
+from dspark_precompute import format as fmt
+from dspark_precompute.errors import StorageWriteError
+from dspark_precompute.store import CacheStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One token-axis array: its name, on-disk dtype and row width (None for 1-D)."""
+
+    name: str
+    dtype: str
+    width: int | None = None
+    logical_dtype: str | None = None
+    layer_id: int | None = None
+
+    @property
+    def row_bytes(self) -> int:
+        return np.dtype(self.dtype).itemsize * (self.width or 1)
+
+
+def token_array_specs(layer_ids: list[int], num_layers: int, hidden: int, storage_dtype: str) -> list[ArraySpec]:
+    disk, logical = fmt.STORAGE_DTYPES[storage_dtype]
+    specs = [ArraySpec(fmt.INPUT_IDS, "int32"), ArraySpec(fmt.LOSS_MASK, "uint8")]
+    for lid in layer_ids:
+        specs.append(ArraySpec(fmt.layer_array(lid), np.dtype(disk).name, hidden, logical, lid))
+    if (num_layers - 1) not in layer_ids:
+        specs.append(ArraySpec(f"{fmt.HIDDEN_GROUP}/{fmt.FINAL_NORM}", np.dtype(disk).name, hidden, logical,
+                               num_layers - 1))
+    return specs
+
+
+def compressors(storage: dict[str, Any], typesize: int) -> list[Any]:
+    """Lossless codec chain; crc32c always last so every chunk is checksummed."""
+    from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+
+    name, level = storage["compressor"], int(storage["compression_level"])
+    shuffle = {"none": "noshuffle", "byte": "shuffle", "bit": "bitshuffle"}[storage["shuffle"]]
+    chain: list[Any] = []
+    if name == "zstd":
+        chain.append(ZstdCodec(level=level))
+    elif name.startswith("blosc"):
+        chain.append(BloscCodec(cname=name.split("_", 1)[1], clevel=level, shuffle=shuffle,
+                                typesize=typesize, blocksize=1 << 20))
+    chain.append(Crc32cCodec())
+    return chain
+
+
+def allocate(store: CacheStore, specs: list[ArraySpec], layout: fmt.Layout, storage: dict[str, Any],
+             samples: dict[str, np.ndarray], attributes: dict[str, Any]) -> None:
+    """Create the group and every array at its final shape, and write the sample tables."""
+    import zarr
+
+    group = zarr.create_group(store.zarr_store(), overwrite=False, attributes=attributes)
+    total, chunk = layout.total_slots, layout.chunk_tokens
+    for s in specs:
+        shape = (total,) if s.width is None else (total, s.width)
+        chunks = (chunk,) if s.width is None else (chunk, s.width)
+        attrs = {"logical_dtype": s.logical_dtype or s.dtype}
+        if s.layer_id is not None:
+            attrs["layer_id"] = s.layer_id
+        group.create_array(
+            s.name, shape=shape, chunks=chunks, dtype=s.dtype, fill_value=0,
+            compressors=compressors(storage, np.dtype(s.dtype).itemsize),
+            dimension_names=("token",) if s.width is None else ("token", "hidden"), attributes=attrs,
+        )
+    tables = dict(samples)
+    tables["units/token_start"] = layout.unit_start
+    tables["units/token_stop"] = layout.unit_stop
+    for name, values in tables.items():
+        values = np.asarray(values)
+        arr = group.create_array(
+            name, shape=values.shape, chunks=(max(1, min(len(values), 1 << 20)),), dtype=values.dtype,
+            fill_value=0, compressors=compressors(storage, values.dtype.itemsize),
+            dimension_names=("sample",) if name.startswith("samples/") else ("unit",),
+        )
+        if len(values):
+            arr[:] = values
+
+
+class _Slot:
+    def __init__(self, specs: list[ArraySpec], capacity: int):
+        self.shm: dict[str, shared_memory.SharedMemory] = {}
+        self.meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for s in specs:
+            shape = (capacity,) if s.width is None else (capacity, s.width)
+            nbytes = max(1, int(np.prod(shape)) * np.dtype(s.dtype).itemsize)
+            self.shm[s.name] = shared_memory.SharedMemory(create=True, size=nbytes)
+            self.meta[s.name] = (self.shm[s.name].name, shape)
+        self.arrays = {s.name: np.ndarray(self.meta[s.name][1], dtype=s.dtype, buffer=self.shm[s.name].buf)
+                       for s in specs}
+
+    def close(self) -> None:
+        self.arrays = {}
+        for m in self.shm.values():
+            try:
+                m.close()
+                m.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_start: np.ndarray,
+                 chunk: int, tasks: Any, done: Any) -> None:
+    """Writer process: one task = one unit buffer to compress, write and commit."""
+    import zarr
+
+    try:
+        store = CacheStore(path)
+        group = zarr.open_group(store.zarr_store(), mode="r+")
+        arrays = {s.name: group[s.name] for s in specs}
+        handles = []
+        slots = []
+        for meta in slot_meta:
+            bufs = {}
+            for s in specs:
+                name, shape = meta[s.name]
+                h = shared_memory.SharedMemory(name=name)
+                handles.append(h)
+                bufs[s.name] = np.ndarray(shape, dtype=s.dtype, buffer=h.buf)
+            slots.append(bufs)
+    except BaseException:
+        done.put(("error", -1, -1, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        unit, slot, n_tokens, record = task
+        try:
+            t0 = int(unit_start[unit])
+            n_slots = -(-n_tokens // chunk) * chunk
+            raw = 0
+            for s in specs:
+                buf = slots[slot][s.name]
+                buf[n_tokens:n_slots] = 0  # slot buffers are reused: the chunk tail must be zeros
+                arrays[s.name][t0:t0 + n_slots] = buf[:n_slots]
+                raw += n_slots * s.row_bytes
+            store.write_bytes(fmt.commit_key(unit), json.dumps(record, sort_keys=True).encode())
+            done.put(("done", unit, slot, raw))
+        except BaseException:
+            done.put(("error", unit, slot, traceback.format_exc()))
+            break
+    del slots, arrays
+    for h in handles:
+        h.close()
+
+
+class UnitWriter:
+    """Main-process side: hands out free unit buffers and collects finished units."""
+
+    def __init__(self, store: CacheStore, specs: list[ArraySpec], layout: fmt.Layout, n_slots: int = 2):
+        self.specs = specs
+        capacity = max([layout.unit_slots(u) for u in range(layout.num_units)] or [layout.chunk_tokens])
+        self.slots = [_Slot(specs, capacity) for _ in range(max(1, n_slots))]
+        self.free = list(range(len(self.slots)))
+        ctx = mp.get_context("spawn")
+        self.tasks = ctx.Queue()
+        self.done = ctx.Queue()
+        self.proc = ctx.Process(
+            target=_writer_main,
+            args=(store.path, specs, [s.meta for s in self.slots], layout.unit_start, layout.chunk_tokens,
+                  self.tasks, self.done),
+            daemon=True, name="dspark-writer",
+        )
+        self.proc.start()
+        self.pending = 0
+        self.raw_bytes = 0
+        self.committed: list[int] = []
+
+    def buffers(self, slot: int) -> dict[str, np.ndarray]:
+        return self.slots[slot].arrays
+
+    def _collect(self, block: bool) -> None:
+        while True:
+            try:
+                msg = self.done.get(timeout=1.0) if block else self.done.get_nowait()
+            except queue.Empty:
+                if not block:
+                    return
+                if not self.proc.is_alive():
+                    raise StorageWriteError(
+                        f"the writer process died (exit code {self.proc.exitcode}); the cache is resumable: "
+                        "re-run the same command") from None
+                continue
+            kind, unit, slot, payload = msg
+            if kind == "error":
+                raise StorageWriteError(f"writing unit {unit} failed; the cache stays resumable.\n{payload}")
+            self.pending -= 1
+            self.free.append(slot)
+            self.raw_bytes += int(payload)
+            self.committed.append(unit)
+            return
+
+    def acquire(self) -> int:
+        self._collect(block=False)
+        while not self.free:
+            self._collect(block=True)
+        return self.free.pop()
+
+    def submit(self, unit: int, slot: int, n_tokens: int, record: dict[str, Any]) -> None:
+        self.tasks.put((unit, slot, n_tokens, record))
+        self.pending += 1
+
+    def poll(self) -> None:
+        while True:
+            before = self.pending
+            self._collect(block=False)
+            if self.pending == before:
+                return
+
+    def drain(self) -> None:
+        while self.pending:
+            self._collect(block=True)
+
+    def close(self, timeout: float = 30.0) -> None:
+        try:
+            if self.proc.is_alive():
+                self.tasks.put(None)
+                self.proc.join(timeout)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(5)
+        finally:
+            for s in self.slots:
+                s.close()
