@@ -183,70 +183,66 @@ class ChatEncoder:
             return cache[k]
 
         mask = [0] * len(ids)
-        prev_char_end: int | None = None
+        char_cache: dict[int, int] = {}
+
+        def char_boundary(k: int, lo: int) -> int:
+            """Where messages[:k] ends inside the full render, without the prefix rule."""
+            if k not in char_cache:
+                t = boundary(k)
+                char_cache[k] = (starts[t] if t < len(ids) else len(full)) if t is not None else \
+                    self._align_end(msgs, tools, full, k, lo)
+            return char_cache[k]
+
+        prev_end = 0
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
-                prev_char_end = None
                 continue
             s, e = boundary(i), boundary(i + 1)
             if s is not None and e is not None:
                 for t in range(s, min(e, len(ids))):
                     mask[t] = 1
-                prev_char_end = starts[e] if e < len(ids) else len(full)
+                prev_end = starts[e] if e < len(ids) else len(full)
                 continue
-            cs, ce = self._locate_turn(msgs, tools, full, i, s, starts, prev_char_end)
+            cs = 0 if i == 0 else char_boundary(i, prev_end)
+            ce = char_boundary(i + 1, cs)
             lo, hi = bisect.bisect_left(starts, cs), bisect.bisect_left(starts, ce)
             for t in range(lo, hi):
                 mask[t] = 1
-            prev_char_end = ce
+            prev_end = ce
         return mask
 
-    def _locate_turn(self, msgs, tools, full: str, i: int, s: int | None, starts, prev_char_end) -> tuple[int, int]:
-        """Character span of assistant turn ``i`` inside the full render (no prefix rule)."""
-        if s is not None:
-            cs = starts[s] if s < len(starts) else len(full)
-        elif prev_char_end is not None:
-            cs = prev_char_end
-        elif i == 0:
-            cs = 0
-        else:
-            prefix = self.render(msgs[:i], tools)
-            if not full.startswith(prefix):
-                raise _Unmaskable(f"the render before assistant message {i} is not a prefix of the full render")
-            cs = len(prefix)
-        last = self.render(msgs[: i + 1], tools)
-        if full.startswith(last):
-            return cs, len(last)
-        if last[:cs] != full[:cs]:
-            raise _Unmaskable(f"rendering up to assistant message {i} changes earlier text")
-        turn = last[cs:]  # the turn as rendered when it is the final message
-        limit = len(full)
-        for k in range(i + 2, len(msgs) + 1):
-            if msgs[k - 1]["role"] == "assistant":
-                continue
+    def _align_end(self, msgs, tools, full: str, k: int, lo: int) -> int:
+        """End of ``messages[:k]`` in ``full`` when rendering the prefix alone rewrites some turns.
+
+        The prefix render ends with the same text as the full render at the true boundary
+        (the last turn's content and end-of-turn marker); look for the end position with the
+        longest shared tail, at or after ``lo`` and no later than the next prefix that does
+        render consistently. Ties go to the earliest position.
+        """
+        prefix = self.render(msgs[:k], tools)
+        hi = len(full)
+        for j in range(k + 1, len(msgs)):
             try:
-                nxt = self.render(msgs[:k], tools)
+                nxt = self.render(msgs[:j], tools)
             except Exception:
                 continue
             if full.startswith(nxt):
-                limit = len(nxt)
+                hi = len(nxt)
                 break
-        # The turn ends where the full text shares the longest tail with the turn rendered last
-        # (its content and end-of-turn marker); ties go to the earliest end.
-        tail = turn[-min(len(turn), 8):]
+        tail = prefix[-min(len(prefix), 8):]
         best_end, best_len = None, 0
-        pos = full.find(tail, cs, limit)
+        pos = full.find(tail, lo, hi)
         while pos != -1:
             end = pos + len(tail)
             n = 0
-            while n < len(turn) and n < end - cs and full[end - 1 - n] == turn[-1 - n]:
+            while n < len(prefix) and n < end and full[end - 1 - n] == prefix[-1 - n]:
                 n += 1
             if n > best_len:
                 best_end, best_len = end, n
-            pos = full.find(tail, pos + 1, limit)
+            pos = full.find(tail, pos + 1, hi)
         if best_end is None:
-            raise _Unmaskable(f"assistant message {i} cannot be located in the full render")
-        return cs, best_end
+            raise _Unmaskable(f"the end of message {k - 1} cannot be located in the full render")
+        return best_end
 
     def _remove_generation_prompts(self, conv: Conversation, full: str, offsets, mask: list[int]) -> None:
         starts = [o[0] for o in offsets]

@@ -23,7 +23,7 @@ from dspark_precompute import __version__
 from dspark_precompute import format as fmt
 from dspark_precompute.chat import ChatEncoder, Encoded, resolve_chat_template, sha256_text
 from dspark_precompute.config import EMBEDDED, PrecomputeConfig
-from dspark_precompute.data import Reject, normalize, read_rows, resolve_source
+from dspark_precompute.data import Reason, Reject, normalize, read_rows, resolve_source
 from dspark_precompute.errors import (
     CacheFormatError, ConfigError, DataError, IncompatibleCacheError, InvalidRowError, TargetError,
 )
@@ -39,6 +39,9 @@ from dspark_precompute.writer import ArraySpec, UnitWriter, allocate, token_arra
 
 log = logging.getLogger(__name__)
 
+# Rows that are well-formed but leave nothing to train on at this seq_length: recorded in
+# the rejects file, never counted as invalid data.
+FILTERED_REASONS = {Reason.NO_SUPERVISED_TOKENS}
 _TORCH_STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -230,7 +233,7 @@ def encode_all(plan: Plan) -> tuple[list[Encoded], list[int], list[Reject], int]
             item = encoder.encode(item, raw.row)
         if isinstance(item, Reject):
             item.row, item.line = raw.row, raw.line
-            if cfg.data.on_invalid == "error":
+            if cfg.data.on_invalid == "error" and item.reason not in FILTERED_REASONS:
                 raise InvalidRowError(str(cfg.data.path), raw.row, item.reason,
                                       item.message + (f" (line {raw.line})" if raw.line else ""))
             rejects.append(item)
@@ -240,13 +243,14 @@ def encode_all(plan: Plan) -> tuple[list[Encoded], list[int], list[Reject], int]
     n = len(rows)
     if n == 0:
         raise DataError(f"data.path={cfg.data.path!r} with split={cfg.data.split!r} selects no rows")
-    if rejects and len(rejects) / n > cfg.data.max_invalid_fraction:
-        by = _reason_counts(rejects)
+    invalid = [r for r in rejects if r.reason not in FILTERED_REASONS]
+    if invalid and len(invalid) / n > cfg.data.max_invalid_fraction:
+        by = _reason_counts(invalid)
         raise DataError(
-            f"{len(rejects)} of {n} rows ({len(rejects) / n:.1%}) are invalid, above "
+            f"{len(invalid)} of {n} rows ({len(invalid) / n:.1%}) are invalid, above "
             f"data.max_invalid_fraction={cfg.data.max_invalid_fraction}: "
             + ", ".join(f"{k}={v}" for k, v in sorted(by.items()))
-            + f". First: row {rejects[0].row}: {rejects[0].message}. Fix the data or raise the threshold."
+            + f". First: row {invalid[0].row}: {invalid[0].message}. Fix the data or raise the threshold."
         )
     if not samples:
         raise DataError(f"no row of data.path={cfg.data.path!r} became a sample")
@@ -397,7 +401,7 @@ def run(cfg: PrecomputeConfig) -> RunResult:
             _write_weights(plan, model)
         todo = [u for u in range(layout.num_units) if u not in done]
         t0 = time.perf_counter()
-        written = _forward_units(plan, model, samples, layout, todo, counts) if todo else 0
+        written = _forward_units(plan, model, samples, layout, todo) if todo else 0
         timing["forward_write_s"] = time.perf_counter() - t0
         timing["wall_s"] = time.perf_counter() - t_start
         _write_json(store, fmt.MANIFEST, build_manifest(plan, layout, counts, True, created, timing))
@@ -437,8 +441,7 @@ def _check_same_layout(store: CacheStore, layout: fmt.Layout, tables: dict[str, 
         raise CacheFormatError(f"{store.path}: recorded unit count differs; pass overwrite=true")
 
 
-def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.Layout, todo: list[int],
-                   counts: dict[str, Any]) -> int:
+def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.Layout, todo: list[int]) -> int:
     cfg = plan.cfg
     device = plan.device
     capture = HiddenStateCapture(model, plan.layer_ids)
@@ -446,7 +449,6 @@ def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.L
     lengths = layout.length.astype(np.int64)
     pad_id = getattr(plan.tokenizer, "pad_token_id", None)
     pad_id = int(pad_id if pad_id is not None else (plan.tokenizer.eos_token_id or 0))
-    n_layers = plan.target.num_hidden_layers
     total_tok = int(sum(layout.unit_stop[u] - layout.unit_start[u] for u in todo))
     total_smp = int(sum(len(layout.unit_order[u]) for u in todo))
     progress = Progress(total_smp, total_tok, enabled=cfg.progress)
@@ -496,7 +498,6 @@ def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.L
     finally:
         writer.close()
         capture.close()
-    del n_layers, counts
     return len(todo)
 
 
