@@ -27,6 +27,7 @@ from dspark_precompute.data import Reason, Reject, normalize, read_rows, resolve
 from dspark_precompute.errors import (
     CacheFormatError, ConfigError, DataError, IncompatibleCacheError, InvalidRowError, TargetError,
 )
+from dspark_precompute.faults import fault_point
 from dspark_precompute.layers import layer_id_problems, resolve_layer_ids
 from dspark_precompute.lock import WriterLock
 from dspark_precompute.progress import Progress, human_bytes
@@ -305,6 +306,7 @@ def build_manifest(plan: Plan, layout: fmt.Layout, counts: dict[str, Any], compl
 
 
 def _write_json(store: CacheStore, key: str, obj: Any) -> None:
+    fault_point("manifest")
     store.write_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
@@ -314,6 +316,7 @@ def _write_weights(plan: Plan, model: Any) -> None:
     dtype = _TORCH_STORAGE[plan.cfg.storage.dtype]
     tensors = {k: v.to("cpu", dtype).contiguous() for k, v in export_weights(model).items()}
     meta = {"tied": str("lm_head.weight" not in tensors).lower(), "target": str(plan.target.path)}
+    fault_point("weights")
     plan.store.write_bytes(fmt.WEIGHTS, save(tensors, metadata=meta))
 
 
@@ -492,6 +495,7 @@ def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.L
             record = {"unit": u, "token_start": base, "token_stop": base + n_tok, "samples": len(order),
                       "host": socket.gethostname()}
             writer.submit(u, slot, n_tok, record)
+            fault_point("unit_submitted")
         writer.drain()
         progress.update(bytes_written=writer.raw_bytes)
         progress.close()

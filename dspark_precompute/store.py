@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dspark_precompute.faults import fault_point
+
 
 def is_url(path: str) -> bool:
     return "://" in str(path)
@@ -60,6 +62,7 @@ class CacheStore:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
+            fault_point("atomic_write")
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -21,6 +21,7 @@ import numpy as np
 
 from dspark_precompute import format as fmt
 from dspark_precompute.errors import StorageWriteError
+from dspark_precompute.faults import fault_point
 from dspark_precompute.store import CacheStore
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,8 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_
                 buf[n_tokens:n_slots] = 0  # slot buffers are reused: the chunk tail must be zeros
                 arrays[s.name][t0:t0 + n_slots] = buf[:n_slots]
                 raw += n_slots * s.row_bytes
+                fault_point("writer_array")
+            fault_point("writer_before_commit")
             store.write_bytes(fmt.commit_key(unit), json.dumps(record, sort_keys=True).encode())
             done.put(("done", unit, slot, raw))
         except BaseException:

@@ -1,0 +1,63 @@
+"""Shared fixtures: Hydra-composed configs, the real fixtures under ../shared, small runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+QWEN3_TOKENIZER = SHARED / "tokenizers" / "qwen3"
+CHAT = SHARED / "chat"
+
+
+def compose(overrides: list[str] | None = None):
+    """The Hydra config for ``overrides`` as the CLI would build it, converted to the typed config."""
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
+
+    from dspark_precompute.config import from_dictconfig
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return from_dictconfig(hcompose(config_name="config", overrides=list(overrides or [])))
+
+
+def small(tmp_path: Path, *extra: str, name: str = "cache") -> list[str]:
+    """Overrides for a fast run of the tiny target on the embedded data."""
+    return [
+        f"storage.path={tmp_path / name}",
+        "seq_length=256",
+        "batch.max_tokens=1024",
+        "data.max_samples=16",
+        "progress=false",
+        "log_level=WARNING",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def qwen3_tokenizer():
+    if not (QWEN3_TOKENIZER / "vocab.json").exists():
+        pytest.skip(f"real Qwen3 tokenizer fixture not present at {QWEN3_TOKENIZER}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER))
+
+
+def chat_rows(name: str) -> list[dict]:
+    path = CHAT / f"{name}.messages.jsonl"
+    if not path.exists():
+        pytest.skip(f"chat fixture {path} not present")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """One small run shared by the read-only tests (tiny target, 16 rows, seq_length 256)."""
+    from dspark_precompute.pipeline import run
+
+    tmp = tmp_path_factory.mktemp("default_run")
+    cfg = compose(small(tmp, "storage.chunk_tokens=256", "storage.unit_tokens=1024"))
+    return cfg, run(cfg)
