@@ -404,7 +404,7 @@ def run(cfg: PrecomputeConfig) -> RunResult:
             _write_weights(plan, model)
         todo = [u for u in range(layout.num_units) if u not in done]
         t0 = time.perf_counter()
-        written = _forward_units(plan, model, samples, layout, todo) if todo else 0
+        written = _forward_units(plan, model, samples, layout, todo, timing) if todo else 0
         timing["forward_write_s"] = time.perf_counter() - t0
         timing["wall_s"] = time.perf_counter() - t_start
         _write_json(store, fmt.MANIFEST, build_manifest(plan, layout, counts, True, created, timing))
@@ -444,7 +444,9 @@ def _check_same_layout(store: CacheStore, layout: fmt.Layout, tables: dict[str, 
         raise CacheFormatError(f"{store.path}: recorded unit count differs; pass overwrite=true")
 
 
-def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.Layout, todo: list[int]) -> int:
+def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.Layout, todo: list[int],
+                   timing: dict[str, float]) -> int:
+    """Forward every unit in ``todo`` and hand it to the writer; fills ``timing`` per stage."""
     cfg = plan.cfg
     device = plan.device
     capture = HiddenStateCapture(model, plan.layer_ids)
@@ -457,6 +459,8 @@ def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.L
     progress = Progress(total_smp, total_tok, enabled=cfg.progress)
     writer = UnitWriter(plan.store, plan.specs, layout, cfg.batch.writer_slots)
     hidden_specs = [s for s in plan.specs if s.width]
+    t_batch = t_forward = t_copy = 0.0
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     try:
         for u in todo:
             slot = writer.acquire()
@@ -470,6 +474,7 @@ def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.L
                 bufs[fmt.INPUT_IDS][a:a + lengths[s]] = samples[s].input_ids
                 bufs[fmt.LOSS_MASK][a:a + lengths[s]] = samples[s].loss_mask
             for batch in make_batches(order, lengths, cfg.batch.max_tokens, cfg.batch.max_samples):
+                c0 = time.perf_counter()
                 blens = lengths[batch]
                 T = int(blens.max())
                 ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
@@ -479,7 +484,10 @@ def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.L
                     attn[r, : blens[r]] = 1
                 padded = bool((blens != T).any())
                 ids = ids.to(device, non_blocking=True)
+                c1 = time.perf_counter()
                 states, last = capture(ids, attn.to(device) if padded else None)
+                sync()
+                c2 = time.perf_counter()
                 rows = attn.bool().to(device) if padded else None
                 a = int(layout.start[batch[0]]) - base
                 n = int(blens.sum())
@@ -489,6 +497,8 @@ def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.L
                     if spec.dtype == "uint16":
                         flat = flat.view(torch.int16)
                     views[spec.name][a:a + n].copy_(flat)
+                c3 = time.perf_counter()
+                t_batch, t_forward, t_copy = t_batch + (c1 - c0), t_forward + (c2 - c1), t_copy + (c3 - c2)
                 progress.update(samples=len(batch), tokens=n, bytes_written=writer.raw_bytes)
                 writer.poll()
             n_tok = int(layout.unit_stop[u] - layout.unit_start[u])
@@ -499,6 +509,8 @@ def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.L
         writer.drain()
         progress.update(bytes_written=writer.raw_bytes)
         progress.close()
+        timing.update(batch_s=t_batch, forward_s=t_forward, copy_s=t_copy, writer_wait_s=writer.wait_s,
+                      writer_busy_s=writer.busy_s)
     finally:
         writer.close()
         capture.close()

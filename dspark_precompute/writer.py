@@ -12,6 +12,7 @@ import json
 import logging
 import multiprocessing as mp
 import queue
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -151,6 +152,7 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_
             break
         unit, slot, n_tokens, record = task
         try:
+            busy = time.perf_counter()
             t0 = int(unit_start[unit])
             n_slots = -(-n_tokens // chunk) * chunk
             raw = 0
@@ -162,7 +164,7 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_
                 fault_point("writer_array")
             fault_point("writer_before_commit")
             store.write_bytes(fmt.commit_key(unit), json.dumps(record, sort_keys=True).encode())
-            done.put(("done", unit, slot, raw))
+            done.put(("done", unit, slot, (raw, time.perf_counter() - busy)))
         except BaseException:
             done.put(("error", unit, slot, traceback.format_exc()))
             break
@@ -191,6 +193,8 @@ class UnitWriter:
         self.proc.start()
         self.pending = 0
         self.raw_bytes = 0
+        self.busy_s = 0.0  # seconds the writer process spent compressing and writing
+        self.wait_s = 0.0  # seconds the forward loop waited for a free unit buffer
         self.committed: list[int] = []
 
     def buffers(self, slot: int) -> dict[str, np.ndarray]:
@@ -213,14 +217,17 @@ class UnitWriter:
                 raise StorageWriteError(f"writing unit {unit} failed; the cache stays resumable.\n{payload}")
             self.pending -= 1
             self.free.append(slot)
-            self.raw_bytes += int(payload)
+            self.raw_bytes += int(payload[0])
+            self.busy_s += float(payload[1])
             self.committed.append(unit)
             return
 
     def acquire(self) -> int:
         self._collect(block=False)
+        t0 = time.perf_counter()
         while not self.free:
             self._collect(block=True)
+        self.wait_s += time.perf_counter() - t0
         return self.free.pop()
 
     def submit(self, unit: int, slot: int, n_tokens: int, record: dict[str, Any]) -> None:
@@ -235,8 +242,10 @@ class UnitWriter:
                 return
 
     def drain(self) -> None:
+        t0 = time.perf_counter()
         while self.pending:
             self._collect(block=True)
+        self.wait_s += time.perf_counter() - t0
 
     def close(self, timeout: float = 30.0) -> None:
         try:
