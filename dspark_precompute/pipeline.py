@@ -294,6 +294,7 @@ def build_manifest(plan: Plan, layout: fmt.Layout, counts: dict[str, Any], compl
         "eos_token_id": getattr(plan.tokenizer, "eos_token_id", None),
         "chat_template": plan.template,
         "arrays": plan.names,
+        "tied_embeddings": plan.target.tied,
         "layout": {"chunk_tokens": layout.chunk_tokens, "unit_tokens": layout.unit_tokens,
                    "num_units": layout.num_units, "total_token_slots": layout.total_slots},
         "counts": counts,
@@ -315,9 +316,10 @@ def _write_weights(plan: Plan, model: Any) -> None:
 
     dtype = _TORCH_STORAGE[plan.cfg.storage.dtype]
     tensors = {k: v.to("cpu", dtype).contiguous() for k, v in export_weights(model).items()}
-    meta = {"tied": str("lm_head.weight" not in tensors).lower(), "target": str(plan.target.path)}
     fault_point("weights")
-    plan.store.write_bytes(fmt.WEIGHTS, save(tensors, metadata=meta))
+    # One metadata key only: safetensors orders several keys differently from run to run,
+    # and the file must be byte-identical across resumes. Tying is recorded in the manifest.
+    plan.store.write_bytes(fmt.WEIGHTS, save(tensors, metadata={"format": "pt"}))
 
 
 def make_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int, max_samples: int | None

@@ -39,6 +39,7 @@ class TargetInfo:
     config_sha256: str
     weights_fingerprint: str
     local_dir: Path | None = None
+    tied: bool = True  # lm_head shares the embedding matrix
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -84,6 +85,7 @@ def _tiny_info(cfg: ModelConfig, tokenizer: Any) -> TargetInfo:
         config_sha256=_sha256_json(cdict),
         # Deterministic from (config, seed, init recipe): the fingerprint names them.
         weights_fingerprint=_sha256_json({"config": cdict, "seed": cfg.random.seed, "init": "tiny-v1"}),
+        tied=bool(config.tie_word_embeddings),
     )
 
 
@@ -141,6 +143,7 @@ def inspect_target(cfg: ModelConfig, tokenizer: Any) -> TargetInfo:
         config_sha256=hashlib.sha256(config_file.read_bytes()).hexdigest(),
         weights_fingerprint=fingerprint_files(weights, cfg.fingerprint),
         local_dir=local,
+        tied=bool(text.get("tie_word_embeddings", cdict.get("tie_word_embeddings", True))),
     )
 
 

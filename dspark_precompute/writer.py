@@ -146,8 +146,19 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_
     except BaseException:
         done.put(("error", -1, -1, traceback.format_exc()))
         return
+    parent = mp.parent_process()
+
+    def orphaned() -> bool:
+        # A killed forward loop must not leave a writer that commits behind a resumed run.
+        return parent is not None and not parent.is_alive()
+
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if orphaned():
+                break
+            continue
         if task is None:
             break
         unit, slot, n_tokens, record = task
@@ -162,9 +173,15 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_
                 arrays[s.name][t0:t0 + n_slots] = buf[:n_slots]
                 raw += n_slots * s.row_bytes
                 fault_point("writer_array")
+                if orphaned():
+                    raise SystemExit(1)
             fault_point("writer_before_commit")
+            if orphaned():
+                raise SystemExit(1)
             store.write_bytes(fmt.commit_key(unit), json.dumps(record, sort_keys=True).encode())
             done.put(("done", unit, slot, (raw, time.perf_counter() - busy)))
+        except SystemExit:
+            break
         except BaseException:
             done.put(("error", unit, slot, traceback.format_exc()))
             break
