@@ -11,6 +11,7 @@ Examples::
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -35,10 +36,18 @@ def _app(dcfg: DictConfig) -> None:
         raise SystemExit(2) from None
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
 def main() -> None:
     if not CONF_DIR.is_dir():
         sys.exit(f"dspark-precompute: config directory {CONF_DIR} is missing; install the project with "
                  "`pip install -e .` from its checkout")
+    if _rank() > 0 and "-m" not in sys.argv and "--multirun" not in sys.argv:
+        # torchrun: every rank composes the same config, only rank 0 writes Hydra's output dir and log.
+        sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
+                     "hydra/hydra_logging=disabled"]
     _app()
 
 

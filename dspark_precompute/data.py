@@ -187,22 +187,40 @@ def _read_parquet(files: list[Path]) -> Iterator[RawRow]:
             row += 1
 
 
-def read_rows(source: DataSource, cfg: DataConfig) -> list[RawRow]:
-    """All rows of the selection, in selection order (split slice, shuffle, max_samples)."""
+def iter_rows(source: DataSource, cfg: DataConfig) -> Iterator[RawRow]:
+    """Rows of the selection in selection order (split slice, shuffle, max_samples).
+
+    Streams the file when no shuffle is asked for, so memory does not grow with the data.
+    """
+    import itertools
+
     split, sl = cfg.split_slice()
     if source.kind == "jsonl":
-        rows = list(_read_jsonl(source.files))
+        rows: Iterator[RawRow] = _read_jsonl(source.files)
     elif source.kind == "json":
-        rows = list(_read_json(source.files))
+        rows = _read_json(source.files)
     else:
-        rows = list(_read_with_datasets(source, split))
+        rows = _read_with_datasets(source, split)
+    streaming = cfg.shuffle_seed is None and (sl.start or 0) >= 0 and (sl.stop is None or sl.stop >= 0)
+    if streaming:
+        stop = sl.stop
+        if cfg.max_samples is not None:
+            stop = (sl.start or 0) + cfg.max_samples if stop is None else min(stop, (sl.start or 0) + cfg.max_samples)
+        yield from itertools.islice(rows, sl.start, stop)
+        return
+    listed = list(rows)
     if cfg.shuffle_seed is not None:  # same permutation as datasets.Dataset.shuffle(seed=...)
-        order = np.random.default_rng(cfg.shuffle_seed).permutation(len(rows))
-        rows = [rows[i] for i in order]
-    rows = rows[sl]
+        order = np.random.default_rng(cfg.shuffle_seed).permutation(len(listed))
+        listed = [listed[i] for i in order]
+    listed = listed[sl]
     if cfg.max_samples is not None:
-        rows = rows[: cfg.max_samples]
-    return rows
+        listed = listed[: cfg.max_samples]
+    yield from listed
+
+
+def read_rows(source: DataSource, cfg: DataConfig) -> list[RawRow]:
+    """All rows of the selection, in selection order (see :func:`iter_rows`)."""
+    return list(iter_rows(source, cfg))
 
 
 def _text(value: Any, where: str) -> str:

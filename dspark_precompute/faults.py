@@ -1,5 +1,7 @@
 """Named fault points for crash tests: ``DSPARK_FAULT="point=N"`` kills the process (SIGKILL)
-on the N-th time it reaches ``point``. Unset (always, outside tests), a point costs a dict lookup.
+on the N-th time it reaches ``point``; ``point=N:raise`` raises instead, ``point=N:enospc``
+raises ``OSError(ENOSPC)``. ``DSPARK_FAULT_RANK=r`` limits faults to one torchrun rank.
+Unset (always, outside tests), a point costs a dict lookup.
 
 Points: ``unit_submitted`` (forward loop, after a unit is handed to the writer),
 ``writer_array`` (writer, after each array region of a unit), ``writer_before_commit``,
@@ -9,18 +11,24 @@ Points: ``unit_submitted`` (forward loop, after a unit is handed to the writer),
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
 _counts: dict[str, int] = {}
 
 
-def _plan() -> dict[str, int]:
+
+def _plan() -> dict[str, tuple[int, str]]:
     spec = os.environ.get("DSPARK_FAULT", "")
+    only = os.environ.get("DSPARK_FAULT_RANK")
+    if only is not None and only != os.environ.get("RANK", "0"):
+        return {}
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, n = part.partition("=")
-        out[name] = int(n or 1)
+        name, _, rest = part.partition("=")
+        n, _, action = rest.partition(":")
+        out[name] = (int(n or 1), action or "kill")
     return out
 
 
@@ -31,5 +39,11 @@ def fault_point(name: str) -> None:
     if not _PLAN or name not in _PLAN:
         return
     _counts[name] = _counts.get(name, 0) + 1
-    if _counts[name] == _PLAN[name]:
-        os.kill(os.getpid(), signal.SIGKILL)
+    n, action = _PLAN[name]
+    if _counts[name] != n:
+        return
+    if action == "raise":
+        raise RuntimeError(f"injected fault at {name} (hit {n})")
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -23,7 +23,8 @@ from dspark_precompute import __version__
 from dspark_precompute import format as fmt
 from dspark_precompute.chat import ChatEncoder, Encoded, resolve_chat_template, sha256_text
 from dspark_precompute.config import EMBEDDED, PrecomputeConfig
-from dspark_precompute.data import Reason, Reject, normalize, read_rows, resolve_source
+from dspark_precompute.data import Reason, Reject, iter_rows, normalize, resolve_source
+from dspark_precompute.distributed import Coordinator, Ranks, assign_units, init_ranks
 from dspark_precompute.errors import (
     CacheFormatError, ConfigError, DataError, IncompatibleCacheError, InvalidRowError, TargetError,
 )
@@ -218,30 +219,63 @@ def check_resume(plan: Plan) -> dict[str, Any] | None:
     return manifest
 
 
-def encode_all(plan: Plan) -> tuple[list[Encoded], list[int], list[Reject], int]:
-    """Tokenize every selected row: samples (with their selection rows) and rejects."""
+@dataclass
+class Tokenized:
+    """The selection after tokenization: per-sample tables (global) and this rank's encodings."""
+
+    rows_in: int
+    sample_rows: np.ndarray  # selection index of each sample
+    lengths: np.ndarray
+    untruncated: np.ndarray
+    supervised: np.ndarray
+    rejects: list[Reject]
+    encoded: dict[int, Encoded]  # sample id -> tokens, for the samples this rank tokenized
+
+
+def _encoder(plan: Plan) -> ChatEncoder:
+    d = plan.cfg.data
+    return ChatEncoder(plan.tokenizer, plan.template, plan.cfg.seq_length, d.mask_reasoning_content,
+                       d.mask_generation_prompt)
+
+
+def _encode_row(plan: Plan, encoder: ChatEncoder, raw: Any) -> Encoded | Reject:
+    item = normalize(raw, plan.cfg.data.format)
+    if not isinstance(item, Reject):
+        item = encoder.encode(item, raw.row)
+    if isinstance(item, Reject):
+        item.row, item.line = raw.row, raw.line
+        if plan.cfg.data.on_invalid == "error" and item.reason not in FILTERED_REASONS:
+            raise InvalidRowError(str(plan.cfg.data.path), raw.row, item.reason,
+                                  item.message + (f" (line {raw.line})" if raw.line else ""))
+    return item
+
+
+def tokenize(plan: Plan, ranks: Ranks | None = None) -> Tokenized:
+    """Tokenize the selection (rank r takes rows r, r+W, ...) and agree on the sample tables."""
+    ranks = ranks or Ranks()
     cfg = plan.cfg
-    source = resolve_source(cfg.data.path)
-    rows = read_rows(source, cfg.data)
-    encoder = ChatEncoder(plan.tokenizer, plan.template, cfg.seq_length, cfg.data.mask_reasoning_content,
-                          cfg.data.mask_generation_prompt)
-    samples: list[Encoded] = []
-    sample_rows: list[int] = []
-    rejects: list[Reject] = []
-    for sel_index, raw in enumerate(rows):
-        item = normalize(raw, cfg.data.format)
-        if not isinstance(item, Reject):
-            item = encoder.encode(item, raw.row)
-        if isinstance(item, Reject):
-            item.row, item.line = raw.row, raw.line
-            if cfg.data.on_invalid == "error" and item.reason not in FILTERED_REASONS:
-                raise InvalidRowError(str(cfg.data.path), raw.row, item.reason,
-                                      item.message + (f" (line {raw.line})" if raw.line else ""))
-            rejects.append(item)
-            continue
-        samples.append(item)
-        sample_rows.append(sel_index)
-    n = len(rows)
+    encoder = _encoder(plan)
+
+    def mine() -> tuple[int, list[tuple[int, Any]], dict[int, Encoded]]:
+        info: list[tuple[int, Any]] = []
+        own: dict[int, Encoded] = {}
+        n = 0
+        for sel, raw in enumerate(iter_rows(resolve_source(cfg.data.path), cfg.data)):
+            n += 1
+            if sel % ranks.world != ranks.rank:
+                continue
+            item = _encode_row(plan, encoder, raw)
+            if isinstance(item, Reject):
+                info.append((sel, item))
+            else:
+                own[sel] = item
+                info.append((sel, (len(item.input_ids), item.untruncated_length, int(item.loss_mask.sum()))))
+        return n, info, own
+
+    n, info, own = ranks.together(mine)
+    merged = sorted((x for part in ranks.gather(info) for x in part), key=lambda x: x[0])
+    rejects = [r for _, r in merged if isinstance(r, Reject)]
+    kept = [(sel, r) for sel, r in merged if not isinstance(r, Reject)]
     if n == 0:
         raise DataError(f"data.path={cfg.data.path!r} with split={cfg.data.split!r} selects no rows")
     invalid = [r for r in rejects if r.reason not in FILTERED_REASONS]
@@ -253,9 +287,29 @@ def encode_all(plan: Plan) -> tuple[list[Encoded], list[int], list[Reject], int]
             + ", ".join(f"{k}={v}" for k, v in sorted(by.items()))
             + f". First: row {invalid[0].row}: {invalid[0].message}. Fix the data or raise the threshold."
         )
-    if not samples:
+    if not kept:
         raise DataError(f"no row of data.path={cfg.data.path!r} became a sample")
-    return samples, sample_rows, rejects, n
+    sample_rows = np.asarray([sel for sel, _ in kept], dtype=np.int64)
+    stats = np.asarray([r for _, r in kept], dtype=np.int64).reshape(-1, 3)
+    sample_of = {int(sel): i for i, sel in enumerate(sample_rows)}
+    encoded = {sample_of[sel]: e for sel, e in own.items()}
+    return Tokenized(n, sample_rows, stats[:, 0], stats[:, 1], stats[:, 2], rejects, encoded)
+
+
+def ensure_encoded(plan: Plan, tok: Tokenized, sample_ids: set[int]) -> None:
+    """Tokenize the samples this rank will forward but another rank tokenized."""
+    missing = {int(tok.sample_rows[s]): s for s in sample_ids if s not in tok.encoded}
+    if not missing:
+        return
+    encoder = _encoder(plan)
+    for sel, raw in enumerate(iter_rows(resolve_source(plan.cfg.data.path), plan.cfg.data)):
+        if sel in missing:
+            item = _encode_row(plan, encoder, raw)
+            assert isinstance(item, Encoded), (sel, item)
+            tok.encoded[missing.pop(sel)] = item
+            if not missing:
+                return
+    raise CacheFormatError(f"rows {sorted(missing)[:5]} vanished from data.path between two reads")
 
 
 def _reason_counts(rejects: list[Reject]) -> dict[str, int]:
@@ -347,67 +401,112 @@ def _setup_logging(level: str) -> None:
 
 
 def run(cfg: PrecomputeConfig) -> RunResult:
-    """Precompute the cache described by ``cfg`` (resuming a compatible partial cache)."""
-    _setup_logging(cfg.log_level)
+    """Precompute the cache described by ``cfg`` (resuming a compatible partial cache).
+
+    Under torchrun / SLURM every rank calls this with the same config; they split the
+    units between them and rank 0 finishes the manifest.
+    """
+    ranks = init_ranks()
+    _setup_logging(cfg.log_level if ranks.main else "WARNING")
+    try:
+        return _run(cfg, ranks)
+    finally:
+        ranks.close()
+
+
+def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
     t_start = time.perf_counter()
     timing: dict[str, float] = {}
     plan = prepare(cfg)
     store = plan.store
-    lock = WriterLock(store.root) if not is_url(plan.path) else None
-    if lock:
-        lock.acquire()
+    lock = WriterLock(store.root) if ranks.main and not is_url(plan.path) else None
+
+    def decide() -> dict[str, Any] | None:
+        if lock:
+            lock.acquire()
+        return check_resume(plan) if ranks.main else None
+
     try:
-        manifest = check_resume(plan)
+        manifest = ranks.broadcast(ranks.together(decide))
         if manifest is not None and manifest.get("complete"):
             log.info("cache %s is complete (%d samples): nothing to do", plan.path, manifest["counts"]["samples"])
             c = manifest["counts"]
             return RunResult(plan.path, c["samples"], c["tokens"], c["supervised_tokens"], c["truncated_samples"],
                              c["rejected"], store.nbytes(), time.perf_counter() - t_start, 0,
                              manifest["layout"]["num_units"])
-        if manifest is None and not store.is_empty():
-            log.warning("overwrite=true: deleting the existing contents of %s", plan.path)
-            _clear(store)
 
         t0 = time.perf_counter()
-        samples, sample_rows, rejects, rows_in = encode_all(plan)
+        tok = tokenize(plan, ranks)
         timing["tokenize_s"] = time.perf_counter() - t0
-        lengths = np.asarray([len(s.input_ids) for s in samples], dtype=np.int64)
-        layout = fmt.plan_layout(lengths, plan.chunk_tokens, plan.unit_tokens)
+        layout = fmt.plan_layout(tok.lengths, plan.chunk_tokens, plan.unit_tokens)
         counts = {
-            "rows_in": rows_in, "samples": len(samples), "rejected": len(rejects),
-            "rejected_by_reason": _reason_counts(rejects),
-            "tokens": int(lengths.sum()),
-            "supervised_tokens": int(sum(int(s.loss_mask.sum()) for s in samples)),
-            "truncated_samples": int(sum(s.truncated for s in samples)),
+            "rows_in": tok.rows_in, "samples": len(tok.lengths), "rejected": len(tok.rejects),
+            "rejected_by_reason": _reason_counts(tok.rejects),
+            "tokens": int(tok.lengths.sum()),
+            "supervised_tokens": int(tok.supervised.sum()),
+            "truncated_samples": int((tok.untruncated > tok.lengths).sum()),
         }
         tables = {
             "samples/start": layout.start, "samples/length": layout.length,
-            "samples/source_row": np.asarray(sample_rows, dtype=np.int64), "samples/unit": layout.unit,
-            "samples/untruncated_length": np.asarray([s.untruncated_length for s in samples], dtype=np.int32),
+            "samples/source_row": tok.sample_rows, "samples/unit": layout.unit,
+            "samples/untruncated_length": tok.untruncated.astype(np.int32),
         }
-        if manifest is None:
-            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            attrs = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "manifest": fmt.MANIFEST}
-            allocate(store, plan.specs, layout, plan.identity["storage"], tables, attrs)
-            store.write_bytes(fmt.REJECTS, "".join(json.dumps(r.to_json(), sort_keys=True) + "\n"
-                                                   for r in rejects).encode())
-            _write_json(store, fmt.MANIFEST, build_manifest(plan, layout, counts, False, created))
-            done: set[int] = set()
-        else:
-            created = manifest.get("created_at", "")
+        run_id = ranks.broadcast(Coordinator.new_run_id() if ranks.main else None)
+        coord = Coordinator(store, ranks, run_id)
+
+        def setup() -> tuple[str, set[int]]:
+            if not ranks.main:
+                return "", set()
+            if manifest is None:
+                if not store.is_empty():
+                    log.warning("overwrite=true: deleting the existing contents of %s", plan.path)
+                    _clear(store)
+                created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                attrs = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "manifest": fmt.MANIFEST}
+                allocate(store, plan.specs, layout, plan.identity["storage"], tables, attrs)
+                store.write_bytes(fmt.REJECTS, "".join(json.dumps(r.to_json(), sort_keys=True) + "\n"
+                                                       for r in tok.rejects).encode())
+                _write_json(store, fmt.MANIFEST, build_manifest(plan, layout, counts, False, created))
+                return created, set()
             _check_same_layout(store, layout, tables, manifest)
             done = {int(k.rsplit("u", 1)[1].split(".")[0]) for k in store.list_keys(fmt.COMMITS)}
             log.info("resuming %s: %d of %d units already committed", plan.path, len(done), layout.num_units)
+            return manifest.get("created_at", ""), done
+
+        created, done = ranks.broadcast(ranks.together(setup))
+        todo_all = [u for u in range(layout.num_units) if u not in done]
+        unit_tok = (layout.unit_stop - layout.unit_start)[todo_all]
+        mine = [todo_all[i] for i in assign_units(unit_tok, ranks.world)[ranks.rank]]
+        ensure_encoded(plan, tok, {int(s) for u in mine for s in layout.unit_order[u]})
 
         t0 = time.perf_counter()
-        model = load_target(cfg.model, plan.target, len(plan.tokenizer), plan.device, plan.compute_dtype)
+        device = plan.device
+        if device.type == "cuda" and ranks.world > 1 and plan.cfg.model.device == "auto":
+            device = plan.device = torch.device("cuda", ranks.local_rank)
+        model = ranks.together(lambda: load_target(cfg.model, plan.target, len(plan.tokenizer), device,
+                                                   plan.compute_dtype))
         timing["load_target_s"] = time.perf_counter() - t0
-        if not store.exists(fmt.WEIGHTS):
+        if ranks.main and not store.exists(fmt.WEIGHTS):
             _write_weights(plan, model)
-        todo = [u for u in range(layout.num_units) if u not in done]
         t0 = time.perf_counter()
-        written = _forward_units(plan, model, samples, layout, todo, timing) if todo else 0
+        try:
+            written = _forward_units(plan, model, tok.encoded, layout, mine, timing, coord) if mine else 0
+            coord.done()
+        except BaseException as exc:
+            coord.fail(f"{type(exc).__name__}: {exc}")
+            raise
         timing["forward_write_s"] = time.perf_counter() - t0
+        if not ranks.main:
+            return RunResult(plan.path, counts["samples"], counts["tokens"], counts["supervised_tokens"],
+                             counts["truncated_samples"], counts["rejected"], 0, time.perf_counter() - t_start,
+                             written, len(done), False, timing)
+        coord.wait_all_done()
+        missing = sorted(set(range(layout.num_units)) - {
+            int(k.rsplit("u", 1)[1].split(".")[0]) for k in store.list_keys(fmt.COMMITS)})
+        if missing:
+            raise CacheFormatError(f"units {missing[:10]} have no commit record after every rank finished; "
+                                   "re-run the same command to write them")
+        coord.cleanup()
         timing["wall_s"] = time.perf_counter() - t_start
         _write_json(store, fmt.MANIFEST, build_manifest(plan, layout, counts, True, created, timing))
         nbytes = store.nbytes()
@@ -446,8 +545,8 @@ def _check_same_layout(store: CacheStore, layout: fmt.Layout, tables: dict[str, 
         raise CacheFormatError(f"{store.path}: recorded unit count differs; pass overwrite=true")
 
 
-def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.Layout, todo: list[int],
-                   timing: dict[str, float]) -> int:
+def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: fmt.Layout, todo: list[int],
+                   timing: dict[str, float], coord: Coordinator) -> int:
     """Forward every unit in ``todo`` and hand it to the writer; fills ``timing`` per stage."""
     cfg = plan.cfg
     device = plan.device
@@ -465,6 +564,7 @@ def _forward_units(plan: Plan, model: Any, samples: list[Encoded], layout: fmt.L
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     try:
         for u in todo:
+            coord.check()
             slot = writer.acquire()
             bufs = writer.buffers(slot)
             base = int(layout.unit_start[u])

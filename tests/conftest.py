@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from dspark_precompute import format as fmt
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -61,3 +64,38 @@ def default_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("default_run")
     cfg = compose(small(tmp, "storage.chunk_tokens=256", "storage.unit_tokens=1024"))
     return cfg, run(cfg)
+
+
+def arrays_of(path: str) -> dict[str, np.ndarray]:
+    """Every array of a cache, by path inside the group."""
+    import zarr
+
+    g = zarr.open_group(path, mode="r")
+    out = {}
+
+    def walk(group, prefix=""):
+        for name, arr in group.arrays():
+            out[prefix + name] = np.asarray(arr[:])
+        for name, sub in group.groups():
+            walk(sub, f"{prefix}{name}/")
+    walk(g)
+    return out
+
+
+def stable_manifest(path: str) -> dict:
+    m = json.loads((Path(path) / fmt.MANIFEST).read_text())
+    for k in fmt.TIMING_FIELDS:
+        m.pop(k, None)
+    return m
+
+
+def assert_same_cache(a: str, b: str) -> None:
+    """Bit-identical arrays and weights; the same manifest apart from timing and the path."""
+    xa, xb = arrays_of(a), arrays_of(b)
+    assert sorted(xa) == sorted(xb)
+    for k in xa:
+        assert np.array_equal(xa[k], xb[k]), k
+    assert (Path(a) / fmt.WEIGHTS).read_bytes() == (Path(b) / fmt.WEIGHTS).read_bytes()
+    ma, mb = stable_manifest(a), stable_manifest(b)
+    ma["config"]["storage"].pop("path"), mb["config"]["storage"].pop("path")
+    assert ma == mb

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import REPO, compose, small
+from conftest import REPO, assert_same_cache, compose, small
 from dspark_precompute import format as fmt
 from dspark_precompute import open_cache, tiny
 from dspark_precompute.chat import ChatEncoder
@@ -23,37 +23,6 @@ from dspark_precompute.errors import ConfigError, IncompatibleCacheError
 from dspark_precompute.pipeline import run
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024")
-
-
-def arrays_of(path: str) -> dict[str, np.ndarray]:
-    g = zarr.open_group(path, mode="r")
-    out = {}
-
-    def walk(group, prefix=""):
-        for name, arr in group.arrays():
-            out[prefix + name] = np.asarray(arr[:])
-        for name, sub in group.groups():
-            walk(sub, f"{prefix}{name}/")
-    walk(g)
-    return out
-
-
-def stable_manifest(path: str) -> dict:
-    m = json.loads((Path(path) / fmt.MANIFEST).read_text())
-    for k in fmt.TIMING_FIELDS:
-        m.pop(k, None)
-    return m
-
-
-def assert_same_cache(a: str, b: str) -> None:
-    xa, xb = arrays_of(a), arrays_of(b)
-    assert sorted(xa) == sorted(xb)
-    for k in xa:
-        assert np.array_equal(xa[k], xb[k]), k
-    assert (Path(a) / fmt.WEIGHTS).read_bytes() == (Path(b) / fmt.WEIGHTS).read_bytes()
-    ma, mb = stable_manifest(a), stable_manifest(b)
-    ma["config"]["storage"].pop("path"), mb["config"]["storage"].pop("path")
-    assert ma == mb
 
 
 def test_sample_i_is_row_i_of_the_selection_whatever_order_batches_ran_in(default_run):
