@@ -30,10 +30,30 @@ def _app(dcfg: DictConfig) -> None:
     from dspark_precompute.pipeline import run
 
     try:
-        run(from_dictconfig(dcfg))
+        result = run(from_dictconfig(dcfg))
     except DsparkError as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
+    if result.complete:
+        _keep_hydra_record(result.path)
+
+
+def _keep_hydra_record(cache_path: str) -> None:
+    """Copy this job's .hydra/ (composed config, overrides) into the cache it wrote."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from dspark_precompute.store import CacheStore
+
+    try:
+        hc = HydraConfig.get()
+        record = Path(hc.runtime.output_dir) / (hc.output_subdir or "")
+    except ValueError:
+        return
+    if not hc.output_subdir or not record.is_dir():
+        return
+    store = CacheStore(cache_path)
+    for f in sorted(record.glob("*.yaml")):
+        store.write_bytes(f".hydra/{f.name}", f.read_bytes())
 
 
 def _rank() -> int:

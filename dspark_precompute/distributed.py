@@ -91,13 +91,15 @@ class Ranks:
 def init_ranks() -> Ranks:
     """Ranks from torchrun's environment, or from SLURM/submitit's, else a single process."""
     env = os.environ
-    if int(env.get("WORLD_SIZE", "1")) <= 1 and int(env.get("SLURM_NTASKS", "1")) > 1 and "SUBMITIT_FOLDER" in env:
-        try:  # a submitit task: export MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK from SLURM's view
+    if "WORLD_SIZE" not in env and "SUBMITIT_EXECUTOR" in env:
+        try:  # a submitit task (SLURM or local): export MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK
+            import submitit
             from submitit.helpers import TorchDistributedEnvironment
 
-            TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+            if submitit.JobEnvironment().num_tasks > 1:
+                TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         except Exception as exc:  # not fatal: run as one process
-            log.warning("could not read the SLURM task environment (%s); running as a single process", exc)
+            log.warning("could not read the submitit task environment (%s); running as a single process", exc)
     world = int(env.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Ranks()
