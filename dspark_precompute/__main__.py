@@ -33,7 +33,7 @@ def _app(dcfg: DictConfig) -> None:
         result = run(from_dictconfig(dcfg))
     except DsparkError as exc:
         log.error("%s", exc)
-        raise SystemExit(2) from None
+        raise SystemExit(getattr(exc, "exit_code", 2)) from None
     if result.complete:
         _keep_hydra_record(result.path)
 

@@ -73,3 +73,17 @@ class LockedError(DsparkError):
 
 class StorageWriteError(DsparkError):
     """Writing to the cache failed (disk full, permissions, failing object store)."""
+
+
+class InterruptedRunError(DsparkError):
+    """SIGINT/SIGTERM stopped the run between batches; the cache is resumable."""
+
+    def __init__(self, signum: int, path: str, committed: int, total: int):
+        import signal as _signal
+
+        self.exit_code = 128 + signum
+        name = _signal.Signals(signum).name
+        super().__init__(
+            f"stopped by {name} with {committed}/{total} units committed in {path}; "
+            "resume with the same command"
+        )

@@ -1,6 +1,7 @@
 """Named fault points for crash tests: ``DSPARK_FAULT="point=N"`` kills the process (SIGKILL)
 on the N-th time it reaches ``point``; ``point=N:raise`` raises instead, ``point=N:enospc``
-raises ``OSError(ENOSPC)``. ``DSPARK_FAULT_RANK=r`` limits faults to one torchrun rank.
+raises ``OSError(ENOSPC)``, ``point=N:sleep`` sleeps half a second at every hit from the
+N-th on (to give a signal time to arrive). ``DSPARK_FAULT_RANK=r`` limits faults to one torchrun rank.
 Unset (always, outside tests), a point costs a dict lookup.
 
 Points: ``unit_submitted`` (forward loop, after a unit is handed to the writer),
@@ -14,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 
 _counts: dict[str, int] = {}
 
@@ -40,6 +42,10 @@ def fault_point(name: str) -> None:
         return
     _counts[name] = _counts.get(name, 0) + 1
     n, action = _PLAN[name]
+    if action == "sleep":
+        if _counts[name] >= n:
+            time.sleep(0.5)
+        return
     if _counts[name] != n:
         return
     if action == "raise":

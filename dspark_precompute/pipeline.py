@@ -10,7 +10,9 @@ import io
 import json
 import logging
 import re
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,8 @@ from dspark_precompute.config import EMBEDDED, PrecomputeConfig
 from dspark_precompute.data import Reason, Reject, iter_rows, normalize, resolve_source
 from dspark_precompute.distributed import Coordinator, Ranks, assign_units, init_ranks
 from dspark_precompute.errors import (
-    CacheFormatError, ConfigError, DataError, IncompatibleCacheError, InvalidRowError, TargetError,
+    CacheFormatError, ConfigError, DataError, IncompatibleCacheError, InterruptedRunError, InvalidRowError,
+    StorageWriteError, TargetError,
 )
 from dspark_precompute.faults import fault_point
 from dspark_precompute.layers import layer_id_problems, resolve_layer_ids
@@ -196,14 +199,23 @@ def _read_manifest(store: CacheStore) -> dict[str, Any] | None:
         raise CacheFormatError(f"{store.path}/{fmt.MANIFEST} is corrupt ({exc}); pass overwrite=true") from exc
 
 
+def _partial_allocation(store: CacheStore) -> bool:
+    """A group this tool began to allocate (its zarr.json says so) but never gave a manifest."""
+    try:
+        attrs = json.loads(store.read_bytes("zarr.json")).get("attributes", {})
+    except (OSError, FileNotFoundError, json.JSONDecodeError):
+        return False
+    return attrs.get("format") == fmt.FORMAT_NAME
+
+
 def check_resume(plan: Plan) -> dict[str, Any] | None:
     """The existing manifest if this run may continue it; raise if it must not."""
     store, cfg = plan.store, plan.cfg
     manifest = _read_manifest(store)
     if manifest is None:
         if not store.is_empty():
-            if cfg.overwrite:
-                return None
+            if cfg.overwrite or _partial_allocation(store):
+                return None  # ours, killed while allocating: start it again
             raise CacheFormatError(
                 f"storage.path={plan.path} exists and is not empty but holds no cache manifest; choose an "
                 "empty directory or pass overwrite=true to replace its contents"
@@ -362,7 +374,17 @@ def build_manifest(plan: Plan, layout: fmt.Layout, counts: dict[str, Any], compl
 
 def _write_json(store: CacheStore, key: str, obj: Any) -> None:
     fault_point("manifest")
-    store.write_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    _put(store, key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _put(store: CacheStore, key: str, data: bytes) -> None:
+    try:
+        store.write_bytes(key, data)
+    except OSError as exc:
+        raise StorageWriteError(
+            f"writing {store.path}/{key} ({len(data) / 1e6:,.1f} MB) failed: {exc}. Free space or fix the "
+            "storage, then re-run the same command: the cache resumes."
+        ) from exc
 
 
 def _write_weights(plan: Plan, model: Any) -> None:
@@ -373,7 +395,7 @@ def _write_weights(plan: Plan, model: Any) -> None:
     fault_point("weights")
     # One metadata key only: safetensors orders several keys differently from run to run,
     # and the file must be byte-identical across resumes. Tying is recorded in the manifest.
-    plan.store.write_bytes(fmt.WEIGHTS, save(tensors, metadata={"format": "pt"}))
+    _put(plan.store, fmt.WEIGHTS, save(tensors, metadata={"format": "pt"}))
 
 
 def make_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int, max_samples: int | None
@@ -412,6 +434,31 @@ def run(cfg: PrecomputeConfig) -> RunResult:
         return _run(cfg, ranks)
     finally:
         ranks.close()
+
+
+class _StopOnSignal:
+    """SIGINT/SIGTERM set a flag; the forward loop drops the unit in flight and stops cleanly."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signum is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.warning("received %s: finishing the units already handed to the writer, then stopping",
+                    signal.Signals(signum).name)
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
@@ -464,7 +511,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
                 created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
                 attrs = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "manifest": fmt.MANIFEST}
                 allocate(store, plan.specs, layout, plan.identity["storage"], tables, attrs)
-                store.write_bytes(fmt.REJECTS, "".join(json.dumps(r.to_json(), sort_keys=True) + "\n"
+                _put(store, fmt.REJECTS, "".join(json.dumps(r.to_json(), sort_keys=True) + "\n"
                                                        for r in tok.rejects).encode())
                 _write_json(store, fmt.MANIFEST, build_manifest(plan, layout, counts, False, created))
                 return created, set()
@@ -490,7 +537,8 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
             _write_weights(plan, model)
         t0 = time.perf_counter()
         try:
-            written = _forward_units(plan, model, tok.encoded, layout, mine, timing, coord) if mine else 0
+            with _StopOnSignal() as stop:
+                written = _forward_units(plan, model, tok.encoded, layout, mine, timing, coord, stop) if mine else 0
             coord.done()
         except BaseException as exc:
             coord.fail(f"{type(exc).__name__}: {exc}")
@@ -546,7 +594,7 @@ def _check_same_layout(store: CacheStore, layout: fmt.Layout, tables: dict[str, 
 
 
 def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: fmt.Layout, todo: list[int],
-                   timing: dict[str, float], coord: Coordinator) -> int:
+                   timing: dict[str, float], coord: Coordinator, stop: _StopOnSignal | None = None) -> int:
     """Forward every unit in ``todo`` and hand it to the writer; fills ``timing`` per stage."""
     cfg = plan.cfg
     device = plan.device
@@ -558,7 +606,7 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
     total_tok = int(sum(layout.unit_stop[u] - layout.unit_start[u] for u in todo))
     total_smp = int(sum(len(layout.unit_order[u]) for u in todo))
     progress = Progress(total_smp, total_tok, enabled=cfg.progress)
-    writer = UnitWriter(plan.store, plan.specs, layout, cfg.batch.writer_slots)
+    writer = UnitWriter(plan.store, plan.specs, layout, cfg.batch.writer_slots, todo)
     hidden_specs = [s for s in plan.specs if s.width]
     t_batch = t_forward = t_copy = 0.0
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -576,6 +624,8 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
                 bufs[fmt.INPUT_IDS][a:a + lengths[s]] = samples[s].input_ids
                 bufs[fmt.LOSS_MASK][a:a + lengths[s]] = samples[s].loss_mask
             for batch in make_batches(order, lengths, cfg.batch.max_tokens, cfg.batch.max_samples):
+                if stop is not None and stop.signum is not None:
+                    break
                 c0 = time.perf_counter()
                 blens = lengths[batch]
                 T = int(blens.max())
@@ -603,12 +653,20 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
                 t_batch, t_forward, t_copy = t_batch + (c1 - c0), t_forward + (c2 - c1), t_copy + (c3 - c2)
                 progress.update(samples=len(batch), tokens=n, bytes_written=writer.raw_bytes)
                 writer.poll()
+            if stop is not None and stop.signum is not None:  # drop the unit in flight, keep the rest
+                writer.release(slot)
+                writer.drain()
+                done_units = len(layout.unit_start) - len(todo) + len(writer.committed)
+                raise InterruptedRunError(stop.signum, plan.path, done_units, layout.num_units)
             n_tok = int(layout.unit_stop[u] - layout.unit_start[u])
             record = {"unit": u, "token_start": base, "token_stop": base + n_tok, "samples": len(order),
                       "host": socket.gethostname()}
             writer.submit(u, slot, n_tok, record)
             fault_point("unit_submitted")
         writer.drain()
+        if stop is not None and stop.signum is not None and len(writer.committed) < len(todo):
+            raise InterruptedRunError(stop.signum, plan.path, layout.num_units - len(todo) + len(writer.committed),
+                                      layout.num_units)
         progress.update(bytes_written=writer.raw_bytes)
         progress.close()
         timing.update(batch_s=t_batch, forward_s=t_forward, copy_s=t_copy, writer_wait_s=writer.wait_s,

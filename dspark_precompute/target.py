@@ -194,7 +194,8 @@ def load_target(cfg: ModelConfig, info: TargetInfo, vocab_size: int, device: tor
         return tiny.build_target(cfg.random, vocab_size, dtype).to(device)
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    # safetensors only: a pickled .bin checkpoint would run arbitrary code on load.
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, "use_safetensors": True}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.device_map:
@@ -244,7 +245,12 @@ class HiddenStateCapture:
         self._store = {}
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         last = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        states = {lid: (last if lid == self.num_layers - 1 else self._store[lid]) for lid in self.layer_ids}
+        # Under device_map the layers (so their outputs) sit on several devices: bring every
+        # state to the device of input_ids, where the caller's masks and buffers live.
+        device = input_ids.device
+        last = last.to(device)
+        states = {lid: (last if lid == self.num_layers - 1 else self._store[lid].to(device))
+                  for lid in self.layer_ids}
         self._store = {}
         return states, last
 

@@ -77,7 +77,9 @@ def allocate(store: CacheStore, specs: list[ArraySpec], layout: fmt.Layout, stor
 
     group = zarr.create_group(store.zarr_store(), overwrite=False, attributes=attributes)
     total, chunk = layout.total_slots, layout.chunk_tokens
-    for s in specs:
+    for i, s in enumerate(specs):
+        if i == 2:
+            fault_point("allocate")
         shape = (total,) if s.width is None else (total, s.width)
         chunks = (chunk,) if s.width is None else (chunk, s.width)
         attrs = {"logical_dtype": s.logical_dtype or s.dtype}
@@ -143,8 +145,8 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_
                 handles.append(h)
                 bufs[s.name] = np.ndarray(shape, dtype=s.dtype, buffer=h.buf)
             slots.append(bufs)
-    except BaseException:
-        done.put(("error", -1, -1, traceback.format_exc()))
+    except BaseException as exc:
+        done.put(("error", -1, -1, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
         return
     parent = mp.parent_process()
 
@@ -182,8 +184,8 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_
             done.put(("done", unit, slot, (raw, time.perf_counter() - busy)))
         except SystemExit:
             break
-        except BaseException:
-            done.put(("error", unit, slot, traceback.format_exc()))
+        except BaseException as exc:
+            done.put(("error", unit, slot, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
             break
     del slots, arrays
     for h in handles:
@@ -193,8 +195,13 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_
 class UnitWriter:
     """Main-process side: hands out free unit buffers and collects finished units."""
 
-    def __init__(self, store: CacheStore, specs: list[ArraySpec], layout: fmt.Layout, n_slots: int = 2):
+    def __init__(self, store: CacheStore, specs: list[ArraySpec], layout: fmt.Layout, n_slots: int = 2,
+                 todo: list[int] | None = None):
         self.specs = specs
+        self.path = store.path
+        self.todo = list(range(layout.num_units)) if todo is None else list(todo)
+        row = sum(s.row_bytes for s in specs)
+        self.unit_bytes = {u: layout.unit_slots(u) * row for u in self.todo}
         capacity = max([layout.unit_slots(u) for u in range(layout.num_units)] or [layout.chunk_tokens])
         self.slots = [_Slot(specs, capacity) for _ in range(max(1, n_slots))]
         self.free = list(range(len(self.slots)))
@@ -231,7 +238,13 @@ class UnitWriter:
                 continue
             kind, unit, slot, payload = msg
             if kind == "error":
-                raise StorageWriteError(f"writing unit {unit} failed; the cache stays resumable.\n{payload}")
+                log.debug("writer traceback:\n%s", payload[1])
+                left = sum(self.unit_bytes[u] for u in self.todo if u not in self.committed)
+                raise StorageWriteError(
+                    f"writing unit {unit} of {self.path} failed: {payload[0]}. About {left / 1e6:,.1f} MB "
+                    "(uncompressed) are still to be written; free space or fix the storage, then re-run the "
+                    "same command: committed units are kept and the cache resumes."
+                )
             self.pending -= 1
             self.free.append(slot)
             self.raw_bytes += int(payload[0])
@@ -246,6 +259,10 @@ class UnitWriter:
             self._collect(block=True)
         self.wait_s += time.perf_counter() - t0
         return self.free.pop()
+
+    def release(self, slot: int) -> None:
+        """Give back a slot whose unit was dropped (interrupted before it was complete)."""
+        self.free.append(slot)
 
     def submit(self, unit: int, slot: int, n_tokens: int, record: dict[str, Any]) -> None:
         self.tasks.put((unit, slot, n_tokens, record))
