@@ -126,7 +126,7 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
     problems: list[str] = []
     try:
         source = resolve_source(cfg.data.path)
-        data_sha = source.content_sha256() if source.files else source.content_sha256()
+        data_sha = source.content_sha256()
     except DataError as exc:
         problems.append(str(exc))
         source, data_sha = None, ""
