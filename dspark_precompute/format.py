@@ -74,11 +74,16 @@ def commit_key(unit: int) -> str:
     return f"{COMMITS}/u{unit:06d}.json"
 
 
-def auto_chunk_tokens(hidden_size: int, itemsize: int, target_bytes: int = 4 << 20) -> int:
-    """Largest power of two with a chunk of the widest array <= ``target_bytes`` (256..65536)."""
+def auto_chunk_tokens(hidden_size: int, itemsize: int, target_bytes: int = 1 << 20) -> int:
+    """Largest power of two with a chunk of the widest array <= ``target_bytes``, in [512, 65536].
+
+    About 1 MiB keeps random access to one short sample cheap (a read decompresses whole
+    chunks); the floor of 512 tokens keeps the file count sane for wide targets (4 MiB
+    chunks at hidden size 4096).
+    """
     n = max(1, target_bytes // max(1, hidden_size * itemsize))
     p = 1 << (n.bit_length() - 1)
-    return int(min(max(p, 256), 65536))
+    return int(min(max(p, 512), 65536))
 
 
 def bytes_per_token(hidden_size: int, itemsize: int, n_hidden_arrays: int) -> int:

@@ -89,6 +89,9 @@ def allocate(store: CacheStore, specs: list[ArraySpec], layout: fmt.Layout, stor
             s.name, shape=shape, chunks=chunks, dtype=s.dtype, fill_value=0,
             compressors=compressors(storage, np.dtype(s.dtype).itemsize),
             dimension_names=("token",) if s.width is None else ("token", "hidden"), attributes=attrs,
+            # every chunk of a written unit exists on disk, zeros included, so a missing
+            # chunk file is always damage (verify relies on it)
+            config={"write_empty_chunks": True},
         )
     tables = dict(samples)
     tables["units/token_start"] = layout.unit_start
