@@ -66,6 +66,17 @@ def default_run(tmp_path_factory):
     return cfg, run(cfg)
 
 
+@pytest.fixture
+def cache_copy(default_run, tmp_path):
+    """A private copy of the shared small cache, safe to damage."""
+    import shutil
+
+    _, result = default_run
+    dst = tmp_path / "copy"
+    shutil.copytree(result.path, dst)
+    return dst
+
+
 def arrays_of(path: str) -> dict[str, np.ndarray]:
     """Every array of a cache, by path inside the group."""
     import zarr

@@ -16,14 +16,6 @@ from dspark_precompute.cli import main
 from dspark_precompute.pipeline import run
 
 
-@pytest.fixture
-def cache_copy(default_run, tmp_path):
-    _, result = default_run
-    dst = tmp_path / "cache"
-    shutil.copytree(result.path, dst)
-    return dst
-
-
 def tables(path: Path) -> dict[str, np.ndarray]:
     g = zarr.open_group(str(path), mode="r")
     return {k: np.asarray(g[f"samples/{k}"][:]) for k in ("start", "length", "unit")}

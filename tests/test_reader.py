@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,15 +34,6 @@ def zarr_sample(path: str, i: int) -> dict[str, np.ndarray]:
 
 def bf16(bits: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
-
-
-@pytest.fixture
-def cache_copy(default_run, tmp_path):
-    """A private copy of the shared cache, safe to damage."""
-    _, result = default_run
-    dst = tmp_path / "copy"
-    shutil.copytree(result.path, dst)
-    return dst
 
 
 @pytest.fixture(scope="module")
