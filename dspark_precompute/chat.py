@@ -116,8 +116,8 @@ class ChatEncoder:
             return Reject(row, Reason.TEMPLATE_ERROR, f"chat template failed: {type(exc).__name__}: {exc}")
         if not full:
             return Reject(row, Reason.TEMPLATE_ERROR, "chat template rendered an empty string")
-        ids, offsets = self.tokenize(full)
         try:
+            ids, offsets = self.tokenize(full)
             if self.has_generation:
                 mask = self._generation_mask(conv, ids)
             else:

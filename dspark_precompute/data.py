@@ -2,7 +2,7 @@
 
 Reads local ``.jsonl``/``.json`` natively, parquet through pyarrow and Hugging Face
 datasets (a saved dataset directory or a hub id) through ``datasets`` when installed.
-Row selection is: split slice -> optional seeded shuffle -> ``max_samples``.
+Row selection is: optional seeded shuffle -> split slice -> ``max_samples``.
 """
 
 from __future__ import annotations
@@ -63,13 +63,15 @@ class Conversation:
 
 @dataclass
 class Reject:
-    row: int
+    row: int  # index in the selection, the numbering of samples/source_row
     reason: str
     message: str
-    line: int | None = None
+    line: int | None = None  # 1-based line in a jsonl source
+    file_row: int | None = None  # row in the source file (differs from row under a slice or shuffle)
 
     def to_json(self) -> dict[str, Any]:
-        return {"row": self.row, "line": self.line, "reason": self.reason, "message": self.message[:300]}
+        return {"row": self.row, "file_row": self.row if self.file_row is None else self.file_row,
+                "line": self.line, "reason": self.reason, "message": self.message[:300]}
 
 
 @dataclass
@@ -200,6 +202,12 @@ def iter_rows(source: DataSource, cfg: DataConfig) -> Iterator[RawRow]:
     elif source.kind == "json":
         rows = _read_json(source.files)
     else:
+        if source.kind == "parquet" and len(source.files) > 1:
+            # a dataset snapshot holds every split (data/train-*.parquet, data/test-*.parquet)
+            named = [f for f in source.files if f.name.startswith(f"{split}-") or f.name.startswith(f"{split}.")
+                     or f.parent.name == split]
+            if named:
+                source = DataSource(source.path, named, source.kind)
         rows = _read_with_datasets(source, split)
     streaming = cfg.shuffle_seed is None and (sl.start or 0) >= 0 and (sl.stop is None or sl.stop >= 0)
     if streaming:

@@ -3,8 +3,8 @@
 Collectives (gloo, CPU objects only) are used during setup; the forward loop itself
 needs none. Every rank writes only its own units; rank 0 allocates the arrays, writes
 the manifest and marks it complete once every rank has reported done. A rank that fails
-leaves a marker in the cache, so the others stop after their current unit instead of
-waiting on a barrier for half an hour.
+leaves a marker in the cache, so the others stop after their current unit, and a rank that
+dies outright makes the final gloo barrier fail at once instead of hanging.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import datetime
 import json
 import logging
 import os
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -108,7 +107,9 @@ def init_ranks() -> Ranks:
     rank, local = int(env["RANK"]), int(env.get("LOCAL_RANK", "0"))
     here = False
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+        # Long timeout: the end barrier waits for the slowest rank's last unit. A rank that dies
+        # closes its sockets, which fails the collective at once, whatever the timeout.
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(hours=48))
         here = True
     return Ranks(rank, world, local, here)
 
@@ -125,7 +126,7 @@ def assign_units(unit_tokens: np.ndarray, world: int) -> list[list[int]]:
 
 
 class Coordinator:
-    """Done/failed markers of one job under ``coord/<run_id>/`` in the cache."""
+    """Failure markers of one job under ``coord/<run_id>/`` in the cache (checked between units)."""
 
     def __init__(self, store: CacheStore, ranks: Ranks, run_id: str):
         self.store, self.ranks, self.run_id = store, ranks, run_id
@@ -149,21 +150,6 @@ class Coordinator:
                 info = json.loads(self.store.read_bytes(key))
                 raise RankFailedError(f"rank {info['rank']} failed, so rank {self.ranks.rank} stops too: "
                                       f"{info['error'].splitlines()[-1] if info['error'] else ''}")
-
-    def done(self) -> None:
-        if self.ranks.world > 1:
-            self.store.write_bytes(f"{self.prefix}/done-{self.ranks.rank}.json", b"{}")
-
-    def wait_all_done(self, poll: float = 0.5) -> None:
-        """Rank 0: wait until every rank is done; stop at once if one failed."""
-        if self.ranks.world == 1:
-            return
-        want = {f"{self.prefix}/done-{r}.json" for r in range(self.ranks.world)}
-        while True:
-            self.check()
-            if want <= set(self.store.list_keys(self.prefix)):
-                return
-            time.sleep(poll)
 
     def cleanup(self) -> None:
         self.store.delete(COORD)

@@ -26,7 +26,7 @@ from dspark_precompute import format as fmt
 from dspark_precompute.chat import ChatEncoder, Encoded, resolve_chat_template, sha256_text
 from dspark_precompute.config import EMBEDDED, PrecomputeConfig
 from dspark_precompute.data import Reason, Reject, iter_rows, normalize, resolve_source
-from dspark_precompute.distributed import Coordinator, Ranks, assign_units, init_ranks
+from dspark_precompute.distributed import Coordinator, RankFailedError, Ranks, assign_units, init_ranks
 from dspark_precompute.errors import (
     CacheFormatError, ConfigError, DataError, IncompatibleCacheError, InterruptedRunError, InvalidRowError,
     StorageWriteError, TargetError,
@@ -172,6 +172,8 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
             "path": target.path, "model_type": target.model_type, "config_sha256": target.config_sha256,
             "weights_fingerprint": target.weights_fingerprint, "fingerprint_kind": cfg.model.fingerprint,
             "revision": cfg.model.revision,
+            # eager / sdpa / flash attention round differently: part of what the values are
+            "attn_implementation": cfg.model.attn_implementation,
         },
         "compute_dtype": str(compute_dtype).replace("torch.", ""),
         "tokenizer_sha256": tokenizer_sha256(tokenizer),
@@ -200,7 +202,13 @@ def _read_manifest(store: CacheStore) -> dict[str, Any] | None:
 
 
 def _partial_allocation(store: CacheStore) -> bool:
-    """A group this tool began to allocate (its zarr.json says so) but never gave a manifest."""
+    """A group this tool began to allocate (its zarr.json says so) but never gave a manifest.
+
+    Only a cache with nothing committed and no weights qualifies: a finished cache that lost
+    its manifest is refused like any other foreign directory, never wiped.
+    """
+    if store.list_keys(fmt.COMMITS) or store.exists(fmt.WEIGHTS):
+        return False
     try:
         attrs = json.loads(store.read_bytes("zarr.json")).get("attributes", {})
     except (OSError, FileNotFoundError, json.JSONDecodeError):
@@ -250,12 +258,13 @@ def _encoder(plan: Plan) -> ChatEncoder:
                        d.mask_generation_prompt)
 
 
-def _encode_row(plan: Plan, encoder: ChatEncoder, raw: Any) -> Encoded | Reject:
+def _encode_row(plan: Plan, encoder: ChatEncoder, raw: Any, sel: int) -> Encoded | Reject:
     item = normalize(raw, plan.cfg.data.format)
     if not isinstance(item, Reject):
         item = encoder.encode(item, raw.row)
     if isinstance(item, Reject):
-        item.row, item.line = raw.row, raw.line
+        # row: index in the selection (what samples/source_row counts); file_row/line: the source
+        item.row, item.file_row, item.line = sel, raw.row, raw.line
         if plan.cfg.data.on_invalid == "error" and item.reason not in FILTERED_REASONS:
             raise InvalidRowError(str(plan.cfg.data.path), raw.row, item.reason,
                                   item.message + (f" (line {raw.line})" if raw.line else ""))
@@ -276,7 +285,7 @@ def tokenize(plan: Plan, ranks: Ranks | None = None) -> Tokenized:
             n += 1
             if sel % ranks.world != ranks.rank:
                 continue
-            item = _encode_row(plan, encoder, raw)
+            item = _encode_row(plan, encoder, raw, sel)
             if isinstance(item, Reject):
                 info.append((sel, item))
             else:
@@ -316,7 +325,7 @@ def ensure_encoded(plan: Plan, tok: Tokenized, sample_ids: set[int]) -> None:
     encoder = _encoder(plan)
     for sel, raw in enumerate(iter_rows(resolve_source(plan.cfg.data.path), plan.cfg.data)):
         if sel in missing:
-            item = _encode_row(plan, encoder, raw)
+            item = _encode_row(plan, encoder, raw, sel)
             assert isinstance(item, Encoded), (sel, item)
             tok.encoded[missing.pop(sel)] = item
             if not missing:
@@ -539,16 +548,19 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
         try:
             with _StopOnSignal() as stop:
                 written = _forward_units(plan, model, tok.encoded, layout, mine, timing, coord, stop) if mine else 0
-            coord.done()
         except BaseException as exc:
             coord.fail(f"{type(exc).__name__}: {exc}")
             raise
         timing["forward_write_s"] = time.perf_counter() - t0
+        try:  # the end barrier: a peer that died (any way) closes its sockets and gloo raises here
+            ranks.gather(None)
+        except RuntimeError as exc:
+            raise RankFailedError(f"a peer rank ended before finishing its units: {exc}") from exc
+        coord.check()
         if not ranks.main:
             return RunResult(plan.path, counts["samples"], counts["tokens"], counts["supervised_tokens"],
                              counts["truncated_samples"], counts["rejected"], 0, time.perf_counter() - t_start,
                              written, len(done), False, timing)
-        coord.wait_all_done()
         missing = sorted(set(range(layout.num_units)) - {
             int(k.rsplit("u", 1)[1].split(".")[0]) for k in store.list_keys(fmt.COMMITS)})
         if missing:

@@ -30,6 +30,10 @@ STORAGE_OPTIONS_ENV = "DSPARK_STORAGE_OPTIONS"
 _S3_PROTOCOLS = ("s3", "s3a")
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def is_url(path: str) -> bool:
     return "://" in str(path)
 
@@ -110,6 +114,7 @@ class CacheStore:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; readers may be other users
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()

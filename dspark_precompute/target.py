@@ -51,8 +51,9 @@ def fingerprint_files(files: list[Path], mode: str = "sampled") -> str:
     """sha256 over each weight file's name, size and bytes (all of them, or 18 spread samples).
 
     ``sampled`` reads the first and last MiB (the safetensors header and edges) and 16
-    blocks of 64 KiB spread over the file: any re-save or fine-tune changes it, and it
-    costs milliseconds for a 16 GB checkpoint.
+    blocks of 64 KiB spread over the file: milliseconds for a 16 GB checkpoint, and a
+    full fine-tune or a re-save changes it, but a change confined to a few tensors can
+    fall between the samples. ``model.fingerprint=full`` hashes every byte.
     """
     h = hashlib.sha256()
     for f in sorted(files, key=lambda p: p.name):

@@ -132,12 +132,19 @@ class _Slot:
 def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_start: np.ndarray,
                  chunk: int, tasks: Any, done: Any) -> None:
     """Writer process: one task = one unit buffer to compress, write and commit."""
+    import signal
+
     import zarr
 
+    # Ctrl-C / scancel reach the whole process group: the forward loop decides when to stop,
+    # the writer finishes the units it was given (the None sentinel, or orphan detection).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         store = CacheStore(path)
         group = zarr.open_group(store.zarr_store(), mode="r+")
-        arrays = {s.name: group[s.name] for s in specs}
+        # write_empty_chunks is a runtime setting, not stored metadata: set it on every handle
+        arrays = {s.name: group[s.name].with_config({"write_empty_chunks": True}) for s in specs}
         handles = []
         slots = []
         for meta in slot_meta:

@@ -97,7 +97,8 @@ def test_sigterm_stops_cleanly_with_a_resume_message_and_the_rerun_completes(tmp
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "resume with the same command" in out + err
-    assert not (tmp_path / "c" / ".writer.lock").exists()
+    with WriterLock(tmp_path / "c") as lock:  # the stopped run released it
+        assert lock.held
     assert 0 < assert_visible_samples_are_whole(str(tmp_path / "c"), reference)
     again = cli(tmp_path, overrides)
     assert again.wait(timeout=300) == 0
@@ -126,11 +127,15 @@ def test_a_second_run_on_a_locked_cache_is_refused_naming_the_owner(tmp_path):
 
 
 def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    (tmp_path / "c").mkdir()
-    (tmp_path / "c" / ".writer.lock").write_text(json.dumps(
-        {"host": __import__("socket").gethostname(), "pid": dead.pid, "started": "2026-01-01T00:00:00"}))
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from dspark_precompute.lock import WriterLock; WriterLock(sys.argv[1]).acquire(); "
+        "print('held', flush=True); time.sleep(60)"), str(tmp_path / "c")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(LockedError, match=f"pid {holder.pid}"):
+        run(compose(small(tmp_path, "data.max_samples=2", name="c")))
+    holder.kill()
+    holder.wait()
+    assert json.loads((tmp_path / "c" / ".writer.lock").read_text())["pid"] == holder.pid  # its record stays
     assert run(compose(small(tmp_path, "data.max_samples=2", name="c"))).complete
 
 
