@@ -5,7 +5,14 @@
 
 __version__ = "0.1.0"
 
-from dspark_precompute.reader import Cache, open_cache  # noqa: E402
+
+
+def __getattr__(name):  # PEP 562: the reader (and torch) load on first use, not on import
+    if name in ("Cache", "open_cache"):
+        from dspark_precompute import reader
+
+        return getattr(reader, name)
+    raise AttributeError(f"module 'dspark_precompute' has no attribute {name!r}")
 
 
 def run(cfg):  # noqa: D103 - thin re-export, imports the heavy pipeline lazily

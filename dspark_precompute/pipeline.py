@@ -422,6 +422,26 @@ def make_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int, max_sa
     return out
 
 
+def batch_inputs(samples: Any, batch: np.ndarray, lengths: np.ndarray, pad_id: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One forward's inputs: right-padded ids, the attention mask to pass, and the real-token mask.
+
+    The mask passed to the forward is always None: the padding is on the right, so causal
+    attention alone keeps every real token from seeing it (positions are 0..T-1 either way),
+    and the mask-free path runs the fast causal kernels. ``rows`` (None when unpadded) picks
+    the real tokens out of the output.
+    """
+    blens = lengths[batch]
+    T = int(blens.max())
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    for r, s in enumerate(batch):
+        ids[r, : blens[r]] = torch.from_numpy(samples[s].input_ids.astype(np.int64))
+    rows = None
+    if bool((blens != T).any()):
+        rows = (torch.arange(T)[None, :] < torch.from_numpy(np.asarray(blens))[:, None]).to(device)
+    return ids.to(device, non_blocking=True), None, rows
+
+
 def _setup_logging(level: str) -> None:
     root = logging.getLogger("dspark_precompute")
     root.setLevel(level.upper())
@@ -640,19 +660,11 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
                     break
                 c0 = time.perf_counter()
                 blens = lengths[batch]
-                T = int(blens.max())
-                ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-                attn = torch.zeros((len(batch), T), dtype=torch.long)
-                for r, s in enumerate(batch):
-                    ids[r, : blens[r]] = torch.from_numpy(samples[s].input_ids.astype(np.int64))
-                    attn[r, : blens[r]] = 1
-                padded = bool((blens != T).any())
-                ids = ids.to(device, non_blocking=True)
+                ids, mask, rows = batch_inputs(samples, batch, lengths, pad_id, device)
                 c1 = time.perf_counter()
-                states, last = capture(ids, attn.to(device) if padded else None)
+                states, last = capture(ids, mask)
                 sync()
                 c2 = time.perf_counter()
-                rows = attn.bool().to(device) if padded else None
                 a = int(layout.start[batch[0]]) - base
                 n = int(blens.sum())
                 for spec in hidden_specs:

@@ -28,6 +28,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -511,7 +512,7 @@ def _recompute(store: CacheStore, m: dict[str, Any], tables: dict[str, np.ndarra
     from dspark_precompute.chat import ChatEncoder
     from dspark_precompute.config import from_dict
     from dspark_precompute.data import Reject, normalize, read_rows, resolve_source
-    from dspark_precompute.pipeline import make_batches, prepare
+    from dspark_precompute.pipeline import batch_inputs, make_batches, prepare
     from dspark_precompute.reader import open_cache, to_torch
     from dspark_precompute.target import HiddenStateCapture, load_target
 
@@ -579,16 +580,10 @@ def _recompute(store: CacheStore, m: dict[str, Any], tables: dict[str, np.ndarra
             u = int(layout.unit[s])
             batch = next(b for b in make_batches(layout.unit_order[u], lengths, cfg.batch.max_tokens,
                                                  cfg.batch.max_samples) if s in set(b.tolist()))
-            blens = lengths[batch]
-            T = int(blens.max())
-            ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-            attn = torch.zeros((len(batch), T), dtype=torch.long)
-            for r, t in enumerate(batch):
-                tid = cache.read_tokens([fmt.INPUT_IDS], int(start[t]), int(start[t] + lengths[t]))[fmt.INPUT_IDS]
-                ids[r, : blens[r]] = torch.from_numpy(tid.astype(np.int64))
-                attn[r, : blens[r]] = 1
-            padded = bool((blens != T).any())
-            states, last = capture(ids.to(plan.device), attn.to(plan.device) if padded else None)
+            members = {int(t): SimpleNamespace(input_ids=cache.read_tokens(
+                [fmt.INPUT_IDS], int(start[t]), int(start[t] + lengths[t]))[fmt.INPUT_IDS]) for t in batch}
+            ids, mask, _ = batch_inputs(members, batch, lengths, pad_id, plan.device)  # the pipeline's own inputs
+            states, last = capture(ids, mask)
             r = int(np.flatnonzero(batch == s)[0])
             worst, exact = 0.0, True
             checks = [(f"layer {lid}", names[lid], states[lid]) for lid in plan.layer_ids]
