@@ -407,6 +407,20 @@ def _write_weights(plan: Plan, model: Any) -> None:
     _put(plan.store, fmt.WEIGHTS, save(tensors, metadata={"format": "pt"}))
 
 
+def _sha256_of(store: CacheStore, key: str) -> str:
+    """sha256 of one stored file, streamed (the weights file of a large target is GBs)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    if store.url:
+        h.update(store.read_bytes(key))
+    else:
+        with open(Path(store.root) / key, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
 def make_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int, max_samples: int | None
                  ) -> list[np.ndarray]:
     """Greedy batches over longest-first samples: rows x longest row <= max_tokens."""
@@ -588,7 +602,9 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
                                    "re-run the same command to write them")
         coord.cleanup()
         timing["wall_s"] = time.perf_counter() - t_start
-        _write_json(store, fmt.MANIFEST, build_manifest(plan, layout, counts, True, created, timing))
+        final = build_manifest(plan, layout, counts, True, created, timing)
+        final["weights_sha256"] = _sha256_of(store, fmt.WEIGHTS)
+        _write_json(store, fmt.MANIFEST, final)
         nbytes = store.nbytes()
         result = RunResult(plan.path, counts["samples"], counts["tokens"], counts["supervised_tokens"],
                            counts["truncated_samples"], counts["rejected"], nbytes, timing["wall_s"], written,

@@ -102,6 +102,8 @@ def allocate(store: CacheStore, specs: list[ArraySpec], layout: fmt.Layout, stor
             name, shape=values.shape, chunks=(max(1, min(len(values), 1 << 20)),), dtype=values.dtype,
             fill_value=0, compressors=compressors(storage, values.dtype.itemsize),
             dimension_names=("sample",) if name.startswith("samples/") else ("unit",),
+            # all-zero table chunks are written too: a missing chunk is damage, never zeros
+            config={"write_empty_chunks": True},
         )
         if len(values):
             arr[:] = values
