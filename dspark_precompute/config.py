@@ -26,8 +26,25 @@ COMPRESSORS = ("none", "zstd", "blosc_zstd", "blosc_lz4")
 SHUFFLES = ("none", "byte", "bit")
 DATA_FORMATS = ("auto", "messages", "sharegpt")
 ON_INVALID = ("skip", "error")
+MAX_CHUNK_TOKENS = 1 << 20
 _SPLIT_RE = re.compile(r"^(\w+)(?:\[(-?\d*):(-?\d*)\])?$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+def _device_problems(device: str) -> list[str]:
+    """A CUDA device asked for on a machine that has none (or fewer) is a config error, not a late crash."""
+    if not str(device).startswith("cuda"):
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        return [f"model.device={device!r} but this machine has no usable CUDA device (torch {torch.__version__}); "
+                "use model.device=cpu, or model.device=auto to take a GPU when there is one"]
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        return [f"model.device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible "
+                f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"]
+    return []
 
 
 def _looks_like_hub_id(value: str) -> bool:
@@ -79,7 +96,7 @@ class ModelConfig:
     draft_num_hidden_layers: int = 5
     attn_implementation: str | None = "sdpa"
     trust_remote_code: bool = False
-    fingerprint: str = "sampled"  # sampled | full: how much of each weight file is hashed
+    fingerprint: str = "full"  # full | sampled: how much of each weight file is hashed (full: every byte)
     random: RandomTargetConfig = field(default_factory=RandomTargetConfig)
 
     def problems(self) -> list[str]:
@@ -95,7 +112,8 @@ class ModelConfig:
         if self.layer_ids is not None:
             out += layer_id_problems(self.layer_ids)
         if self.fingerprint not in ("sampled", "full"):
-            out.append(f"model.fingerprint={self.fingerprint!r} must be 'sampled' or 'full'")
+            out.append(f"model.fingerprint={self.fingerprint!r} must be 'full' or 'sampled'")
+        out += _device_problems(self.device)
         if self.path != TINY:
             p = Path(self.path).expanduser()
             if not p.exists() and not _looks_like_hub_id(self.path):
@@ -105,6 +123,11 @@ class ModelConfig:
                 )
             elif p.exists() and not p.is_dir():
                 out.append(f"model.path={self.path!r} is a file; point it at the model directory")
+            if self.random != RandomTargetConfig():
+                out.append(
+                    f"model.random.* is set but model.path={self.path!r}: the random shape applies only to the "
+                    "built-in target (model.path=tiny); drop the model.random overrides"
+                )
         else:
             out += self.random.problems()
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists() \
@@ -166,9 +189,10 @@ class StorageConfig:
     compressor: str = "blosc_zstd"
     compression_level: int = 1
     shuffle: str = "byte"
-    chunk_tokens: int | None = None  # null: about 4 MiB per chunk of the widest array
+    chunk_tokens: int | None = None  # null: about 1 MiB per chunk of the widest array (>= 512 tokens)
     unit_tokens: int | None = None  # null: as many chunks as fit in unit_mib
     unit_mib: int = 256
+    writer_slots: int = 2  # unit buffers in flight between the forward loop and the writer
 
     def problems(self) -> list[str]:
         out = []
@@ -192,13 +216,34 @@ class StorageConfig:
                     f"storage.unit_tokens={self.unit_tokens} must be a multiple of "
                     f"storage.chunk_tokens={self.chunk_tokens} so units own whole chunks"
                 )
+        if self.chunk_tokens is not None and self.chunk_tokens > MAX_CHUNK_TOKENS:
+            out.append(f"storage.chunk_tokens={self.chunk_tokens} is above {MAX_CHUNK_TOKENS}: readers decode whole "
+                       "chunks, so random access would decompress that much per sample")
         if self.unit_mib < 1:
             out.append(f"storage.unit_mib={self.unit_mib} must be >= 1")
-        if self.path is not None and not str(self.path).startswith(("s3://", "gs://", "memory://")):
-            p = Path(self.path).expanduser()
-            if p.exists() and not p.is_dir():
-                out.append(f"storage.path={self.path!r} is a file; give a directory for the cache")
+        if self.writer_slots < 1:
+            out.append(f"storage.writer_slots={self.writer_slots} must be >= 1")
+        if not str(self.root).strip():
+            out.append("storage.root='' is empty; give a directory (or s3:// prefix) under which caches are derived")
+        if self.path is not None:
+            out += _storage_path_problems(self.path)
         return out
+
+
+def _storage_path_problems(path: str) -> list[str]:
+    if not str(path).strip():
+        return ["storage.path='' is empty; give a directory for the cache, or leave storage.path null to derive "
+                "one under storage.root"]
+    if "://" in str(path):
+        return []
+    p = Path(path).expanduser()
+    try:
+        p.resolve(strict=False)
+    except (RuntimeError, OSError) as exc:  # a symlink loop (3.11 raises RuntimeError), a too-long name
+        return [f"storage.path={path!r} cannot be resolved ({exc}); give a real directory"]
+    if p.exists() and not p.is_dir():
+        return [f"storage.path={path!r} is a file; give a directory for the cache"]
+    return []
 
 
 @dataclass
@@ -207,7 +252,6 @@ class BatchConfig:
 
     max_tokens: int = 16384  # padded tokens per forward (batch rows x longest row)
     max_samples: int | None = None  # cap on rows per forward; 1 = no padding at all
-    writer_slots: int = 2  # unit buffers in flight between the forward loop and the writer
 
     def problems(self) -> list[str]:
         out = []
@@ -215,8 +259,6 @@ class BatchConfig:
             out.append(f"batch.max_tokens={self.max_tokens} must be >= 1")
         if self.max_samples is not None and self.max_samples < 1:
             out.append(f"batch.max_samples={self.max_samples} must be >= 1 or null")
-        if self.writer_slots < 1:
-            out.append(f"batch.writer_slots={self.writer_slots} must be >= 1")
         return out
 
 
@@ -258,46 +300,131 @@ class PrecomputeConfig:
         return dataclasses.asdict(self)
 
 
-def _build(cls: type, values: dict[str, Any], prefix: str, problems: list[str]) -> Any:
-    """Instantiate a dataclass from a plain dict, recording unknown keys instead of failing."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in (values or {}).items():
-        if key not in fields:
-            problems.append(f"unknown key {prefix}{key} (known: {', '.join(sorted(fields))})")
-            continue
-        ftype = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
-        if ftype is not None and dataclasses.is_dataclass(ftype) and isinstance(value, dict):
-            kwargs[key] = _build(ftype, value, f"{prefix}{key}.", problems)
-        else:
-            kwargs[key] = list(value) if isinstance(value, tuple) else value
-    return cls(**kwargs)
+def _leaves(values: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Dotted ``(key, value)`` pairs of a nested dict; lists and scalars are leaves."""
+    if isinstance(values, dict) and (values or not prefix):
+        out: list[tuple[str, Any]] = []
+        for k, v in values.items():
+            out += _leaves(v, f"{prefix}{k}.")
+        return out
+    return [(prefix[:-1], values)]
+
+
+def _schema_keys() -> list[str]:
+    """Every dotted key the schema knows (for "did you mean" suggestions)."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.structured(PrecomputeConfig)
+    return [k for k, _ in _leaves(OmegaConf.to_container(base))]
+
+
+def describe_key_problem(key: str, value: Any, exc: Exception) -> str:
+    """One line for a value OmegaConf refused: the key, the value, why, and a suggestion."""
+    import difflib
+
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)):
+        known = _schema_keys()
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        group = key.rsplit(".", 1)[0] if "." in key else ""
+        depth = key.count(".")
+        siblings = sorted({k.split(".")[depth] for k in known
+                           if k.count(".") >= depth and (not group or k.startswith(group + "."))})
+        return f"unknown key {key}{hint} (keys here: {', '.join(siblings)})"
+    return f"{key}={value!r} is not valid: {plain_reason(exc)}"
+
+
+_TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+
+
+def plain_reason(exc: BaseException) -> str:
+    """OmegaConf's first line, said the way a user needs it (what the key must be)."""
+    text = str(exc).splitlines()[0].strip()
+    m = re.match(r"Value '.*' of type '(\w+)' could not be converted to (\w+)", text)
+    if m:
+        return f"it must be {_TYPE_WORDS.get(m.group(2), m.group(2))}, not a {m.group(1)}"
+    if "is not Optional" in text:
+        return "it must have a value, not null"
+    if "is not a ListConfig, list or tuple" in text:
+        return "it must be a list, e.g. [1,14,27]"
+    return text
+
+
+def _typed(values: dict[str, Any]) -> tuple[Any, list[str], set[str]]:
+    """Merge plain values into the structured schema one key at a time, keeping every failure."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    base = OmegaConf.structured(PrecomputeConfig)
+    problems: list[str] = []
+    failed: set[str] = set()
+    for key, value in _leaves({k: v for k, v in values.items() if k != "hydra"}):
+        try:
+            OmegaConf.update(base, key, value, merge=True, force_add=False)
+        except OmegaConfBaseException as exc:
+            problems.append(describe_key_problem(key, value, exc))
+            failed.add(key)
+    for key in sorted(OmegaConf.missing_keys(base)):
+        problems.append(f"{key} is required and has no value (???): set it on the command line, e.g. {key}=...")
+        failed.add(key)
+    return base, problems, failed
 
 
 def from_dict(values: dict[str, Any]) -> PrecomputeConfig:
-    """Build and validate a config from a plain (resolved) dict, e.g. Hydra's composed config."""
-    problems: list[str] = []
-    values = {k: v for k, v in values.items() if k != "hydra"}
-    sub: dict[str, Any] = {}
-    for name, cls in (("model", ModelConfig), ("data", DataConfig), ("storage", StorageConfig),
-                      ("batch", BatchConfig)):
-        sub[name] = _build(cls, values.pop(name, None) or {}, f"{name}.", problems)
-    top_fields = {f.name for f in dataclasses.fields(PrecomputeConfig)}
-    for key in list(values):
-        if key not in top_fields:
-            problems.append(f"unknown key {key}")
-            values.pop(key)
-    try:
-        cfg = PrecomputeConfig(**sub, **values)
-    except ConfigError as exc:
-        raise ConfigError(problems + exc.problems) from None
+    """Build and validate a config from a plain (resolved) dict: types first, then values.
+
+    Every problem is reported at once: a value of the wrong type, an unknown key (with
+    the closest known one), a required value left out, and every value check of the
+    dataclasses whose key was well typed.
+    """
+    from omegaconf import OmegaConf
+
+    base, problems, failed = _typed(values)
     if problems:
+        # the keys that failed keep their defaults: check the rest, drop what the defaults would trip
+        try:
+            cfg = OmegaConf.to_object(base)
+        except ConfigError as exc:
+            problems += [p for p in exc.problems if not any(p.startswith(k) for k in failed)]
+        except Exception:  # noqa: BLE001 - the type problems above already explain it
+            pass
         raise ConfigError(problems)
+    cfg = OmegaConf.to_object(base)  # runs PrecomputeConfig.__post_init__: the value checks
+    assert isinstance(cfg, PrecomputeConfig)
     return cfg
 
 
 def from_dictconfig(cfg: Any) -> PrecomputeConfig:
     """Resolve an OmegaConf/Hydra config (interpolations included) into a typed config."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    return from_dict(OmegaConf.to_container(cfg, resolve=True))
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError([f"{k} is required and has no value (???): set it on the command line, e.g. {k}=..."
+                           for k in missing if not k.startswith("hydra.")])
+    try:
+        values = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:  # an interpolation that cannot resolve (e.g. an unset env var)
+        raise ConfigError([f"the configuration cannot be resolved: {str(exc).splitlines()[0]}"]) from None
+    return from_dict(values)
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ConfigStore as ``precompute_schema``.
+
+    ``conf/config.yaml`` lists it first in its defaults, so every YAML file and every
+    command-line override is checked against these dataclasses' types as Hydra composes.
+    """
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import MISSING, OmegaConf
+
+    schema = OmegaConf.structured(PrecomputeConfig)
+    # A `???` in a group file cannot make a key required once the schema gave it a value
+    # (merging MISSING keeps the old value): the paths start missing here, and each group
+    # option sets its own (model/tiny.yaml: tiny; model/hf.yaml leaves it required).
+    schema.model.path = MISSING
+    schema.data.path = MISSING
+    ConfigStore.instance().store(name="precompute_schema", node=schema)

@@ -24,7 +24,7 @@ from dspark_precompute.store import CacheStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-COORD = "coord"
+from dspark_precompute.format import COORD  # noqa: E402
 
 
 class RankFailedError(DsparkError):

@@ -6,6 +6,8 @@ from __future__ import annotations
 class DsparkError(Exception):
     """Base class for every error this package raises on purpose."""
 
+    exit_code = 2  # a user-facing problem: the message says what to change
+
 
 class ConfigError(DsparkError, ValueError):
     """One or more configuration values are invalid; all problems are listed together."""
@@ -32,6 +34,10 @@ class IncompatibleCacheError(DsparkError):
 
 class CacheFormatError(DsparkError):
     """A cache on disk is missing pieces, has the wrong version, or is malformed."""
+
+
+class ForeignDirectoryError(CacheFormatError):
+    """storage.path holds files this tool did not write: it is neither used nor cleared."""
 
 
 class IncompleteCacheError(CacheFormatError):
@@ -75,15 +81,20 @@ class StorageWriteError(DsparkError):
     """Writing to the cache failed (disk full, permissions, failing object store)."""
 
 
-class InterruptedRunError(DsparkError):
-    """SIGINT/SIGTERM stopped the run between batches; the cache is resumable."""
+class StoppedBySignal(DsparkError):
+    """SIGINT/SIGTERM stopped the command; nothing half-written is left behind."""
 
-    def __init__(self, signum: int, path: str, committed: int, total: int):
+    def __init__(self, signum: int, detail: str = ""):
         import signal as _signal
 
+        self.signum = signum
         self.exit_code = 128 + signum
         name = _signal.Signals(signum).name
-        super().__init__(
-            f"stopped by {name} with {committed}/{total} units committed in {path}; "
-            "resume with the same command"
-        )
+        super().__init__(f"stopped by {name}{detail}; resume with the same command")
+
+
+class InterruptedRunError(StoppedBySignal):
+    """SIGINT/SIGTERM stopped the run; the cache is resumable."""
+
+    def __init__(self, signum: int, path: str, committed: int, total: int):
+        super().__init__(signum, f" with {committed}/{total} units committed in {path}")

@@ -7,7 +7,8 @@ Unset (always, outside tests), a point costs a dict lookup.
 Points: ``unit_submitted`` (forward loop, after a unit is handed to the writer),
 ``writer_array`` (writer, after each array region of a unit), ``writer_before_commit``,
 ``atomic_write`` (any small file, after its temporary is written, before the rename),
-``manifest`` (before a manifest update), ``weights`` (before target_weights is written).
+``manifest`` (before a manifest update), ``weights`` (before target_weights is written),
+``allocate`` (while arrays are created), ``tokenize_row`` (before each row is tokenized).
 """
 
 from __future__ import annotations

@@ -56,7 +56,31 @@ STORAGE_DTYPES = {
     "fp16": (np.float16, "float16"),
     "fp32": (np.float32, "float32"),
 }
-TIMING_FIELDS = ("created_at", "updated_at", "completed_at", "timing")
+# manifest fields that say when and by which command a cache was written: they differ between
+# an uninterrupted run and a resumed one that end with bit-identical data
+TIMING_FIELDS = ("created_at", "updated_at", "completed_at", "timing", "provenance")
+COORD = "coord"  # failure markers of a multi-rank job
+HYDRA_RECORD = ".hydra"  # the Hydra record (composed config, overrides) of the run that wrote the cache
+LOCK = ".writer.lock"
+
+# Every top-level entry this tool ever writes into a cache directory. overwrite=true (and the
+# restart of an allocation a kill interrupted) deletes exactly these, and only in a directory
+# that holds nothing else.
+OWN_ENTRIES = frozenset({
+    "zarr.json", MANIFEST, WEIGHTS, REJECTS, COMMITS, COORD, HYDRA_RECORD, LOCK,
+    INPUT_IDS, LOSS_MASK, HIDDEN_GROUP, "samples", "units",
+})
+
+
+def is_own_temporary(name: str) -> bool:
+    """A temporary of an atomic write of one of our files (``.manifest.json.<random>.tmp``)."""
+    return name.startswith(".") and name.endswith(".tmp") and any(
+        name.startswith(f".{own}.") for own in OWN_ENTRIES)
+
+
+def foreign_entries(names: list[str] | set[str]) -> list[str]:
+    """The entries of a directory listing that this tool did not write, sorted."""
+    return sorted(n for n in names if n not in OWN_ENTRIES and not is_own_temporary(n))
 
 
 def layer_array(layer_id: int) -> str:
@@ -72,6 +96,14 @@ def hidden_arrays(layer_ids: list[int], num_layers: int) -> dict[str, str]:
 
 def commit_key(unit: int) -> str:
     return f"{COMMITS}/u{unit:06d}.json"
+
+
+def parse_commit_key(key: str) -> int | None:
+    """The unit of a commit record key (``commits/u000012.json`` -> 12); None for anything else."""
+    stem = key.rsplit("/", 1)[-1]
+    if stem.startswith("u") and stem.endswith(".json") and stem[1:-5].isdigit():
+        return int(stem[1:-5])
+    return None
 
 
 def auto_chunk_tokens(hidden_size: int, itemsize: int, target_bytes: int = 1 << 20) -> int:

@@ -10,9 +10,7 @@ import io
 import json
 import logging
 import re
-import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +25,10 @@ from dspark_precompute.chat import ChatEncoder, Encoded, resolve_chat_template, 
 from dspark_precompute.config import EMBEDDED, PrecomputeConfig
 from dspark_precompute.data import Reason, Reject, iter_rows, normalize, resolve_source
 from dspark_precompute.distributed import Coordinator, RankFailedError, Ranks, assign_units, init_ranks
+from dspark_precompute import signals
 from dspark_precompute.errors import (
-    CacheFormatError, ConfigError, DataError, IncompatibleCacheError, InterruptedRunError, InvalidRowError,
-    StorageWriteError, TargetError,
+    CacheFormatError, ConfigError, DataError, ForeignDirectoryError, IncompatibleCacheError, InterruptedRunError,
+    InvalidRowError, StoppedBySignal, StorageWriteError, TargetError,
 )
 from dspark_precompute.faults import fault_point
 from dspark_precompute.layers import layer_id_problems, resolve_layer_ids
@@ -37,7 +36,7 @@ from dspark_precompute.lock import WriterLock
 from dspark_precompute.progress import Progress, human_bytes
 from dspark_precompute.store import CacheStore, is_url
 from dspark_precompute.target import (
-    HiddenStateCapture, export_weights, inspect_target, load_target, load_tokenizer, resolve_compute_dtype,
+    HiddenStateCapture, export_weights, fit_problem, inspect_target, load_target, load_tokenizer, resolve_compute_dtype,
     resolve_device, tokenizer_sha256,
 )
 from dspark_precompute.writer import ArraySpec, UnitWriter, allocate, token_array_specs
@@ -47,6 +46,20 @@ log = logging.getLogger(__name__)
 # Rows that are well-formed but leave nothing to train on at this seq_length: recorded in
 # the rejects file, never counted as invalid data.
 FILTERED_REASONS = {Reason.NO_SUPERVISED_TOKENS}
+REJECT_WARN_FRACTION = 0.10  # above this share of rejected rows the run warns, with the likely fixes
+REJECT_FIXES = {
+    Reason.NO_SUPERVISED_TOKENS: "raise seq_length (the assistant turns start after the first seq_length tokens)",
+    Reason.MALFORMED_JSON: "fix the listed lines of the data file (each must be one JSON object)",
+    Reason.INVALID_UTF8: "re-encode the data file as UTF-8",
+    Reason.MISSING_MESSAGES: "set data.format (messages or sharegpt) or fix the rows' keys",
+    Reason.UNKNOWN_ROLE: "map the roles to system/user/assistant/tool, or use data.format=sharegpt",
+    Reason.NON_TEXT_CONTENT: "drop image/audio parts; this tool captures text targets only",
+    Reason.NO_ASSISTANT_TURN: "the rows have nothing to supervise; check the role names",
+    Reason.TEMPLATE_ERROR: "check data.chat_template against these rows",
+    Reason.UNMASKABLE: "use a chat template with {% generation %} blocks (data.chat_template)",
+}
+# storage settings that change what is stored (the rest: where, and how fast it is written)
+_STORED_STORAGE_KEYS = ("dtype", "compressor", "compression_level", "shuffle")
 _TORCH_STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -73,7 +86,7 @@ def default_storage_path(cfg: PrecomputeConfig) -> str:
         "data": {k: v for k, v in cfg.to_dict()["data"].items()
                  if k in ("path", "format", "split", "shuffle_seed", "chat_template", "mask_reasoning_content",
                           "mask_generation_prompt", "max_samples")},
-        "storage": {k: v for k, v in cfg.to_dict()["storage"].items() if k not in ("path", "root")},
+        "storage": {k: getattr(s, k) for k in (*_STORED_STORAGE_KEYS, "chunk_tokens", "unit_tokens", "unit_mib")},
         "seq_length": cfg.seq_length,
     }
     tag = fmt.config_hash(knobs)[:8]
@@ -117,6 +130,7 @@ class RunResult:
     resumed_units: int
     complete: bool = True
     timing: dict[str, float] = field(default_factory=dict)
+    finalized: bool = False  # this run wrote the final manifest (a no-op run on a complete cache did not)
 
 
 def prepare(cfg: PrecomputeConfig) -> Plan:
@@ -151,10 +165,25 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
                                               cfg.model.draft_num_hidden_layers)
             except (ConfigError, ValueError) as exc:
                 problems.append(str(exc))
-    if problems:
-        raise ConfigError(problems)
+        if len(tokenizer) > target.vocab_size:
+            what = "model.random.vocab_size" if cfg.model.path == "tiny" else "the target's vocab_size (config.json)"
+            problems.append(
+                f"{what} is {target.vocab_size} but the tokenizer has {len(tokenizer)} tokens: ids from "
+                f"{target.vocab_size} up would index past the embedding. "
+                + ("Raise model.random.vocab_size or leave it null (the tokenizer's size)" if cfg.model.path == "tiny"
+                   else "Point model.tokenizer at the target's own tokenizer")
+            )
     device = resolve_device(cfg.model.device)
     compute_dtype = resolve_compute_dtype(cfg.model.dtype, device)
+    if target is not None and not problems:
+        try:
+            problem = fit_problem(cfg.model, target, device, compute_dtype)
+        except TargetError as exc:
+            problem = str(exc)
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise ConfigError(problems)
     hidden = target.hidden_size
     specs = token_array_specs(layer_ids, target.num_hidden_layers, hidden, cfg.storage.dtype)
     names = fmt.hidden_arrays(layer_ids, target.num_hidden_layers)
@@ -164,7 +193,7 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
     per_token = fmt.bytes_per_token(hidden, itemsize, n_hidden)
     unit = cfg.storage.unit_tokens or max(chunk, (cfg.storage.unit_mib << 20) // per_token // chunk * chunk)
     unit = max(unit, -(-cfg.seq_length // chunk) * chunk)
-    storage_knobs = {k: v for k, v in cfg.to_dict()["storage"].items() if k not in ("path", "root", "unit_mib")}
+    storage_knobs = {k: getattr(cfg.storage, k) for k in _STORED_STORAGE_KEYS}
     storage_knobs.update(chunk_tokens=chunk, unit_tokens=unit)
     identity = {
         "format_version": fmt.FORMAT_VERSION,
@@ -209,11 +238,7 @@ def _partial_allocation(store: CacheStore) -> bool:
     """
     if store.list_keys(fmt.COMMITS) or store.exists(fmt.WEIGHTS):
         return False
-    try:
-        attrs = json.loads(store.read_bytes("zarr.json")).get("attributes", {})
-    except (OSError, FileNotFoundError, json.JSONDecodeError):
-        return False
-    return attrs.get("format") == fmt.FORMAT_NAME
+    return _group_attributes(store).get("format") == fmt.FORMAT_NAME
 
 
 def check_resume(plan: Plan) -> dict[str, Any] | None:
@@ -221,7 +246,7 @@ def check_resume(plan: Plan) -> dict[str, Any] | None:
     store, cfg = plan.store, plan.cfg
     manifest = _read_manifest(store)
     if manifest is None:
-        if not store.is_empty():
+        if set(store.top_level_names()) - {fmt.LOCK}:
             if cfg.overwrite or _partial_allocation(store):
                 return None  # ours, killed while allocating: start it again
             raise CacheFormatError(
@@ -285,6 +310,7 @@ def tokenize(plan: Plan, ranks: Ranks | None = None) -> Tokenized:
             n += 1
             if sel % ranks.world != ranks.rank:
                 continue
+            fault_point("tokenize_row")
             item = _encode_row(plan, encoder, raw, sel)
             if isinstance(item, Reject):
                 info.append((sel, item))
@@ -465,55 +491,97 @@ def _setup_logging(level: str) -> None:
         root.addHandler(h)
 
 
-def run(cfg: PrecomputeConfig) -> RunResult:
+def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunResult:
     """Precompute the cache described by ``cfg`` (resuming a compatible partial cache).
 
     Under torchrun / SLURM every rank calls this with the same config; they split the
-    units between them and rank 0 finishes the manifest.
+    units between them and rank 0 finishes the manifest. ``provenance`` (the entry point's
+    command line, Hydra overrides and composed config) is recorded in the cache this run
+    finishes; Hydra's own files are never read back, so the record is always this run's.
     """
     ranks = init_ranks()
     _setup_logging(cfg.log_level if ranks.main else "WARNING")
     try:
-        return _run(cfg, ranks)
+        with signals.handled():
+            return _run(cfg, ranks, provenance or {})
     finally:
         ranks.close()
 
 
-class _StopOnSignal:
-    """SIGINT/SIGTERM set a flag; the forward loop drops the unit in flight and stops cleanly."""
+def _own_directory_problem(store: CacheStore, path: str, deleting: bool) -> str | None:
+    """Why this run must not use (or, when ``deleting``, clear) the directory at ``path``; None if it may.
 
-    def __init__(self):
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> "_StopOnSignal":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, _frame) -> None:
-        if self.signum is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
-        log.warning("received %s: finishing the units already handed to the writer, then stopping",
-                    signal.Signals(signum).name)
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+    A directory proves it is ours by its group attributes or manifest; one that does not
+    is used only when it is empty. Nothing is deleted in a directory holding anything this
+    tool did not write.
+    """
+    names = store.top_level_names()
+    if not names or set(names) <= {fmt.LOCK} | {n for n in names if fmt.is_own_temporary(n)}:
+        return None  # empty (or only what a refused or killed run of ours left)
+    foreign = fmt.foreign_entries(names)
+    ours = _group_attributes(store).get("format") == fmt.FORMAT_NAME or _manifest_format(store) == fmt.FORMAT_NAME
+    if not ours:
+        shown = ", ".join(foreign[:5] or names[:5]) + (" ..." if len(foreign or names) > 5 else "")
+        return (f"storage.path={path} is not empty and is not a dspark-precompute cache (it holds {shown}); "
+                "nothing was written or deleted there. Choose an empty or new directory for the cache.")
+    if foreign and deleting:
+        shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        return (f"storage.path={path} is a cache but also holds files this tool did not write ({shown}); "
+                "refusing to delete anything there. Move those files out, or choose another storage.path.")
+    return None
 
 
-def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
+def _group_attributes(store: CacheStore) -> dict[str, Any]:
+    try:
+        attrs = json.loads(store.read_bytes("zarr.json")).get("attributes", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return attrs if isinstance(attrs, dict) else {}
+
+
+def _manifest_format(store: CacheStore) -> Any:
+    try:
+        m = json.loads(store.read_bytes(fmt.MANIFEST))
+    except (OSError, ValueError):
+        return None
+    return m.get("format") if isinstance(m, dict) else None
+
+
+def _warn_about_rejects(tok: "Tokenized") -> None:
+    """Many rejects deserve more than an INFO line: counts per reason and the likely fix."""
+    if not tok.rejects:
+        return
+    share = len(tok.rejects) / max(1, tok.rows_in)
+    by = _reason_counts(tok.rejects)
+    listed = ", ".join(f"{k}={v}" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
+    if share <= REJECT_WARN_FRACTION:
+        log.info("%d of %d rows rejected (%.1f%%): %s (see rejects.jsonl)", len(tok.rejects), tok.rows_in,
+                 100 * share, listed)
+        return
+    fixes = [f"{k}: {REJECT_FIXES[k]}" for k in sorted(by, key=lambda k: -by[k]) if k in REJECT_FIXES]
+    log.warning("%d of %d rows (%.1f%%) were rejected and will not be in the cache: %s. %s Each row is listed "
+                "in rejects.jsonl.", len(tok.rejects), tok.rows_in, 100 * share, listed,
+                " ".join(f"Likely fix for {f}." for f in fixes))
+
+
+def _run(cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]) -> RunResult:
     t_start = time.perf_counter()
     timing: dict[str, float] = {}
     plan = prepare(cfg)
     store = plan.store
+    if ranks.main:  # before anything is created: never leave even a lock file in a foreign directory
+        problem = _own_directory_problem(store, plan.path, deleting=cfg.overwrite)
+        if problem:
+            raise ForeignDirectoryError(problem)
     lock = WriterLock(store.root) if ranks.main and not is_url(plan.path) else None
 
     def decide() -> dict[str, Any] | None:
         if lock:
-            lock.acquire()
+            try:
+                lock.acquire()
+            except OSError as exc:
+                raise StorageWriteError(f"cannot create the writer lock in {plan.path}: {exc}. Check the path's "
+                                        "permissions and free space.") from exc
         return check_resume(plan) if ranks.main else None
 
     try:
@@ -528,6 +596,8 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
         t0 = time.perf_counter()
         tok = tokenize(plan, ranks)
         timing["tokenize_s"] = time.perf_counter() - t0
+        if ranks.main:
+            _warn_about_rejects(tok)
         layout = fmt.plan_layout(tok.lengths, plan.chunk_tokens, plan.unit_tokens)
         counts = {
             "rows_in": tok.rows_in, "samples": len(tok.lengths), "rejected": len(tok.rejects),
@@ -548,18 +618,25 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
             if not ranks.main:
                 return "", set()
             if manifest is None:
-                if not store.is_empty():
-                    log.warning("overwrite=true: deleting the existing contents of %s", plan.path)
+                if store.top_level_names() and set(store.top_level_names()) != {fmt.LOCK}:
+                    # ours (checked above): an overwrite, or an allocation a kill interrupted
+                    log.warning("%s: deleting the existing cache in %s", "overwrite=true" if cfg.overwrite
+                                else "restarting an allocation that was interrupted", plan.path)
                     _clear(store)
                 created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
                 attrs = {"format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "manifest": fmt.MANIFEST}
-                allocate(store, plan.specs, layout, plan.identity["storage"], tables, attrs)
+                try:
+                    allocate(store, plan.specs, layout, plan.identity["storage"], tables, attrs)
+                except OSError as exc:
+                    raise StorageWriteError(
+                        f"allocating the cache in {plan.path} failed: {exc}. Free space or fix the storage, then "
+                        "re-run the same command: an interrupted allocation is started again.") from exc
                 _put(store, fmt.REJECTS, "".join(json.dumps(r.to_json(), sort_keys=True) + "\n"
-                                                       for r in tok.rejects).encode())
+                                                 for r in tok.rejects).encode())
                 _write_json(store, fmt.MANIFEST, build_manifest(plan, layout, counts, False, created))
                 return created, set()
             _check_same_layout(store, layout, tables, manifest)
-            done = {int(k.rsplit("u", 1)[1].split(".")[0]) for k in store.list_keys(fmt.COMMITS)}
+            done = _committed_units(store)
             log.info("resuming %s: %d of %d units already committed", plan.path, len(done), layout.num_units)
             return manifest.get("created_at", ""), done
 
@@ -572,7 +649,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
         t0 = time.perf_counter()
         device = plan.device
         if device.type == "cuda" and ranks.world > 1 and plan.cfg.model.device == "auto":
-            device = plan.device = torch.device("cuda", ranks.local_rank)
+            device = torch.device("cuda", ranks.local_rank)
         model = ranks.together(lambda: load_target(cfg.model, plan.target, len(plan.tokenizer), device,
                                                    plan.compute_dtype))
         timing["load_target_s"] = time.perf_counter() - t0
@@ -580,8 +657,11 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
             _write_weights(plan, model)
         t0 = time.perf_counter()
         try:
-            with _StopOnSignal() as stop:
-                written = _forward_units(plan, model, tok.encoded, layout, mine, timing, coord, stop) if mine else 0
+            written = _forward_units(plan, model, tok.encoded, layout, mine, timing, coord, device) if mine else 0
+        except StoppedBySignal as exc:
+            coord.fail(f"{type(exc).__name__}: {exc}")
+            committed = len(_committed_units(store)) if ranks.main else 0
+            raise InterruptedRunError(exc.signum, plan.path, committed, layout.num_units) from None
         except BaseException as exc:
             coord.fail(f"{type(exc).__name__}: {exc}")
             raise
@@ -595,20 +675,21 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
             return RunResult(plan.path, counts["samples"], counts["tokens"], counts["supervised_tokens"],
                              counts["truncated_samples"], counts["rejected"], 0, time.perf_counter() - t_start,
                              written, len(done), False, timing)
-        missing = sorted(set(range(layout.num_units)) - {
-            int(k.rsplit("u", 1)[1].split(".")[0]) for k in store.list_keys(fmt.COMMITS)})
+        missing = sorted(set(range(layout.num_units)) - _committed_units(store))
         if missing:
             raise CacheFormatError(f"units {missing[:10]} have no commit record after every rank finished; "
                                    "re-run the same command to write them")
         coord.cleanup()
+        _write_provenance(store, provenance)
         timing["wall_s"] = time.perf_counter() - t_start
         final = build_manifest(plan, layout, counts, True, created, timing)
         final["weights_sha256"] = _sha256_of(store, fmt.WEIGHTS)
+        final["provenance"] = {k: v for k, v in provenance.items() if k != "files"}
         _write_json(store, fmt.MANIFEST, final)
         nbytes = store.nbytes()
         result = RunResult(plan.path, counts["samples"], counts["tokens"], counts["supervised_tokens"],
                            counts["truncated_samples"], counts["rejected"], nbytes, timing["wall_s"], written,
-                           len(done), True, timing)
+                           len(done), True, timing, finalized=True)
         _log_summary(result)
         return result
     finally:
@@ -616,14 +697,24 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> RunResult:
             lock.release()
 
 
+def _committed_units(store: CacheStore) -> set[int]:
+    return {u for u in (fmt.parse_commit_key(k) for k in store.list_keys(fmt.COMMITS)) if u is not None}
+
+
+def _write_provenance(store: CacheStore, provenance: dict[str, Any]) -> None:
+    """This run's Hydra record (built in memory by the entry point) into ``.hydra/``."""
+    files = provenance.get("files") or {}
+    if files:
+        store.delete(fmt.HYDRA_RECORD)
+    for name, text in sorted(files.items()):
+        _put(store, f"{fmt.HYDRA_RECORD}/{name}", text.encode())
+
+
 def _clear(store: CacheStore) -> None:
-    if store.url:
-        store.remove_all()
-        return
-    for p in Path(store.root).iterdir():
-        if p.name == ".writer.lock":
-            continue
-        store.delete(p.name)
+    """Delete this tool's entries (the caller proved the directory holds nothing else)."""
+    for name in store.top_level_names():
+        if name != fmt.LOCK and (name in fmt.OWN_ENTRIES or fmt.is_own_temporary(name)):
+            store.delete(name)
 
 
 def _check_same_layout(store: CacheStore, layout: fmt.Layout, tables: dict[str, np.ndarray],
@@ -642,10 +733,13 @@ def _check_same_layout(store: CacheStore, layout: fmt.Layout, tables: dict[str, 
 
 
 def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: fmt.Layout, todo: list[int],
-                   timing: dict[str, float], coord: Coordinator, stop: _StopOnSignal | None = None) -> int:
-    """Forward every unit in ``todo`` and hand it to the writer; fills ``timing`` per stage."""
+                   timing: dict[str, float], coord: Coordinator, device: torch.device) -> int:
+    """Forward every unit in ``todo`` and hand it to the writer; fills ``timing`` per stage.
+
+    A first SIGINT/SIGTERM drops the unit in flight, lets the writer finish the units it
+    already holds, and raises :class:`StoppedBySignal`; a second one raises at once.
+    """
     cfg = plan.cfg
-    device = plan.device
     capture = HiddenStateCapture(model, plan.layer_ids)
     storage_dtype = _TORCH_STORAGE[cfg.storage.dtype]
     lengths = layout.length.astype(np.int64)
@@ -654,59 +748,60 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
     total_tok = int(sum(layout.unit_stop[u] - layout.unit_start[u] for u in todo))
     total_smp = int(sum(len(layout.unit_order[u]) for u in todo))
     progress = Progress(total_smp, total_tok, enabled=cfg.progress)
-    writer = UnitWriter(plan.store, plan.specs, layout, cfg.batch.writer_slots, todo)
+    writer = UnitWriter(plan.store, plan.specs, layout, cfg.storage.writer_slots, todo)
     hidden_specs = [s for s in plan.specs if s.width]
     t_batch = t_forward = t_copy = 0.0
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    stop = signals.STATE
     try:
-        for u in todo:
-            coord.check()
-            slot = writer.acquire()
-            bufs = writer.buffers(slot)
-            base = int(layout.unit_start[u])
-            order = layout.unit_order[u]
-            views = {s.name: torch.from_numpy(bufs[s.name].view(np.int16) if s.dtype == "uint16" else bufs[s.name])
-                     for s in hidden_specs}
-            for s in order:
-                a = int(layout.start[s]) - base
-                bufs[fmt.INPUT_IDS][a:a + lengths[s]] = samples[s].input_ids
-                bufs[fmt.LOSS_MASK][a:a + lengths[s]] = samples[s].loss_mask
-            for batch in make_batches(order, lengths, cfg.batch.max_tokens, cfg.batch.max_samples):
-                if stop is not None and stop.signum is not None:
+        with signals.graceful():
+            for u in todo:
+                if stop.signum is not None:
                     break
-                c0 = time.perf_counter()
-                blens = lengths[batch]
-                ids, mask, rows = batch_inputs(samples, batch, lengths, pad_id, device)
-                c1 = time.perf_counter()
-                states, last = capture(ids, mask)
-                sync()
-                c2 = time.perf_counter()
-                a = int(layout.start[batch[0]]) - base
-                n = int(blens.sum())
-                for spec in hidden_specs:
-                    t = states[spec.layer_id] if spec.layer_id in states else last
-                    flat = (t[rows] if rows is not None else t.reshape(-1, t.shape[-1])).to(storage_dtype)
-                    if spec.dtype == "uint16":
-                        flat = flat.view(torch.int16)
-                    views[spec.name][a:a + n].copy_(flat)
-                c3 = time.perf_counter()
-                t_batch, t_forward, t_copy = t_batch + (c1 - c0), t_forward + (c2 - c1), t_copy + (c3 - c2)
-                progress.update(samples=len(batch), tokens=n, bytes_written=writer.raw_bytes)
-                writer.poll()
-            if stop is not None and stop.signum is not None:  # drop the unit in flight, keep the rest
-                writer.release(slot)
-                writer.drain()
-                done_units = len(layout.unit_start) - len(todo) + len(writer.committed)
-                raise InterruptedRunError(stop.signum, plan.path, done_units, layout.num_units)
-            n_tok = int(layout.unit_stop[u] - layout.unit_start[u])
-            record = {"unit": u, "token_start": base, "token_stop": base + n_tok, "samples": len(order),
-                      "host": socket.gethostname()}
-            writer.submit(u, slot, n_tok, record)
-            fault_point("unit_submitted")
-        writer.drain()
-        if stop is not None and stop.signum is not None and len(writer.committed) < len(todo):
-            raise InterruptedRunError(stop.signum, plan.path, layout.num_units - len(todo) + len(writer.committed),
-                                      layout.num_units)
+                coord.check()
+                slot = writer.acquire()
+                bufs = writer.buffers(slot)
+                base = int(layout.unit_start[u])
+                order = layout.unit_order[u]
+                views = {s.name: torch.from_numpy(bufs[s.name].view(np.int16) if s.dtype == "uint16"
+                                                  else bufs[s.name]) for s in hidden_specs}
+                for s in order:
+                    a = int(layout.start[s]) - base
+                    bufs[fmt.INPUT_IDS][a:a + lengths[s]] = samples[s].input_ids
+                    bufs[fmt.LOSS_MASK][a:a + lengths[s]] = samples[s].loss_mask
+                for batch in make_batches(order, lengths, cfg.batch.max_tokens, cfg.batch.max_samples):
+                    if stop.signum is not None:
+                        break
+                    c0 = time.perf_counter()
+                    blens = lengths[batch]
+                    ids, mask, rows = batch_inputs(samples, batch, lengths, pad_id, device)
+                    c1 = time.perf_counter()
+                    states, last = capture(ids, mask)
+                    sync()
+                    c2 = time.perf_counter()
+                    a = int(layout.start[batch[0]]) - base
+                    n = int(blens.sum())
+                    for spec in hidden_specs:
+                        t = states[spec.layer_id] if spec.layer_id in states else last
+                        flat = (t[rows] if rows is not None else t.reshape(-1, t.shape[-1])).to(storage_dtype)
+                        if spec.dtype == "uint16":
+                            flat = flat.view(torch.int16)
+                        views[spec.name][a:a + n].copy_(flat)
+                    c3 = time.perf_counter()
+                    t_batch, t_forward, t_copy = t_batch + (c1 - c0), t_forward + (c2 - c1), t_copy + (c3 - c2)
+                    progress.update(samples=len(batch), tokens=n, bytes_written=writer.raw_bytes)
+                    writer.poll()
+                if stop.signum is not None:  # drop the unit in flight, keep the ones the writer holds
+                    writer.release(slot)
+                    break
+                n_tok = int(layout.unit_stop[u] - layout.unit_start[u])
+                record = {"unit": u, "token_start": base, "token_stop": base + n_tok, "samples": len(order),
+                          "host": socket.gethostname()}
+                writer.submit(u, slot, n_tok, record)
+                fault_point("unit_submitted")
+            writer.drain()
+        if stop.signum is not None and len(writer.committed) < len(todo):
+            raise StoppedBySignal(stop.signum)
         progress.update(bytes_written=writer.raw_bytes)
         progress.close()
         timing.update(batch_s=t_batch, forward_s=t_forward, copy_s=t_copy, writer_wait_s=writer.wait_s,

@@ -181,6 +181,18 @@ class CacheStore:
             return
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def top_level_names(self) -> list[str]:
+        """Every entry directly under the cache (dotfiles included), sorted; [] when it does not exist."""
+        if self.url:
+            try:
+                entries = self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                return []
+            base = self.root.rstrip("/")
+            return sorted({str(p).rstrip("/").rsplit("/", 1)[-1] for p in entries if str(p).rstrip("/") != base})
+        p = Path(self.root)
+        return sorted(c.name for c in p.iterdir()) if p.is_dir() else []
+
     def is_empty(self) -> bool:
         if self.url:
             return not self._children(self.root)

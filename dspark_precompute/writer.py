@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import multiprocessing as mp
-import queue
+import os
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -109,56 +111,102 @@ def allocate(store: CacheStore, specs: list[ArraySpec], layout: fmt.Layout, stor
             arr[:] = values
 
 
+class SharedBuffer:
+    """Anonymous shared memory that a spawned process maps by inheriting its file descriptor.
+
+    Nothing is ever named in ``/dev/shm`` (a ``memfd``, or an already-unlinked temporary
+    file where there is none), so however the run dies, even SIGKILL of the whole
+    process group, the kernel frees the memory with the last process that maps it.
+    Pickling it is only possible while a process is being spawned (the descriptor is
+    handed to the child then).
+    """
+
+    def __init__(self, nbytes: int):
+        self.nbytes = max(1, int(nbytes))
+        if hasattr(os, "memfd_create"):
+            fd = os.memfd_create("dspark-unit-buffer", os.MFD_CLOEXEC)
+        else:  # pragma: no cover - non-Linux POSIX
+            shm = Path("/dev/shm")
+            fh = tempfile.TemporaryFile(dir=shm if shm.is_dir() else None)
+            fd = os.dup(fh.fileno())
+            fh.close()
+        os.ftruncate(fd, self.nbytes)
+        self.fd: int | None = fd
+        self.mm = mmap.mmap(fd, self.nbytes)
+
+    def array(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        return np.ndarray(shape, dtype=dtype, buffer=self.mm)
+
+    def __getstate__(self) -> dict[str, Any]:
+        from multiprocessing import reduction
+
+        return {"nbytes": self.nbytes, "fd": reduction.DupFd(self.fd)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.nbytes = state["nbytes"]
+        fd = state["fd"].detach()
+        self.mm = mmap.mmap(fd, self.nbytes)
+        os.close(fd)
+        self.fd = None
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:  # an array still views it: the mapping goes with the process
+            pass
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class _Slot:
+    """One unit buffer: a shared array per token array."""
+
     def __init__(self, specs: list[ArraySpec], capacity: int):
-        self.shm: dict[str, shared_memory.SharedMemory] = {}
-        self.meta: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for s in specs:
-            shape = (capacity,) if s.width is None else (capacity, s.width)
-            nbytes = max(1, int(np.prod(shape)) * np.dtype(s.dtype).itemsize)
-            self.shm[s.name] = shared_memory.SharedMemory(create=True, size=nbytes)
-            self.meta[s.name] = (self.shm[s.name].name, shape)
-        self.arrays = {s.name: np.ndarray(self.meta[s.name][1], dtype=s.dtype, buffer=self.shm[s.name].buf)
-                       for s in specs}
+        self.shapes = {s.name: (capacity,) if s.width is None else (capacity, s.width) for s in specs}
+        self.dtypes = {s.name: s.dtype for s in specs}
+        self.shm = {s.name: SharedBuffer(int(np.prod(self.shapes[s.name])) * np.dtype(s.dtype).itemsize)
+                    for s in specs}
+        self.arrays = self.views()
+
+    def views(self) -> dict[str, np.ndarray]:
+        return {name: buf.array(self.shapes[name], self.dtypes[name]) for name, buf in self.shm.items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"shapes": self.shapes, "dtypes": self.dtypes, "shm": self.shm}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.arrays = self.views()
 
     def close(self) -> None:
         self.arrays = {}
         for m in self.shm.values():
-            try:
-                m.close()
-                m.unlink()
-            except FileNotFoundError:
-                pass
+            m.close()
 
 
-def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_start: np.ndarray,
+def _writer_main(path: str, specs: list[ArraySpec], slot_list: list[_Slot], unit_start: np.ndarray,
                  chunk: int, tasks: Any, done: Any) -> None:
     """Writer process: one task = one unit buffer to compress, write and commit."""
-    import signal
-
     import zarr
+
+    from dspark_precompute import signals
 
     # Ctrl-C / scancel reach the whole process group: the forward loop decides when to stop,
     # the writer finishes the units it was given (the None sentinel, or orphan detection).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signals.ignore()
+    # numcodecs' blosc takes a multiprocessing.Lock of the default context on first use; in a
+    # spawned child that is a named semaphore, which a SIGKILL of the group would leave in
+    # /dev/shm. This process starts no others: the fork context unlinks its semaphores at once.
+    mp.set_start_method("fork", force=True)
     try:
         store = CacheStore(path)
         group = zarr.open_group(store.zarr_store(), mode="r+")
         # write_empty_chunks is a runtime setting, not stored metadata: set it on every handle
         arrays = {s.name: group[s.name].with_config({"write_empty_chunks": True}) for s in specs}
-        handles = []
-        slots = []
-        for meta in slot_meta:
-            bufs = {}
-            for s in specs:
-                name, shape = meta[s.name]
-                h = shared_memory.SharedMemory(name=name)
-                handles.append(h)
-                bufs[s.name] = np.ndarray(shape, dtype=s.dtype, buffer=h.buf)
-            slots.append(bufs)
+        slots = [slot.arrays for slot in slot_list]
     except BaseException as exc:
-        done.put(("error", -1, -1, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        done.send(("error", -1, -1, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
         return
     parent = mp.parent_process()
 
@@ -168,11 +216,13 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_
 
     while True:
         try:
-            task = tasks.get(timeout=1.0)
-        except queue.Empty:
-            if orphaned():
-                break
-            continue
+            if not tasks.poll(1.0):
+                if orphaned():
+                    break
+                continue
+            task = tasks.recv()
+        except (EOFError, OSError):  # the forward loop's end of the pipe is gone: it died
+            break
         if task is None:
             break
         unit, slot, n_tokens, record = task
@@ -193,15 +243,27 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_meta: list[dict], unit_
             if orphaned():
                 raise SystemExit(1)
             store.write_bytes(fmt.commit_key(unit), json.dumps(record, sort_keys=True).encode())
-            done.put(("done", unit, slot, (raw, time.perf_counter() - busy)))
+            done.send(("done", unit, slot, (raw, time.perf_counter() - busy)))
         except SystemExit:
             break
+        except (EOFError, OSError, BrokenPipeError) as exc:
+            if orphaned():
+                break
+            _send_error(done, unit, slot, exc)
+            break
         except BaseException as exc:
-            done.put(("error", unit, slot, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+            _send_error(done, unit, slot, exc)
             break
     del slots, arrays
-    for h in handles:
-        h.close()
+    for slot in slot_list:
+        slot.close()
+
+
+def _send_error(done: Any, unit: int, slot: int, exc: BaseException) -> None:
+    try:
+        done.send(("error", unit, slot, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+    except OSError:
+        pass
 
 
 class UnitWriter:
@@ -218,15 +280,18 @@ class UnitWriter:
         self.slots = [_Slot(specs, capacity) for _ in range(max(1, n_slots))]
         self.free = list(range(len(self.slots)))
         ctx = mp.get_context("spawn")
-        self.tasks = ctx.Queue()
-        self.done = ctx.Queue()
+        # Pipes, not Queues: a spawn-context Queue carries named semaphores that a SIGKILL of the
+        # process group would leave in /dev/shm; pipes are plain file descriptors.
+        tasks_out, self.tasks = ctx.Pipe(duplex=False)
+        self.done, done_in = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=_writer_main,
-            args=(store.path, specs, [s.meta for s in self.slots], layout.unit_start, layout.chunk_tokens,
-                  self.tasks, self.done),
+            args=(store.path, specs, self.slots, layout.unit_start, layout.chunk_tokens, tasks_out, done_in),
             daemon=True, name="dspark-writer",
         )
         self.proc.start()
+        tasks_out.close()  # the writer holds its ends now: when it dies, recv() here sees EOF
+        done_in.close()
         self.pending = 0
         self.raw_bytes = 0
         self.busy_s = 0.0  # seconds the writer process spent compressing and writing
@@ -239,15 +304,18 @@ class UnitWriter:
     def _collect(self, block: bool) -> None:
         while True:
             try:
-                msg = self.done.get(timeout=1.0) if block else self.done.get_nowait()
-            except queue.Empty:
-                if not block:
-                    return
-                if not self.proc.is_alive():
-                    raise StorageWriteError(
-                        f"the writer process died (exit code {self.proc.exitcode}); the cache is resumable: "
-                        "re-run the same command") from None
-                continue
+                if not self.done.poll(1.0 if block else 0):
+                    if not block:
+                        return
+                    if self.proc.is_alive():
+                        continue
+                    raise EOFError
+                msg = self.done.recv()
+            except (EOFError, OSError):
+                self.proc.join(5)
+                raise StorageWriteError(
+                    f"the writer process died (exit code {self.proc.exitcode}); the cache is resumable: "
+                    "re-run the same command") from None
             kind, unit, slot, payload = msg
             if kind == "error":
                 log.debug("writer traceback:\n%s", payload[1])
@@ -277,7 +345,10 @@ class UnitWriter:
         self.free.append(slot)
 
     def submit(self, unit: int, slot: int, n_tokens: int, record: dict[str, Any]) -> None:
-        self.tasks.put((unit, slot, n_tokens, record))
+        try:
+            self.tasks.send((unit, slot, n_tokens, record))
+        except OSError:
+            self._collect(block=True)  # the writer is gone: report why
         self.pending += 1
 
     def poll(self) -> None:
@@ -296,11 +367,16 @@ class UnitWriter:
     def close(self, timeout: float = 30.0) -> None:
         try:
             if self.proc.is_alive():
-                self.tasks.put(None)
+                try:
+                    self.tasks.send(None)
+                except OSError:
+                    pass
                 self.proc.join(timeout)
             if self.proc.is_alive():
                 self.proc.terminate()
                 self.proc.join(5)
         finally:
+            self.tasks.close()
+            self.done.close()
             for s in self.slots:
                 s.close()

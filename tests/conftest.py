@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +17,18 @@ SHARED = REPO.parent / "shared" / "data"
 QWEN3_TOKENIZER = SHARED / "tokenizers" / "qwen3"
 CHAT = SHARED / "chat"
 
+# weight hashes are remembered per user: keep the suite's out of the real ~/.cache
+os.environ.setdefault("DSPARK_CACHE_DIR", tempfile.mkdtemp(prefix="dspark-test-hashes-"))
+
 
 def compose(overrides: list[str] | None = None):
     """The Hydra config for ``overrides`` as the CLI would build it, converted to the typed config."""
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
 
-    from dspark_precompute.config import from_dictconfig
+    from dspark_precompute.config import from_dictconfig, register_configs
 
+    register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return from_dictconfig(hcompose(config_name="config", overrides=list(overrides or [])))
 

@@ -1,0 +1,78 @@
+"""SIGINT/SIGTERM: one clean line and exit status 128+signal, never a traceback.
+
+Outside the forward loop a signal stops the run at once (nothing is half-written: every
+file is written atomically and units commit last). Inside it (:func:`graceful`), the first
+signal only sets a flag, so the loop drops the unit in flight, lets the writer finish the
+units it already holds and stops; a second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from dspark_precompute.errors import StoppedBySignal
+
+log = logging.getLogger(__name__)
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _State:
+    graceful = False
+    signum: int | None = None
+
+
+STATE = _State()
+
+
+def _handler(signum: int, _frame: Any) -> None:
+    if STATE.graceful and STATE.signum is None:
+        STATE.signum = signum
+        log.warning("received %s: finishing the units already handed to the writer, then stopping "
+                    "(a second signal stops at once)", signal.Signals(signum).name)
+        return
+    STATE.signum = STATE.signum or signum
+    raise StoppedBySignal(signum)
+
+
+def install() -> dict[int, Any]:
+    """Route SIGINT/SIGTERM to :class:`StoppedBySignal`; returns the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _handler) for sig in SIGNALS}
+
+
+def restore(previous: dict[int, Any]) -> None:
+    for sig, old in previous.items():
+        signal.signal(sig, old)
+
+
+@contextmanager
+def handled() -> Iterator[_State]:
+    """Signals raise :class:`StoppedBySignal` for the duration (the whole run)."""
+    previous = install()
+    STATE.signum = None
+    try:
+        yield STATE
+    finally:
+        restore(previous)
+
+
+@contextmanager
+def graceful() -> Iterator[_State]:
+    """Inside: the first signal sets ``STATE.signum`` and returns; the loop checks it between batches."""
+    STATE.graceful = True
+    try:
+        yield STATE
+    finally:
+        STATE.graceful = False
+
+
+def ignore() -> None:
+    """For helper processes (writers, tokenizers): the parent decides when the run stops."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)

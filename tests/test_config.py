@@ -1,0 +1,105 @@
+"""The typed configuration: every bad value is reported at once, before anything is created."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose, small
+from dspark_precompute.config import PrecomputeConfig, from_dict
+from dspark_precompute.errors import ConfigError
+from dspark_precompute.pipeline import prepare
+
+
+def cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dspark_precompute", *overrides], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_wrongly_typed_values_are_all_reported_together_with_exit_2_and_nothing_created(tmp_path):
+    target = tmp_path / "cache"
+    bad = cli(tmp_path, f"storage.path={target}", "seq_length=true", "batch.max_tokens=null", "model.layer_ids=5",
+              "data.max_invalid_fraction=abc", "storage.chunk_tokens=1.5")
+    assert bad.returncode == 2, bad.stderr
+    for key in ("seq_length=true", "batch.max_tokens=null", "model.layer_ids=5", "data.max_invalid_fraction=abc",
+                "storage.chunk_tokens=1.5"):
+        assert key in bad.stderr, key
+    assert "Traceback" not in bad.stderr + bad.stdout
+    assert "5 problem" in bad.stderr
+    assert not target.exists() and not (tmp_path / "outputs").exists()
+
+
+def test_a_word_where_a_number_belongs_is_one_clear_line(tmp_path):
+    bad = cli(tmp_path, "seq_length=abc")
+    assert bad.returncode == 2
+    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 2 and "seq_length=abc" in lines[1] and "integer" in lines[1], lines
+
+
+@pytest.mark.parametrize("group,key", [("model=hf", "model.path"), ("data=jsonl", "data.path")])
+def test_a_required_value_left_out_is_an_error_naming_the_key(tmp_path, group, key):
+    bad = cli(tmp_path, group, f"storage.path={tmp_path / 'c'}")
+    assert bad.returncode == 2 and f"{key} is required" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ConfigError, match=f"{key} is required"):
+        compose([group])
+
+
+def test_a_misspelt_key_names_the_closest_valid_one(tmp_path):
+    bad = cli(tmp_path, "model.pth=x", "storage.compresor=zstd")
+    assert bad.returncode == 2
+    assert "did you mean model.path?" in bad.stderr and "did you mean storage.compressor?" in bad.stderr
+    with pytest.raises(ConfigError, match="did you mean data.max_samples"):
+        from_dict({"data": {"max_sample": 3}})
+
+
+def test_each_value_of_a_sweep_is_checked_before_the_first_job_runs(tmp_path):
+    bad = cli(tmp_path, "-m", "seq_length=128,abc", f"storage.root={tmp_path}/caches")
+    assert bad.returncode == 2 and "seq_length=abc" in bad.stderr
+    assert not (tmp_path / "caches").exists()
+
+
+def test_an_unknown_group_option_lists_the_available_ones(tmp_path):
+    bad = cli(tmp_path, "model=qwen4")
+    assert bad.returncode == 2 and "model/qwen4" in bad.stderr and "qwen3_0_6b" in bad.stderr
+
+
+def test_from_dict_checks_types_and_values_together():
+    with pytest.raises(ConfigError) as err:
+        from_dict({"seq_length": "abc", "storage": {"dtype": "int4"}, "batch": {"max_tokens": None}})
+    text = str(err.value)
+    assert "seq_length='abc'" in text and "storage.dtype='int4'" in text and "batch.max_tokens" in text
+    assert isinstance(from_dict({"seq_length": 512}), PrecomputeConfig)
+
+
+def test_bad_paths_are_config_errors(tmp_path):
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    for override, words in ((f"storage.path={loop}", "cannot be resolved"), ("storage.path=''", "is empty"),
+                            ("storage.root=''", "is empty")):
+        with pytest.raises(ConfigError, match=words):
+            compose([override])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_asking_for_cuda_on_a_machine_without_it_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no usable CUDA device"):
+        compose(small(tmp_path, "model.device=cuda"))
+    bad = cli(tmp_path, f"storage.path={tmp_path / 'c'}", "model.device=cuda:1")
+    assert bad.returncode == 2 and "CUDA" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_random_target_smaller_than_its_tokenizer_is_refused_before_weights_load(tmp_path):
+    with pytest.raises(ConfigError, match="model.random.vocab_size is 100 but the tokenizer has"):
+        prepare(compose(small(tmp_path, "model.random.vocab_size=100")))
+
+
+def test_random_target_settings_on_a_real_target_are_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="model.random"):
+        compose(["model.path=Qwen/Qwen3-0.6B", "model.random.hidden_size=128"])

@@ -1,0 +1,341 @@
+"""What a hostile user tries on a run: foreign directories, kills of the whole group, signal
+storms, full disks while allocating, colliding Hydra records, silent rejects, changed weights,
+targets that cannot run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_same_cache, compose, small
+from dspark_precompute import tiny
+from dspark_precompute.config import ModelConfig, RandomTargetConfig
+from dspark_precompute.errors import ConfigError, DataError, ForeignDirectoryError, IncompatibleCacheError
+from dspark_precompute.pipeline import prepare, run
+from dspark_precompute.target import (
+    fingerprint_files, fit_problem, inspect_target, load_tokenizer, safetensors_parameter_bytes, weight_bytes,
+)
+
+UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024", "data.max_samples=16")
+
+
+def cli(tmp_path, overrides, env=None, **kw):
+    return subprocess.Popen([sys.executable, "-m", "dspark_precompute", *overrides], cwd=tmp_path,
+                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def wait_for(predicate, timeout=120.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    run(compose(small(tmp, *UNITS, name="ref")))
+    return str(tmp / "ref")
+
+
+# -- overwrite never deletes what the tool did not write ------------------------------------------------
+
+def foreign_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "home"
+    (d / "photos").mkdir(parents=True)
+    (d / "thesis.tex").write_text("\\documentclass{article}")
+    (d / "photos" / "cat.jpg").write_bytes(b"\xff\xd8")
+    return d
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_directory_of_someone_elses_files_is_refused_and_left_exactly_as_it_was(tmp_path, overwrite):
+    d = foreign_dir(tmp_path)
+    before = sorted(p.relative_to(d).as_posix() for p in d.rglob("*"))
+    with pytest.raises(ForeignDirectoryError) as err:
+        run(compose(small(tmp_path, f"storage.path={d}", f"overwrite={str(overwrite).lower()}")))
+    assert "photos" in str(err.value) and "thesis.tex" in str(err.value)
+    assert sorted(p.relative_to(d).as_posix() for p in d.rglob("*")) == before  # no .writer.lock either
+
+
+def test_the_filesystem_root_is_refused_without_writing_a_lock_there(tmp_path):
+    lock = Path("/.writer.lock")
+    existed = lock.exists()
+    try:
+        with pytest.raises(ForeignDirectoryError):
+            run(compose(small(tmp_path, "storage.path=/", "overwrite=true")))
+        assert lock.exists() == existed
+    finally:
+        if lock.exists() and not existed:
+            lock.unlink()
+
+
+def test_overwrite_refuses_a_cache_that_also_holds_foreign_files(tmp_path, reference):
+    import shutil
+
+    c = tmp_path / "c"
+    shutil.copytree(reference, c)
+    (c / "notes.txt").write_text("mine")
+    with pytest.raises(ForeignDirectoryError, match="notes.txt"):
+        run(compose([*small(tmp_path, *UNITS, name="c"), "overwrite=true", "seq_length=128"]))
+    assert (c / "notes.txt").read_text() == "mine"
+    assert_same_cache(reference, str(c))
+
+
+def test_a_run_refused_after_taking_the_lock_leaves_no_directory_behind(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text("not json\n" * 5)
+    target = tmp_path / "new" / "cache"
+    with pytest.raises(DataError):
+        run(compose(small(tmp_path, f"storage.path={target}", f"data.path={data}")))
+    assert not (tmp_path / "new").exists()
+
+
+# -- nothing left in /dev/shm ------------------------------------------------------------------------------
+
+def test_killing_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path):
+    shm = Path("/dev/shm")
+    before = set(os.listdir(shm))
+    proc = cli(tmp_path, small(tmp_path, *UNITS, name="c"), env={"DSPARK_FAULT": "writer_array=1:sleep"},
+               start_new_session=True)
+    assert wait_for(lambda: (tmp_path / "c" / "commits").exists() and any((tmp_path / "c" / "commits").iterdir()))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    time.sleep(0.5)
+    assert set(os.listdir(shm)) - before == set()
+
+
+# -- signals -------------------------------------------------------------------------------------------------
+
+def test_two_sigterms_in_quick_succession_exit_143_with_one_line_and_the_cache_resumes(tmp_path, reference):
+    overrides = small(tmp_path, *UNITS, name="c")
+    proc = cli(tmp_path, overrides, env={"DSPARK_FAULT": "unit_submitted=1:sleep"})
+    commits = tmp_path / "c" / "commits"
+    assert wait_for(lambda: commits.exists() and any(commits.iterdir()))
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    assert [ln for ln in (out + err).splitlines() if "resume with the same command" in ln]
+    again = cli(tmp_path, overrides)
+    assert again.wait(timeout=300) == 0
+    assert_same_cache(reference, str(tmp_path / "c"))
+
+
+def test_ctrl_c_while_tokenizing_exits_130_with_the_resume_line(tmp_path):
+    proc = cli(tmp_path, small(tmp_path, name="c"), env={"DSPARK_FAULT": "tokenize_row=1:sleep"})
+    assert wait_for(lambda: (tmp_path / "c" / ".writer.lock").exists())
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in out + err
+    assert [ln for ln in (out + err).splitlines() if "stopped by SIGINT" in ln and "resume with the same command" in ln]
+
+
+def test_ctrl_c_before_the_run_starts_is_one_line_too(tmp_path):
+    proc = cli(tmp_path, small(tmp_path, name="c"))
+    time.sleep(1.0)  # importing and composing
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, 130), err[-2000:]  # 0 if it already finished
+    assert "Traceback" not in out + err
+
+
+# -- a full disk while allocating ------------------------------------------------------------------------
+
+def test_a_full_disk_while_allocating_is_a_storage_write_error_and_the_rerun_completes(tmp_path, reference):
+    overrides = small(tmp_path, *UNITS, name="c")
+    proc = cli(tmp_path, overrides, env={"DSPARK_FAULT": "allocate=1:enospc"})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-2000:]
+    assert "Traceback" not in out + err and "No space left on device" in out + err
+    assert "allocating the cache" in out + err
+    again = cli(tmp_path, overrides)
+    assert again.wait(timeout=300) == 0
+    assert_same_cache(reference, str(tmp_path / "c"))
+
+
+# -- the Hydra record belongs to the run that wrote the cache -------------------------------------------
+
+def test_a_refused_run_sharing_hydras_output_dir_does_not_change_the_record_in_the_cache(tmp_path):
+    out_dir = f"hydra.run.dir={tmp_path / 'same_dir'}"
+    winner = cli(tmp_path, [*small(tmp_path, name="c"), out_dir], env={"DSPARK_FAULT": "unit_submitted=1:sleep"})
+    assert wait_for(lambda: (tmp_path / "c" / "manifest.json").exists())
+    loser = cli(tmp_path, [*small(tmp_path, name="c"), "data.max_samples=3", out_dir])
+    _, lerr = loser.communicate(timeout=120)
+    assert loser.returncode == 2
+    assert "data.max_samples=3" in (tmp_path / "same_dir" / ".hydra" / "overrides.yaml").read_text()
+    assert winner.wait(timeout=300) == 0
+    record = (tmp_path / "c" / ".hydra" / "overrides.yaml").read_text()
+    assert "data.max_samples=16" in record and "data.max_samples=3" not in record
+    prov = json.loads((tmp_path / "c" / "manifest.json").read_text())["provenance"]
+    assert "data.max_samples=16" in prov["overrides"]
+
+
+def test_a_run_with_nothing_to_do_leaves_the_record_of_the_run_that_wrote_it(tmp_path):
+    first = cli(tmp_path, small(tmp_path, name="c"))
+    assert first.wait(timeout=300) == 0
+    noop = cli(tmp_path, [*small(tmp_path, name="c"), "batch.max_tokens=2048"])
+    assert noop.wait(timeout=300) == 0
+    assert "batch.max_tokens=2048" not in (tmp_path / "c" / ".hydra" / "overrides.yaml").read_text()
+
+
+# -- rejects are loud ------------------------------------------------------------------------------------------
+
+def test_a_run_that_rejects_most_rows_warns_with_counts_per_reason_and_the_fix(tmp_path, caplog):
+    caplog.set_level("INFO", logger="dspark_precompute")
+    result = run(compose(small(tmp_path, "seq_length=24", "batch.max_tokens=1024")))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert result.rejected > 0.1 * (result.rejected + result.samples)
+    assert any("no_supervised_tokens=" in w and "raise seq_length" in w and "%" in w for w in warnings), warnings
+
+
+# -- changed weights are caught by default ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def big_target(tmp_path_factory):
+    """A saved random Qwen3 whose single weight file is over 20 MB."""
+    d = tmp_path_factory.mktemp("target20mb")
+    tok = tiny.build_tokenizer()
+    rc = RandomTargetConfig(hidden_size=256, num_hidden_layers=2, intermediate_size=4096)
+    tiny.build_target(rc, len(tok)).save_pretrained(d, safe_serialization=True)
+    tok.save_pretrained(d)
+    assert (d / "model.safetensors").stat().st_size > 20e6
+    return d
+
+
+def flip_middle_value(path: Path) -> None:
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.seek(size // 2 + 300_000)  # between two of the sampled fingerprint's blocks
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0x01]))
+
+
+def test_one_changed_value_in_the_middle_of_the_weights_refuses_a_complete_and_a_partial_cache(
+        tmp_path, big_target):
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(big_target, target)
+    overrides = small(tmp_path, f"model.path={target}", "data.max_samples=4", *UNITS[:2], name="c")
+    assert run(compose(overrides)).complete
+    weights = target / "model.safetensors"
+    sampled_before = fingerprint_files([weights], "sampled")
+    flip_middle_value(weights)
+    assert fingerprint_files([weights], "sampled") == sampled_before  # why sampled is only an opt-in
+    with pytest.raises(IncompatibleCacheError, match="weights_fingerprint"):
+        run(compose(overrides))
+    partial = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    partial["complete"] = False
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(partial))
+    with pytest.raises(IncompatibleCacheError, match="weights_fingerprint"):
+        run(compose(overrides))
+
+
+def test_weight_hashes_are_remembered_and_redone_when_a_file_changes(tmp_path, big_target, monkeypatch):
+    import shutil
+
+    import dspark_precompute.target as target_mod
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "hashes"))
+    weights = tmp_path / "model.safetensors"
+    shutil.copy(big_target / "model.safetensors", weights)
+    calls = []
+    real = target_mod.sha256_file
+    monkeypatch.setattr(target_mod, "sha256_file", lambda f, *a: calls.append(f) or real(f, *a))
+    first = fingerprint_files([weights])
+    assert fingerprint_files([weights]) == first and len(calls) == 1  # read once, then remembered
+    stat = weights.stat()
+    flip_middle_value(weights)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size and mtime: ctime still moves
+    assert fingerprint_files([weights]) != first and len(calls) == 2
+
+
+# -- targets this tool cannot run are refused before any weights load ----------------------------------
+
+def model_dir(tmp_path: Path, name: str, config: dict, files=("model.safetensors",)) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    for f in files:
+        (d / f).write_bytes(b"\0" * 16)
+    return d
+
+
+QWEN_DIMS = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 300}
+
+
+@pytest.mark.parametrize("config,words", [
+    ({"model_type": "deepseek_v4", **QWEN_DIMS}, "distributed"),
+    ({"model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], **QWEN_DIMS}, "GLM-5.2"),
+    ({"model_type": "minimax_m3_vl", **QWEN_DIMS}, "multimodal"),
+    ({"model_type": "my_custom_lm", "auto_map": {"AutoModelForCausalLM": "modeling.MyLM"}, **QWEN_DIMS},
+     "model.trust_remote_code=true"),
+    ({"model_type": "t5", **QWEN_DIMS}, "cannot load model_type 't5' as a causal LM"),
+])
+def test_targets_that_cannot_run_here_are_refused_naming_the_route(tmp_path, monkeypatch, config, words):
+    monkeypatch.setattr("dspark_precompute.pipeline.load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr("dspark_precompute.pipeline.load_tokenizer", lambda cfg: tiny.build_tokenizer())
+    d = model_dir(tmp_path, "t", config)
+    with pytest.raises(ConfigError, match=words):
+        run(compose(small(tmp_path, f"model.path={d}")))
+
+
+def test_a_checkpoint_with_only_pickled_weights_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr("dspark_precompute.pipeline.load_tokenizer", lambda cfg: tiny.build_tokenizer())
+    d = model_dir(tmp_path, "t", {"model_type": "qwen3", **QWEN_DIMS}, files=("pytorch_model.bin",))
+    with pytest.raises(ConfigError, match="only pickled weights"):
+        prepare(compose(small(tmp_path, f"model.path={d}")))
+
+
+def test_weights_that_do_not_fit_in_memory_are_refused_before_loading(tmp_path, big_target, monkeypatch):
+    cfg = ModelConfig(path=str(big_target))
+    info = inspect_target(cfg, load_tokenizer(cfg))
+    need = weight_bytes(cfg, info, torch.float32)
+    model = tiny.build_target(RandomTargetConfig(hidden_size=256, num_hidden_layers=2, intermediate_size=4096),
+                              len(load_tokenizer(cfg)))
+    assert need == sum(p.numel() for p in model.parameters()) * 4  # headers count what loads (tied: once)
+    assert safetensors_parameter_bytes(info.weight_files, 2) == need // 2
+    assert fit_problem(cfg, info, torch.device("cpu"), torch.float32, {"host": need * 2}) is None
+    assert "GiB of host memory" in fit_problem(cfg, info, torch.device("cpu"), torch.float32, {"host": need // 2})
+    gpu = fit_problem(cfg, info, torch.device("cuda", 0), torch.bfloat16,
+                      {"host": 1 << 40, "device": need // 4, "all_gpus": need})
+    assert "model.device_map=auto" in gpu
+    gpu = fit_problem(cfg, info, torch.device("cuda", 0), torch.bfloat16,
+                      {"host": 1 << 40, "device": need // 8, "all_gpus": need // 4})
+    assert "larger than one node" in gpu
+    monkeypatch.setattr("dspark_precompute.target._host_available", lambda: need // 3)
+    monkeypatch.setattr("dspark_precompute.pipeline.load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ConfigError, match="host memory"):
+        run(compose(small(tmp_path, f"model.path={big_target}")))
+
+
+def test_nested_text_configs_keep_working(tmp_path):
+    d = model_dir(tmp_path, "t", {"model_type": "qwen3", "text_config": QWEN_DIMS})
+    info = inspect_target(ModelConfig(path=str(d)), tiny.build_tokenizer())
+    assert (info.num_hidden_layers, info.hidden_size, info.vocab_size) == (2, 8, 300)
+
+
+def test_the_built_in_target_counts_its_weights_without_building_them():
+    cfg = ModelConfig()
+    tok = tiny.build_tokenizer()
+    info = inspect_target(cfg, tok)
+    model = tiny.build_target(cfg.random, len(tok))
+    assert weight_bytes(cfg, info, torch.float32) == sum(p.numel() for p in model.parameters()) * 4
+
