@@ -36,7 +36,7 @@ def _app(dcfg: DictConfig) -> None:
     provenance = _provenance(dcfg)  # in memory, now: Hydra's files on disk may belong to another run
     try:
         run(from_dictconfig(dcfg), provenance=provenance)
-    except DsparkError as exc:
+    except (DsparkError, StoppedBySignal) as exc:
         log.error("%s", exc)
         raise SystemExit(getattr(exc, "exit_code", 2)) from None
 
@@ -69,8 +69,12 @@ def _fail(problems: list[str]) -> None:
     raise SystemExit(ConfigError.exit_code)
 
 
-def _compose_problem(overrides: list[str]) -> str | None:
-    """Why these overrides do not compose against the schema (one line), or None."""
+def _compose_problem(overrides: list[str], check_values: bool = True) -> str | None:
+    """Why these overrides do not compose against the schema (one line), or None.
+
+    ``check_values`` also runs the typed value checks; those only mean something for the
+    whole command line (``batch.max_tokens=1024`` alone is below the default seq_length).
+    """
     from hydra import compose, initialize_config_dir
 
     from dspark_precompute.config import describe_key_problem, from_dictconfig
@@ -78,8 +82,12 @@ def _compose_problem(overrides: list[str]) -> str | None:
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
+    except StoppedBySignal:
+        raise
     except Exception as exc:  # noqa: BLE001 - Hydra raises several types; each becomes one line
         cause = exc.__cause__ or exc
+        if isinstance(cause, StoppedBySignal):
+            raise cause from None
         text = " ".join(str(exc).split())
         from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
@@ -92,6 +100,8 @@ def _compose_problem(overrides: list[str]) -> str | None:
             text = plain_reason(cause)
         text = text.split(" Config search path:")[0]
         return f"{' '.join(overrides)}: {text}" if overrides else text
+    if not check_values:
+        return None
     try:
         from_dictconfig(cfg)
     except ConfigError as exc:
@@ -130,14 +140,14 @@ def _preflight(argv: list[str]) -> None:
         # find every culprit: each override on its own, then (if none alone) the combination
         for c in choices:
             for alt in c:
-                p = _compose_problem([alt])
+                p = _compose_problem([alt], check_values=False)
                 if p and p not in problems:
                     problems.append(p)
         if not problems:
             problems.append(problem)
     for i, c in enumerate(choices):  # the other values of each sweep: alone, then with the rest as given
         for alt in c[1:]:
-            p = _compose_problem([alt]) or _compose_problem(first[:i] + [alt] + first[i + 1:])
+            p = _compose_problem([alt], check_values=False) or _compose_problem(first[:i] + [alt] + first[i + 1:])
             if p and p not in problems:
                 problems.append(p)
     if problems:

@@ -79,10 +79,20 @@ class Ranks:
             raise RankFailedError(f"rank {r} failed, so rank {self.rank} stops too: {msg}")
         return result  # type: ignore[return-value]
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Tear down the process group; after a clean run, all ranks first meet in a barrier.
+
+        A rank that destroys its gloo group while a peer still talks to it can abort that
+        peer's process ("terminate called without an active exception") at exit.
+        """
         if self.initialized_here:
             import torch.distributed as dist
 
+            if clean:
+                try:
+                    dist.barrier()
+                except RuntimeError:  # a peer is gone: nothing to wait for
+                    pass
             dist.destroy_process_group()
             self.initialized_here = False
 

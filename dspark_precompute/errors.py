@@ -81,8 +81,14 @@ class StorageWriteError(DsparkError):
     """Writing to the cache failed (disk full, permissions, failing object store)."""
 
 
-class StoppedBySignal(DsparkError):
-    """SIGINT/SIGTERM stopped the command; nothing half-written is left behind."""
+class StoppedBySignal(BaseException):
+    """SIGINT/SIGTERM stopped the command; nothing half-written is left behind.
+
+    A BaseException, like KeyboardInterrupt: code that turns any ``Exception`` into a
+    typed result (a row's template error becomes a reject) must never swallow a stop.
+    """
+
+    exit_code = 130
 
     def __init__(self, signum: int, detail: str = ""):
         import signal as _signal

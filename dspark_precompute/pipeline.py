@@ -501,11 +501,14 @@ def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunR
     """
     ranks = init_ranks()
     _setup_logging(cfg.log_level if ranks.main else "WARNING")
+    clean = False
     try:
         with signals.handled():
-            return _run(cfg, ranks, provenance or {})
+            result = _run(cfg, ranks, provenance or {})
+        clean = True
+        return result
     finally:
-        ranks.close()
+        ranks.close(clean)
 
 
 def _own_directory_problem(store: CacheStore, path: str, deleting: bool) -> str | None:

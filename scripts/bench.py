@@ -85,7 +85,9 @@ def compose(overrides: list[str]):
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
 
-    from dspark_precompute.config import from_dictconfig
+    from dspark_precompute.config import from_dictconfig, register_configs
+
+    register_configs()
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return from_dictconfig(hcompose(config_name="config", overrides=list(overrides)))
