@@ -655,6 +655,22 @@ class Cache:
         root = Path(self.store.root) / prefix
         return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
 
+    def rejects(self) -> dict[str, Any]:
+        """Input rows that did not become samples: counts, share and counts per reason (from the manifest)."""
+        counts = self.manifest["counts"]
+        rows_in, rejected = int(counts["rows_in"]), int(counts["rejected"])
+        by = {str(k): int(v) for k, v in (counts.get("rejected_by_reason") or {}).items()}
+        return {"rows_in": rows_in, "rejected": rejected, "rejected_fraction": rejected / rows_in if rows_in else 0.0,
+                "rejected_by_reason": dict(sorted(by.items(), key=lambda kv: (-kv[1], kv[0])))}
+
+    def rejects_line(self) -> str:
+        """``1,234 of 1,400 rows (88.1%): no_supervised_tokens=1,200, malformed_json=34``."""
+        r = self.rejects()
+        line = f"{r['rejected']:,} of {r['rows_in']:,} rows ({r['rejected_fraction']:.1%})"
+        if r["rejected_by_reason"]:
+            line += ": " + ", ".join(f"{k}={v:,}" for k, v in r["rejected_by_reason"].items())
+        return line
+
     def summary(self) -> dict[str, Any]:
         """What is in the cache and what it costs on disk (for ``info`` and notebooks; walks the store)."""
         counts = self.manifest["counts"]
@@ -676,6 +692,7 @@ class Cache:
             "max_length": int(lengths.max()) if len(lengths) else 0,
             "seq_length": self.seq_length,
             "truncated_samples": int((self.untruncated_lengths() > lengths).sum()) if len(lengths) else 0,
+            **self.rejects(),
             "layer_ids": self.layer_ids,
             "hidden_size": self.hidden_size,
             "target_hidden_dim": self.hidden_size * len(self.layer_ids),
@@ -706,6 +723,7 @@ class Cache:
             f"hidden {s['hidden_size']}, vocab {s['target_vocab_size']}",
             f"  samples     {s['samples']:,}  tokens {s['tokens']:,} (mean {s['mean_length']:.1f}, max "
             f"{s['max_length']}, seq_length {s['seq_length']}; {s['truncated_samples']} truncated)",
+            f"  rejected    {self.rejects_line()}",
             f"  supervised  {s['supervised_tokens']:,} tokens ({s['supervised_fraction']:.1%})",
             f"  layers      {s['layer_ids']} -> target_hidden_states [T, {s['target_hidden_dim']}], "
             f"target_last_hidden_states [T, {s['hidden_size']}] ({last_src})",
@@ -723,9 +741,10 @@ class Cache:
             sup = f"{int(self.manifest['counts']['supervised_tokens']) / max(1, tokens):.1%} supervised, "
         else:
             sup = ""
+        r = self.rejects()
         return (
-            f"<dspark cache {self.path!r}: {len(self)} samples, {tokens} tokens ({sup}"
-            f"{self.num_units} units), layers {self.layer_ids} x {self.hidden_size}, {self.storage_dtype}"
+            f"<dspark cache {self.path!r}: {len(self)} samples, {tokens} tokens ({sup}{r['rejected']} of "
+            f"{r['rows_in']} rows rejected), layers {self.layer_ids} x {self.hidden_size}, {self.storage_dtype}"
             + ("" if self.complete else ", INCOMPLETE") + ">"
         )
 

@@ -442,8 +442,8 @@ def test_repr_reads_only_what_is_in_hand(default_run, monkeypatch):
     monkeypatch.setattr(Cache, "_bytes_under", walk)
     monkeypatch.setattr(Path, "rglob", walk)
     text = repr(c)
-    assert text.startswith(f"<dspark cache {result.path!r}: 14 samples, 3501 tokens (61.2% supervised, 4 units), "
-                           "layers [1, 2, 3] x 64, bf16>"), text
+    assert text.startswith(f"<dspark cache {result.path!r}: 14 samples, 3501 tokens (61.2% supervised, 2 of 16 rows "
+                           "rejected), layers [1, 2, 3] x 64, bf16>"), text
 
 
 def test_a_stray_file_in_commits_does_not_break_opening(cache_copy):
