@@ -275,3 +275,18 @@ def test_the_rejects_line_lists_reasons_most_frequent_first_with_thousands_separ
     assert ("  rejected    1,386 of 1,400 rows (99.0%): no_supervised_tokens=1,200, malformed_json=186"
             in c.describe().splitlines())
     assert list(c.summary()["rejected_by_reason"]) == ["no_supervised_tokens", "malformed_json"]
+
+
+@pytest.mark.parametrize("extra", [("storage.compressor=none", "storage.dtype=fp32"),
+                                   ("storage.compressor=blosc_lz4", "storage.shuffle=bit", "storage.dtype=fp16")])
+def test_every_codec_chain_the_writer_writes_reads_back_what_zarr_holds(tmp_path, extra):
+    result = run(compose(small(tmp_path, "data.max_samples=4", "storage.chunk_tokens=128", *extra)))
+    c = open_cache(result.path)
+    g = zarr.open_group(result.path, mode="r")
+    codecs = [x["name"] for x in json.loads((Path(result.path) / "hidden_states" / "layer_1" / "zarr.json")
+                                            .read_text())["codecs"]]
+    assert codecs == (["bytes", "crc32c"] if "none" in extra[0] else ["bytes", "blosc", "crc32c"])
+    for name in ["input_ids", "loss_mask", *dict.fromkeys(c.array_names.values())]:
+        want = np.asarray(g[name][:])
+        got = c.read_tokens([name], 0, want.shape[0])[name]
+        assert got.dtype == want.dtype and np.array_equal(got, want), name
