@@ -54,7 +54,7 @@ def _verify(args: argparse.Namespace) -> int:
         _out(json.dumps({"ok": report.ok, "path": report.path, "samples": report.samples, "tokens": report.tokens,
                          "chunks_checked": report.chunks_checked, "recomputed": report.recomputed,
                          "recompute_exact": report.recompute_exact,
-                         "recompute_max_steps": report.recompute_max_steps,
+                         "recompute_max_steps": report.recompute_max_steps, "notes": report.notes,
                          "problems": [p.__dict__ for p in report.problems]}, indent=2, default=list))
     else:
         _out(report.format())

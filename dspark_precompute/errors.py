@@ -45,16 +45,46 @@ class IncompleteCacheError(CacheFormatError):
 
 
 class ChecksumError(CacheFormatError):
-    """A stored chunk does not match its checksum: the bytes on disk are corrupt."""
+    """Stored bytes do not match their checksum (a chunk's crc32c, the weights file's sha256): they are corrupt.
 
-    def __init__(self, array: str, chunk: tuple[int, ...] | str, detail: str = ""):
+    ``ChecksumError(message)`` alone (how a DataLoader worker's exception is rebuilt in the
+    main process) keeps the message and leaves ``array``/``chunk`` unset.
+    """
+
+    def __init__(self, array: str, chunk: tuple[int, ...] | str | None = None, detail: str = "", *,
+                 file: str | None = None):
         self.array = array
         self.chunk = chunk
-        super().__init__(
-            f"checksum mismatch in array {array!r}, chunk {chunk}: the stored bytes are corrupt"
-            + (f" ({detail})" if detail else "")
-            + ". Run `dspark-cache verify --repair PATH` or re-run the precompute job to rewrite it."
-        )
+        self.file = file
+        if file is not None:
+            message = (f"checksum mismatch in {file}: the stored bytes are corrupt or were replaced"
+                       + (f" ({detail})" if detail else "")
+                       + ". Re-run the precompute job with the same command to rewrite it, or re-create the cache.")
+        elif chunk is None:
+            self.array = None
+            message = array
+        else:
+            message = (f"checksum mismatch in array {array!r}, chunk {chunk}: the stored bytes are corrupt"
+                       + (f" ({detail})" if detail else "")
+                       + ". Run `dspark-cache verify --repair PATH` or re-run the precompute job to rewrite it.")
+        super().__init__(message)
+
+
+class MissingChunkError(CacheFormatError):
+    """A chunk file of a written array is absent: read through zarr it would come back as zeros.
+
+    The writer writes every chunk of a committed unit (empty ones included) and every chunk
+    of the sample/unit tables, so an absent one is always damage. ``array``, ``chunk`` and
+    ``samples`` (the sample ids whose tokens it holds) name it; built from a message alone
+    (a DataLoader worker's exception re-raised) they are unset.
+    """
+
+    def __init__(self, message: str, *, array: str | None = None, chunk: tuple[int, ...] | None = None,
+                 samples: tuple[int, ...] = ()):
+        self.array = array
+        self.chunk = chunk
+        self.samples = tuple(samples)
+        super().__init__(message)
 
 
 class DataError(DsparkError):

@@ -200,20 +200,11 @@ def _prepare_out(out: Path, cache_root: str, overwrite: bool) -> None:
         p.unlink(missing_ok=True)
 
 
-def _write_weights(cache: Cache, out: Path) -> int:
-    """embed_tokens.weight and lm_head.weight as float32 (NeMo's own writer's dtype), tied or not."""
-    from safetensors.torch import load as st_load_torch
+def _write_weights(tensors: dict[str, Any], out: Path) -> int:
+    """embed_tokens.weight and lm_head.weight as float32 (NeMo's own writer's dtype), tied or not.
 
-    if not cache.store.exists(fmt.WEIGHTS):
-        raise CacheFormatError(f"{cache.path}: {fmt.WEIGHTS} is missing; NeMo needs the target's embedding and "
-                               "lm_head. Re-run the precompute job with the same command to rewrite it.")
-    blob = cache.store.read_bytes(fmt.WEIGHTS)
-    try:
-        tensors = st_load_torch(blob)
-    except Exception as exc:  # safetensors raises its own error types
-        raise CacheFormatError(f"{cache.path}/{fmt.WEIGHTS} cannot be read ({exc}); re-run the precompute job") from exc
-    if "embed_tokens.weight" not in tensors:
-        raise CacheFormatError(f"{cache.path}/{fmt.WEIGHTS} has no embed_tokens.weight (keys {sorted(tensors)})")
+    ``tensors`` come from :meth:`Cache.target_weights`, which checked the file's sha256 and shapes.
+    """
     emb = tensors["embed_tokens.weight"]
     head = tensors.get("lm_head.weight", emb)  # tied: the embedding is the head
     spec = {"embed_tokens.weight": ("F32", tuple(emb.shape), 4), "lm_head.weight": ("F32", tuple(head.shape), 4)}
@@ -239,7 +230,7 @@ def export_nemo(cache: str | Path | Cache, out: str | Path, *, shard_size: int =
     something else or a previous export and ``overwrite`` is false.
     """
     t0 = time.perf_counter()
-    if shard_size < 1:
+    if isinstance(shard_size, bool) or not isinstance(shard_size, (int, np.integer)) or shard_size < 1:
         raise ValueError(f"shard_size={shard_size} must be >= 1 (samples per shard)")
     c = cache if isinstance(cache, Cache) else open_cache(cache)
     if not c.complete:
@@ -247,13 +238,15 @@ def export_nemo(cache: str | Path | Cache, out: str | Path, *, shard_size: int =
                                    "precompute run (re-run the same command) before exporting.")
     lids = c.check_layers(layers)
     out = Path(out)
-    _prepare_out(out, c.path, overwrite)
     n, S, H = len(c), c.seq_length, c.hidden_size
     longest = int(c.lengths().max()) if n else 0
     if longest > S:
         raise CacheFormatError(f"{c.path}: a sample has {longest} tokens, more than seq_length={S}; the cache is "
                                "damaged. Run `dspark-cache verify` on it.")
-    total = _write_weights(c, out)
+    weights = c.target_weights()  # checked (sha256, shapes) before a previous export is replaced
+    _prepare_out(out, c.path, overwrite)
+    total = _write_weights(weights, out)
+    del weights
     st_dtype = _ST_DTYPE[c.storage_dtype]
     disk_dtype = np.dtype(fmt.STORAGE_DTYPES[c.storage_dtype][0])
     itemsize = disk_dtype.itemsize

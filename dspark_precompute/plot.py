@@ -118,9 +118,11 @@ def plot_cache(cache: Cache | str | Path, path: str | Path | None = None, *, max
     ax3.legend(loc="upper left", fontsize=8)
 
     name = Path(str(c.path).rstrip("/")).name or str(c.path)
+    rejected = c.rejects()
     fig.suptitle(f"{name}: {c.manifest.get('target_model')} ({c.manifest.get('target_model_type')}), "
-                 f"{int(lengths.sum()):,} tokens, {c.storage_dtype}" + ("" if c.complete else " - INCOMPLETE"),
-                 fontsize=11)
+                 f"{int(lengths.sum()):,} tokens, {c.storage_dtype}" + ("" if c.complete else " - INCOMPLETE")
+                 + f"\nrejected {c.rejects_line()}", fontsize=11,
+                 color="#C44E52" if rejected["rejected"] else "black")
     if path is not None:
         fig.savefig(str(path))
         log.info("plot: wrote %s", path)

@@ -3,22 +3,34 @@
 Depends only on the format module, the store, zarr, numpy and torch (never on
 transformers), so training jobs and notebooks can read caches without the target.
 
-Reads go chunk by chunk through a small LRU of decoded chunks: a sample only touches
-the chunks that hold its tokens, neighbouring samples (disk order is longest-first
-within a unit) reuse them, and one sample's chunks are decoded concurrently. Local
-caches written with the standard codec chain are decoded straight from their chunk
-files (crc32c checked, then decompressed); anything else goes through zarr.
+Opening checks what is cheap and already in hand before anything is read: the manifest's
+fields (``format.manifest_problems``), every array's zarr.json against the manifest
+(``format.array_meta_problems``: dtype, shape, chunks, layer id, a codec chain the writer
+writes) and the sample/unit tables against the layout (``format.table_problems``). A
+cache that fails any of them is refused with a :class:`CacheFormatError` listing every
+problem, so nothing sized by a crafted value is ever allocated.
+
+Array data is read by this module alone, one whole chunk at a time: the chunk's bytes
+come straight from its file (local caches) or through the zarr store (fsspec URLs), its
+crc32c is checked, its codec header must declare exactly the chunk's size, and it is
+decompressed into a buffer of that size. A chunk that is not there raises
+:class:`MissingChunkError` (zarr would return zeros): the writer writes every chunk of a
+committed unit and of the tables, so an absent one is damage. Decoded chunks go through a
+small LRU: a sample only touches the chunks that hold its tokens, neighbouring samples
+(disk order is longest-first within a unit) reuse them, and one sample's chunks are
+decoded concurrently.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,16 +40,20 @@ import numpy as np
 import torch
 
 from dspark_precompute import format as fmt
-from dspark_precompute.errors import CacheFormatError, ChecksumError, IncompleteCacheError
+from dspark_precompute.errors import CacheFormatError, ChecksumError, IncompleteCacheError, MissingChunkError
 from dspark_precompute.progress import human_bytes
 from dspark_precompute.store import CacheStore
 
 log = logging.getLogger(__name__)
 
 _CRC_RE = re.compile(r"checksum", re.IGNORECASE)
+_COMMIT_RE = re.compile(r"^u(\d{1,12})\.json$")
 TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SAMPLE_KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
 DEFAULT_CHUNK_CACHE_BYTES = 64 << 20
+TABLES = (*fmt.SAMPLE_ARRAYS, *fmt.UNIT_ARRAYS)
+_MAX_JSON_BYTES = 1 << 20  # an array's zarr.json is a few hundred bytes
+_MASK_WINDOW = 1 << 22  # loss_mask tokens read at a time when counting supervised tokens
 
 
 def is_checksum_error(exc: BaseException) -> bool:
@@ -58,17 +74,6 @@ def to_torch(a: np.ndarray, storage_dtype: str) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-@dataclass(frozen=True)
-class _FastArray:
-    """How to decode one local array's chunk files without zarr's per-call machinery."""
-
-    root: Path
-    dtype: np.dtype
-    chunk_shape: tuple[int, ...]
-    key: Callable[[tuple[int, ...]], str]
-    decompress: Callable[[bytes], Any] | None
-
-
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
@@ -80,53 +85,166 @@ def _pool() -> ThreadPoolExecutor:
     return _POOLS[pid]
 
 
-def _fast_array(arr: Any, root: Path) -> _FastArray | None:
-    """A direct decoder when the chain is the writer's (bytes LE -> blosc|zstd|none -> crc32c), else None.
+# -- chunk bytes and their decoding -------------------------------------------------------------
+@dataclass(frozen=True)
+class _FastArray:
+    """A local array whose chunk files are read straight from disk (no zarr machinery per call)."""
 
-    zarr's own read path costs about as much again as the decompression itself for a
-    4 MiB chunk; reading the file, checking its crc32c and decompressing it directly
-    gives the same bytes (the tests compare both) at about a third of the time.
-    """
+    root: Path
+    meta: fmt.ArrayMeta
+
+
+def _fast_array(meta: fmt.ArrayMeta, root: Path) -> _FastArray | None:
+    """The direct file reader for a local array (every checked array has the writer's codec chain)."""
+    return _FastArray(root, meta)
+
+
+def _read_file(path: Path, limit: int) -> bytes | None:
+    """A file's bytes, at most ``limit + 1`` of them (more means it is too large); None if absent."""
     try:
-        import google_crc32c  # noqa: F401 - zarr's own crc32c implementation
-        from numcodecs import Blosc, Zstd
-        from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ZstdCodec
-
-        md = arr.metadata
-        codecs = list(md.codecs)
-        if len(codecs) < 2 or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[-1], Crc32cCodec):
-            return None
-        endian = getattr(codecs[0].endian, "value", codecs[0].endian)
-        if endian not in (None, "little") or len(codecs) > 3:
-            return None
-        if tuple(arr.chunks[1:]) != tuple(arr.shape[1:]) or md.fill_value != 0:
-            return None
-        decompress: Callable[[bytes], Any] | None = None
-        if len(codecs) == 3:
-            if isinstance(codecs[1], BloscCodec):
-                decompress = Blosc().decode
-            elif isinstance(codecs[1], ZstdCodec):
-                decompress = Zstd().decode
-            else:
-                return None
-        return _FastArray(root, np.dtype(arr.dtype).newbyteorder("<"), tuple(arr.chunks),
-                          md.chunk_key_encoding.encode_chunk_key, decompress)
-    except Exception:  # any surprise in the metadata: zarr's path is always correct
+        with open(path, "rb", buffering=0) as fh:  # unbuffered: one read straight into the bytes object
+            size = os.fstat(fh.fileno()).st_size
+            return fh.read(min(size, limit + 1))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
 
 
-def _decode_fast(spec: _FastArray, name: str, idx: tuple[int, ...]) -> np.ndarray:
+def _get_many(store: CacheStore, zstore: Any, keys: list[str], limits: list[int]) -> list[bytes | None]:
+    """Objects ``keys`` of a cache (None for absent ones), at most ``limit + 1`` bytes each, fetched together."""
+    if zstore is None:
+        root = Path(store.root)
+        return [_read_file(root / k, lim) for k, lim in zip(keys, limits)]
+    from zarr.abc.store import RangeByteRequest
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    proto = default_buffer_prototype()
+
+    async def one(key: str, lim: int) -> bytes | None:
+        got = await zstore.get(key, proto, byte_range=RangeByteRequest(0, lim + 1))
+        return None if got is None else got.to_bytes()
+
+    async def gather() -> list[bytes | None]:
+        return list(await asyncio.gather(*(one(k, lim) for k, lim in zip(keys, limits))))
+
+    return sync(gather())
+
+
+_CODECS: dict[str, Any] = {}
+
+
+def _codec(name: str) -> Any:
+    """One numcodecs decoder per compressor (decoding keeps no state: shared by the decode threads)."""
+    if name not in _CODECS:
+        from numcodecs import Blosc, Zstd
+
+        _CODECS[name] = Blosc() if name == "blosc" else Zstd()
+    return _CODECS[name]
+
+
+def decode_chunk(meta: fmt.ArrayMeta, idx: tuple[int, ...], raw: bytes, where: str = "") -> np.ndarray:
+    """One stored chunk -> its array of ``meta.chunks``: crc32c checked, header sizes checked, bounded.
+
+    Raises :class:`ChecksumError` when the crc32c does not match and :class:`CacheFormatError`
+    when the chunk is larger than the array's chunks can be or its codec header declares
+    another size than the chunk's (it is then never decompressed).
+    """
     import google_crc32c
 
-    try:
-        raw = (spec.root / spec.key(idx)).read_bytes()
-    except FileNotFoundError:  # never written: zarr reads it as the fill value
-        return np.zeros(spec.chunk_shape, dtype=spec.dtype)
-    body = np.frombuffer(raw, dtype=np.uint8)[:-4]
-    if len(raw) < 4 or np.uint32(google_crc32c.value(body)).tobytes() != raw[-4:]:
+    name = meta.name
+    key = f"{name}/{meta.chunk_key(idx)}"
+    if len(raw) > meta.max_stored_bytes():
+        raise CacheFormatError(f"{where}array {name!r} chunk {idx} (file {key}) is larger than any chunk of this "
+                               f"array can be ({meta.max_stored_bytes():,} bytes); it was not written by this tool. "
+                               "Re-create the cache")
+    buf = np.frombuffer(raw, dtype=np.uint8)
+    body = buf[:-4]
+    if len(raw) < 4 or int(google_crc32c.value(body)).to_bytes(4, "little") != raw[-4:]:
         raise ChecksumError(name, idx, "Stored and computed checksum do not match")
-    data = spec.decompress(body) if spec.decompress is not None else body
-    return np.frombuffer(data, dtype=spec.dtype).reshape(spec.chunk_shape)
+    expected = meta.chunk_nbytes
+    problem = fmt.compressed_size_problem(meta.compressor, body, expected)
+    if problem:
+        raise CacheFormatError(f"{where}array {name!r} chunk {idx} (file {key}) {problem}; it is not decoded. The "
+                               "chunk was altered or not written by this tool: re-create the cache")
+    if meta.compressor is None:
+        data = body
+    else:
+        data = np.empty(expected, dtype=np.uint8)
+        try:
+            _codec(meta.compressor).decode(body, out=data)
+        except Exception as exc:  # the codec's own error types
+            raise CacheFormatError(f"{where}array {name!r} chunk {idx} (file {key}) cannot be decompressed "
+                                   f"({type(exc).__name__}: {exc}); re-create the cache") from None
+    return data.view(meta.dtype).reshape(meta.chunks)
+
+
+def read_array_metas(store: CacheStore, manifest: dict[str, Any], zstore: Any = None
+                     ) -> tuple[dict[str, fmt.ArrayMeta], list[tuple[str, str]]]:
+    """Every array's zarr.json, checked against the manifest: (parsed metas, [(array, problem)]).
+
+    Read as plain JSON, never handed to zarr, so an unknown codec is named here instead
+    of surfacing as zarr's own error.
+    """
+    want = fmt.expected_arrays(manifest)
+    names = list(want)
+    blobs = _get_many(store, zstore, [f"{n}/zarr.json" for n in names], [_MAX_JSON_BYTES] * len(names))
+    metas: dict[str, fmt.ArrayMeta] = {}
+    problems: list[tuple[str, str]] = []
+    for name, blob in zip(names, blobs):
+        if blob is None:
+            problems.append((name, f"array {name!r} is missing (no {name}/zarr.json)"))
+            continue
+        try:
+            if len(blob) > _MAX_JSON_BYTES:
+                raise ValueError(f"{len(blob):,}+ bytes")
+            meta = json.loads(blob)
+        except ValueError as exc:
+            problems.append((name, f"array {name!r}: {name}/zarr.json is not valid JSON ({exc})"))
+            continue
+        parsed, found = fmt.array_meta_problems(name, meta, want[name])
+        problems.extend((name, p) for p in found)
+        if parsed is not None:
+            metas[name] = parsed
+    return metas, problems
+
+
+def load_manifest(store: CacheStore) -> dict[str, Any]:
+    """The manifest, checked by ``format.manifest_problems``; raises :class:`CacheFormatError` listing problems."""
+    path = store.path
+    if not store.exists(fmt.MANIFEST):
+        raise CacheFormatError(
+            f"{path}: no {fmt.MANIFEST}; this is not a dspark-precompute cache (or its run never "
+            "started). Point open_cache at the storage.path of a precompute run."
+        )
+    try:
+        manifest = json.loads(store.read_bytes(fmt.MANIFEST))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CacheFormatError(f"{path}/{fmt.MANIFEST} is not valid JSON ({exc}); re-run the precompute "
+                               "job with overwrite=true to rewrite the cache") from exc
+    problems = fmt.manifest_problems(manifest)
+    if problems:
+        raise CacheFormatError(_listing(f"{path}: {fmt.MANIFEST} is invalid", problems,
+                                        "The manifest was altered or is damaged: re-create the cache (re-run the "
+                                        "precompute command with overwrite=true)."))
+    return manifest
+
+
+def _listing(head: str, problems: Sequence[str], tail: str) -> str:
+    if len(problems) == 1:
+        return f"{head}: {problems[0]}. {tail}"
+    return f"{head} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems) + f"\n{tail}"
+
+
+def weights_sha256(store: CacheStore) -> str:
+    """sha256 of the stored weights file, streamed for a local cache."""
+    h = hashlib.sha256()
+    if store.url:
+        h.update(store.read_bytes(fmt.WEIGHTS))
+    else:
+        with open(Path(store.root) / fmt.WEIGHTS, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
 
 
 class _ChunkLRU:
@@ -163,23 +281,12 @@ class Cache:
 
     def __init__(self, path: str | Path, allow_incomplete: bool = False,
                  chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES):
-        import zarr
-
         self.store = CacheStore(str(path))
         self.path = self.store.path
-        if not self.store.exists(fmt.MANIFEST):
-            raise CacheFormatError(
-                f"{path}: no {fmt.MANIFEST}; this is not a dspark-precompute cache (or its run never "
-                "started). Point open_cache at the storage.path of a precompute run."
-            )
-        try:
-            self.manifest: dict[str, Any] = json.loads(self.store.read_bytes(fmt.MANIFEST))
-        except json.JSONDecodeError as exc:
-            raise CacheFormatError(f"{path}/{fmt.MANIFEST} is not valid JSON ({exc}); re-run the precompute "
-                                   "job with overwrite=true to rewrite the cache") from exc
-        problems = fmt.manifest_problems(self.manifest)
-        if problems:
-            raise CacheFormatError(f"{path}: " + "; ".join(problems))
+        self.allow_incomplete = bool(allow_incomplete)
+        self._zstore: Any = None
+        self._group: Any = None
+        self.manifest: dict[str, Any] = load_manifest(self.store)
         self.complete = bool(self.manifest["complete"])
         committed = self._committed_units()
         if not self.complete and not allow_incomplete:
@@ -188,22 +295,38 @@ class Cache:
                 "has not finished. Re-run it with the same command to finish, or open_cache(..., "
                 "allow_incomplete=True) to read the committed samples only."
             )
-        self.group = zarr.open_group(self.store.zarr_store(read_only=True), mode="r")
         self.layer_ids: list[int] = [int(x) for x in self.manifest["layer_ids"]]
         self.hidden_size = int(self.manifest["hidden_size"])
         self.storage_dtype: str = self.manifest["storage_dtype"]
         self.logical_dtype = fmt.STORAGE_DTYPES[self.storage_dtype][1]
         self.torch_dtype = TORCH_DTYPES[self.storage_dtype]
-        self.seq_length = int(self.manifest.get("seq_length") or 0)
+        self.seq_length = int(self.manifest["seq_length"])
         self.chunk_tokens = int(self.manifest["layout"]["chunk_tokens"])
         self._names: dict[str, str] = dict(self.manifest["arrays"])
-        self._arrays: dict[str, Any] = {}
         self._fast: dict[str, _FastArray | None] = {}
         self._lru = _ChunkLRU(chunk_cache_bytes)
-        self._start = self._table("samples/start")
-        self._length = self._table("samples/length")
-        self._source_row = self._table("samples/source_row")
-        self._unit = self._table("samples/unit")
+        self._where: fmt.SampleIndex | None = None
+        metas, problems = read_array_metas(self.store, self.manifest, self._zarr_store() if self.store.url else None)
+        if problems:
+            raise CacheFormatError(_listing(f"{self.path}: the arrays disagree with the manifest",
+                                            [p for _, p in problems],
+                                            f"Run `dspark-cache verify {self.path}` for a full report; re-create the "
+                                            "cache (re-run the precompute command with overwrite=true)."))
+        self._metas = metas
+        tables = self._read_tables()
+        problems = fmt.table_problems(self.manifest, tables)
+        if problems:
+            raise CacheFormatError(_listing(f"{self.path}: the sample/unit tables disagree with the layout", problems,
+                                            "Samples would be read from the wrong tokens, so the cache is refused. "
+                                            f"Run `dspark-cache verify {self.path}` for a full report; re-create the "
+                                            "cache (re-run the precompute command with overwrite=true)."))
+        self._start = tables["samples/start"]
+        self._length = tables["samples/length"]
+        self._source_row = tables["samples/source_row"]
+        self._unit = tables["samples/unit"]
+        self._untruncated = tables["samples/untruncated_length"]
+        self._unit_start = tables["units/token_start"]
+        self._unit_stop = tables["units/token_stop"]
         if self.complete:
             self.indices = np.arange(len(self._start), dtype=np.int64)
         else:
@@ -213,7 +336,7 @@ class Cache:
     # -- metadata --------------------------------------------------------------------------
     @property
     def num_units(self) -> int:
-        return int(self.manifest.get("layout", {}).get("num_units", 0))
+        return int(self.manifest["layout"]["num_units"])
 
     @property
     def pad_token_id(self) -> int:
@@ -233,135 +356,146 @@ class Cache:
         """Layer id (as a string, plus ``"last"``) -> zarr array name."""
         return dict(self._names)
 
+    @property
+    def group(self) -> Any:
+        """The cache as a zarr group (read-only), for inspection with zarr's own API."""
+        if self._group is None:
+            import zarr
+
+            self._group = zarr.open_group(self._zarr_store(), mode="r")
+        return self._group
+
+    def _zarr_store(self) -> Any:
+        if self._zstore is None:
+            self._zstore = self.store.zarr_store(read_only=True)
+        return self._zstore
+
     def _committed_units(self) -> set[int]:
-        return {int(k.rsplit("u", 1)[1].split(".")[0]) for k in self.store.list_keys(fmt.COMMITS)
-                if k.endswith(".json")}
+        """Units with a commit record (file names that are not ``u<digits>.json`` are ignored)."""
+        out = set()
+        for k in self.store.list_keys(fmt.COMMITS):
+            m = _COMMIT_RE.match(k.rsplit("/", 1)[-1])
+            if m and int(m.group(1)) < self.num_units:
+                out.add(int(m.group(1)))
+        return out
 
     # -- low-level reads -------------------------------------------------------------------
-    def _array(self, name: str) -> Any:
-        if name not in self._arrays:
-            try:
-                self._arrays[name] = self.group[name]
-            except KeyError:
-                raise CacheFormatError(
-                    f"{self.path}: array {name!r} named by the manifest is missing; the cache is damaged. "
-                    f"Run `dspark-cache verify {self.path}` to see everything that is wrong."
-                ) from None
-        return self._arrays[name]
-
-    def _table(self, name: str) -> np.ndarray:
-        arr = self._array(name)
-        try:
-            return np.asarray(arr[:])
-        except ValueError as exc:
-            if is_checksum_error(exc):
-                raise ChecksumError(name, (0,), str(exc)) from None
-            raise
-
     def _fast_spec(self, name: str) -> _FastArray | None:
+        """The direct file reader for array ``name`` (None for a cache behind a URL: read through zarr's store)."""
         if name not in self._fast:
-            self._fast[name] = None if self.store.url else _fast_array(self._array(name), Path(self.store.root) / name)
+            self._fast[name] = None if self.store.url else _fast_array(self._metas[name], Path(self.store.root) / name)
         return self._fast[name]
 
-    def _chunk_index(self, name: str, c: int) -> tuple[int, ...]:
-        return (c,) if self._array(name).ndim == 1 else (c, 0)
+    def _samples_in(self, lo: int, hi: int) -> np.ndarray:
+        if self._where is None:
+            self._where = fmt.SampleIndex(self._start, self._length)
+        return self._where.in_range(lo, hi)
+
+    def _missing(self, name: str, idx: tuple[int, ...]) -> MissingChunkError:
+        meta = self._metas[name]
+        key = f"{name}/{meta.chunk_key(idx)}"
+        lo, hi = idx[0] * meta.chunks[0], min((idx[0] + 1) * meta.chunks[0], meta.shape[0])
+        if name in TABLES:
+            return MissingChunkError(
+                f"{self.path}: table {name!r} chunk {idx} is missing (file {key}): its rows [{lo}, {hi}) would read "
+                "back as zeros, so every sample's place is unknown. The cache is damaged: re-create it (re-run the "
+                "precompute command with overwrite=true).", array=name, chunk=idx)
+        holds = self._samples_in(lo, hi)
+        units = sorted({int(u) for u in self._unit[holds]}) if len(holds) else []
+        shown = ", ".join(str(int(i)) for i in holds[:8]) + (f" (+{len(holds) - 8} more)" if len(holds) > 8 else "")
+        pending = [] if self.complete else sorted(set(units) - self._committed_units())
+        if pending:  # read_tokens asked for slots of a unit the run has not committed: nothing is damaged
+            return MissingChunkError(
+                f"{self.path}: array {name!r} chunk {idx} (file {key}) is not written yet: it belongs to unit(s) "
+                f"{pending}, which have no commit record; only committed units of an incomplete cache are readable.",
+                array=name, chunk=idx, samples=tuple(int(i) for i in holds))
+        return MissingChunkError(
+            f"{self.path}: array {name!r} chunk {idx} is missing (file {key}): it holds token slots [{lo}, {hi}) of "
+            f"unit(s) {units}, " + (f"samples {shown}" if len(holds) else "no samples") + ", which would read back as "
+            f"zeros. The cache is damaged: run `dspark-cache verify --repair {self.path}` to mark the unit(s) for "
+            "recomputation, then re-run the precompute command that wrote the cache (same overrides).",
+            array=name, chunk=idx, samples=tuple(int(i) for i in holds))
+
+    def _decode_jobs(self, jobs: list[tuple[str, int]], legacy_zeros: bool = False) -> list[np.ndarray]:
+        """Chunks ``(array, chunk number)`` decoded, concurrently when there are several.
+
+        Local arrays are read straight from their files; others (a URL) through the zarr
+        store, every object fetched in one round of requests. ``legacy_zeros`` reads an
+        absent chunk as zeros (tables of caches written before every table chunk was).
+        """
+        where = f"{self.path}: "
+
+        def finish(job: tuple[str, int], raw: bytes | None) -> np.ndarray:
+            meta = self._metas[job[0]]
+            idx = meta.chunk_index(job[1])
+            if raw is None:
+                if legacy_zeros:
+                    return np.zeros(meta.chunks, dtype=meta.dtype)
+                raise self._missing(job[0], idx)
+            return decode_chunk(meta, idx, raw, where)
+
+        fast = [self._fast_spec(name) for name, _ in jobs]
+        if all(f is not None for f in fast):
+            def one(k: int) -> np.ndarray:
+                spec, c = fast[k], jobs[k][1]
+                meta = spec.meta
+                raw = _read_file(spec.root / meta.chunk_key(meta.chunk_index(c)), meta.max_stored_bytes())
+                return finish(jobs[k], raw)
+
+            return list(_pool().map(one, range(len(jobs)))) if len(jobs) > 1 else [one(0)] if jobs else []
+        metas = [self._metas[name] for name, _ in jobs]
+        keys = [f"{m.name}/{m.chunk_key(m.chunk_index(c))}" for m, (_, c) in zip(metas, jobs)]
+        raws = _get_many(self.store, self._zarr_store(), keys, [m.max_stored_bytes() for m in metas])
+        if len(jobs) > 1:
+            return list(_pool().map(finish, jobs, raws))
+        return [finish(j, r) for j, r in zip(jobs, raws)]
+
+    def _read_tables(self) -> dict[str, np.ndarray]:
+        """Every sample/unit table, whole. A missing table chunk is damage, except in caches from before
+        the writer wrote all-zero table chunks (no ``weights_sha256``), where it reads as zeros and the
+        table checks that follow catch any zero that is not the truth."""
+        legacy = "weights_sha256" not in self.manifest
+        jobs = [(name, c) for name in TABLES for c in range(self._metas[name].num_chunks)]
+        decoded = self._decode_jobs(jobs, legacy_zeros=legacy)
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in TABLES}
+        for (name, _), data in zip(jobs, decoded):
+            parts[name].append(data)
+        out = {}
+        for name in TABLES:
+            meta = self._metas[name]
+            out[name] = (np.concatenate(parts[name]) if parts[name] else np.zeros(0, meta.dtype))[:meta.shape[0]]
+        return out
 
     def _chunks(self, wants: dict[str, tuple[int, int]]) -> dict[tuple[str, int], np.ndarray]:
-        """Decoded chunks ``first..last`` of each array in ``{array: (first, last)}``.
-
-        Chunks come from the LRU when they can. Missing ones are decoded concurrently:
-        straight from their files on the direct path, else as one contiguous zarr range
-        per array with all arrays awaited together, so a sample costs one round of I/O
-        rather than one per array. On a zarr checksum failure the ranges are re-read one
-        chunk at a time so the error names the corrupt chunk.
-        """
-        from zarr.core.sync import sync
-
-        ct = self.chunk_tokens
+        """Decoded chunks ``first..last`` of each array in ``{array: (first, last)}``, from the LRU when there."""
         out: dict[tuple[str, int], np.ndarray] = {}
-        todo: list[tuple[str, int, int]] = []
+        jobs: list[tuple[str, int]] = []
         for name, (c0, c1) in wants.items():
-            missing = []
             for c in range(c0, c1 + 1):
                 hit = self._lru.get((name, c))
                 if hit is None:
-                    missing.append(c)
+                    jobs.append((name, c))
                 else:
                     out[(name, c)] = hit
-            if missing:
-                todo.append((name, missing[0], missing[-1]))
-        if not todo:
-            return out
-        fast = {name: self._fast_spec(name) for name, _, _ in todo}
-        if all(v is not None for v in fast.values()):
-            jobs = [(name, c) for name, c0, c1 in todo for c in range(c0, c1 + 1) if (name, c) not in out]
-
-            def one(job: tuple[str, int]) -> np.ndarray:
-                return _decode_fast(fast[job[0]], job[0], self._chunk_index(job[0], job[1]))
-
-            decoded = list(_pool().map(one, jobs)) if len(jobs) > 1 else [one(j) for j in jobs]
-            for job, piece in zip(jobs, decoded):
-                out[job] = piece
-                self._lru.put(job, piece)
-            return out
-
-        arrays = {name: self._array(name) for name, _, _ in todo}  # resolved outside the event loop
-
-        async def _gather(reqs: list[tuple[str, int, int]]) -> list[Any]:
-            coros = []
-            for name, c0, c1 in reqs:
-                arr = arrays[name]
-                coros.append(arr.async_array.getitem(slice(c0 * ct, min((c1 + 1) * ct, arr.shape[0]))))
-            return await asyncio.gather(*coros)
-
-        try:
-            results = sync(_gather(todo))
-        except ValueError as exc:
-            if not is_checksum_error(exc):
-                raise
-            for name, c0, c1 in todo:
-                for c in range(c0, c1 + 1):
-                    try:
-                        sync(_gather([(name, c, c)]))
-                    except ValueError as inner:
-                        if is_checksum_error(inner):
-                            raise ChecksumError(name, self._chunk_index(name, c), str(inner)) from None
-                        raise
-            raise ChecksumError(todo[0][0], f"one of chunks {todo[0][1]}..{todo[0][2]}", str(exc)) from None
-        for (name, c0, c1), data in zip(todo, results):
-            data = np.asarray(data)
-            for c in range(c0, c1 + 1):
-                piece = data[(c - c0) * ct:(c - c0 + 1) * ct]
-                out[(name, c)] = piece
-                self._lru.put((name, c), piece)
+        for job, piece in zip(jobs, self._decode_jobs(jobs)):
+            out[job] = piece
+            self._lru.put(job, piece)
         return out
 
-    def _read_direct(self, names: list[str], a: int, b: int) -> dict[str, np.ndarray]:
-        from zarr.core.sync import sync
-
-        arrays = {name: self._array(name) for name in names}
-
-        async def _gather() -> list[Any]:
-            return await asyncio.gather(*(arrays[nm].async_array.getitem(slice(a, b)) for nm in names))
-
-        try:
-            return {nm: np.asarray(v) for nm, v in zip(names, sync(_gather()))}
-        except ValueError as exc:
-            if not is_checksum_error(exc):
-                raise
-            ct = self.chunk_tokens
-            self._chunks({nm: (a // ct, (b - 1) // ct) for nm in names})  # raises, naming the chunk
-            raise
-
     def read_tokens(self, names: Sequence[str], a: int, b: int) -> dict[str, np.ndarray]:
-        """Token slots ``[a, b)`` of each named array, as stored (bf16 as uint16 bits), copied."""
+        """Token slots ``[a, b)`` of each named token array, as stored (bf16 as uint16 bits), copied."""
         ct = self.chunk_tokens
         names = list(dict.fromkeys(names))
+        unknown = [nm for nm in names if nm in TABLES or nm not in self._metas]
+        if unknown:
+            raise ValueError(f"read_tokens: {unknown} are not token arrays of this cache; those are "
+                             f"{sorted(n for n in self._metas if n not in TABLES)}")
+        total = int(self.manifest["layout"]["total_token_slots"])
+        if not 0 <= a <= total or not 0 <= b <= total:
+            raise ValueError(f"read_tokens: token slots [{a}, {b}) lie outside the token axis [0, {total})")
         if b <= a:
-            return {nm: np.zeros((0, *self._array(nm).shape[1:]), dtype=self._array(nm).dtype) for nm in names}
+            return {nm: np.zeros((0, *self._metas[nm].shape[1:]), dtype=self._metas[nm].dtype) for nm in names}
         c0, c1 = a // ct, (b - 1) // ct
-        if self._lru.max_bytes <= 0 and any(self._fast_spec(nm) is None for nm in names):
-            return self._read_direct(names, a, b)  # no reuse: let zarr decode and keep only [a, b)
         chunks = self._chunks({name: (c0, c1) for name in names})
         out: dict[str, np.ndarray] = {}
         for name in names:
@@ -448,6 +582,37 @@ class Cache:
         return {"input_ids": torch.from_numpy(ids), "loss_mask": torch.from_numpy(mask),
                 **{k: to_torch(v, self.storage_dtype) for k, v in floats.items()}}
 
+    def target_weights(self) -> dict[str, torch.Tensor]:
+        """``embed_tokens.weight`` (+ ``lm_head.weight`` when untied) from the cache's weights file.
+
+        The file's sha256 must equal the manifest's ``weights_sha256`` (:class:`ChecksumError`
+        otherwise; caches written before it was recorded are read unchecked) and its tensors
+        must have the manifest's shapes (:class:`CacheFormatError`).
+        """
+        from safetensors.torch import load as st_load
+
+        if not self.store.exists(fmt.WEIGHTS):
+            raise CacheFormatError(f"{self.path}: {fmt.WEIGHTS} is missing; training and export need the target's "
+                                   "embedding and lm_head. Re-run the precompute job with the same command to "
+                                   "rewrite it.")
+        blob = self.store.read_bytes(fmt.WEIGHTS)
+        want = self.manifest.get("weights_sha256")
+        if want is not None:
+            got = hashlib.sha256(blob).hexdigest()
+            if got != want:
+                raise ChecksumError(fmt.WEIGHTS, file=f"{self.path}/{fmt.WEIGHTS}",
+                                    detail=f"its sha256 is {got}, the manifest records {want}")
+        try:
+            tensors = st_load(blob)
+        except Exception as exc:  # safetensors raises its own error types
+            raise CacheFormatError(f"{self.path}/{fmt.WEIGHTS} cannot be read ({exc}); re-run the precompute "
+                                   "job") from exc
+        problems = fmt.weights_problems({k: tuple(v.shape) for k, v in tensors.items()}, self.manifest)
+        if problems:
+            raise CacheFormatError(_listing(f"{self.path}/{fmt.WEIGHTS} does not fit the manifest", problems,
+                                            "Re-create the cache."))
+        return tensors
+
     # -- description -----------------------------------------------------------------------
     def lengths(self) -> np.ndarray:
         """Tokens per readable sample (int32)."""
@@ -458,26 +623,28 @@ class Cache:
         return self._start[self.indices]
 
     def untruncated_lengths(self) -> np.ndarray:
-        return self._table("samples/untruncated_length")[self.indices]
+        return self._untruncated[self.indices]
 
     def supervised_counts(self) -> np.ndarray:
         """Supervised (loss_mask=1) tokens per readable sample, from the stored masks.
 
-        Reads ``loss_mask`` one unit at a time (1 byte per token), never the hidden states.
+        Reads ``loss_mask`` (1 byte per token, a bounded window at a time), never the hidden states.
         """
         if self._supervised is None:
             counts = np.zeros(len(self._start), dtype=np.int64)
-            unit_start = self._table("units/token_start")
-            unit_stop = self._table("units/token_stop")
             members = self._unit[self.indices]
+            window = max(self.chunk_tokens, _MASK_WINDOW // self.chunk_tokens * self.chunk_tokens)
             for u in np.unique(members):
                 u = int(u)
-                a, b = int(unit_start[u]), int(unit_stop[u])
-                mask = self.read_tokens([fmt.LOSS_MASK], a, b)[fmt.LOSS_MASK]
-                csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
                 ids = self.indices[members == u]
-                rel = self._start[ids] - a
-                counts[ids] = csum[rel + self._length[ids]] - csum[rel]
+                s0 = self._start[ids].astype(np.int64)
+                s1 = s0 + self._length[ids]
+                for w0 in range(int(self._unit_start[u]), int(self._unit_stop[u]), window):
+                    w1 = min(w0 + window, int(self._unit_stop[u]))
+                    mask = self.read_tokens([fmt.LOSS_MASK], w0, w1)[fmt.LOSS_MASK]
+                    csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+                    lo, hi = np.clip(s0 - w0, 0, w1 - w0), np.clip(s1 - w0, 0, w1 - w0)
+                    counts[ids] += csum[hi] - csum[lo]
             self._supervised = counts[self.indices]
         return self._supervised
 
@@ -488,15 +655,32 @@ class Cache:
         root = Path(self.store.root) / prefix
         return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
 
+    def rejects(self) -> dict[str, Any]:
+        """Input rows that did not become samples: counts, share and counts per reason (from the manifest)."""
+        counts = self.manifest["counts"]
+        rows_in, rejected = int(counts["rows_in"]), int(counts["rejected"])
+        by = {str(k): int(v) for k, v in (counts.get("rejected_by_reason") or {}).items()}
+        return {"rows_in": rows_in, "rejected": rejected, "rejected_fraction": rejected / rows_in if rows_in else 0.0,
+                "rejected_by_reason": dict(sorted(by.items(), key=lambda kv: (-kv[1], kv[0])))}
+
+    def rejects_line(self) -> str:
+        """``1,234 of 1,400 rows (88.1%): no_supervised_tokens=1,200, malformed_json=34``."""
+        r = self.rejects()
+        line = f"{r['rejected']:,} of {r['rows_in']:,} rows ({r['rejected_fraction']:.1%})"
+        if r["rejected_by_reason"]:
+            line += ": " + ", ".join(f"{k}={v:,}" for k, v in r["rejected_by_reason"].items())
+        return line
+
     def summary(self) -> dict[str, Any]:
-        """What is in the cache and what it costs on disk (for ``repr``, ``info`` and notebooks)."""
+        """What is in the cache and what it costs on disk (for ``info`` and notebooks; walks the store)."""
         counts = self.manifest["counts"]
         lengths = self.lengths()
         tokens = int(lengths.sum())
-        supervised = int(counts.get("supervised_tokens", 0)) if self.complete else int(self.supervised_counts().sum())
+        supervised = int(counts["supervised_tokens"]) if self.complete else int(self.supervised_counts().sum())
         on_disk = self.store.nbytes()
         token_disk = sum(self._bytes_under(p) for p in (fmt.INPUT_IDS, fmt.LOSS_MASK, fmt.HIDDEN_GROUP))
         raw = tokens * int(self.manifest.get("bytes_per_token", 0))
+        target = self.manifest["identity"]["target"]
         return {
             "path": self.path,
             "complete": self.complete,
@@ -508,10 +692,11 @@ class Cache:
             "max_length": int(lengths.max()) if len(lengths) else 0,
             "seq_length": self.seq_length,
             "truncated_samples": int((self.untruncated_lengths() > lengths).sum()) if len(lengths) else 0,
+            **self.rejects(),
             "layer_ids": self.layer_ids,
             "hidden_size": self.hidden_size,
             "target_hidden_dim": self.hidden_size * len(self.layer_ids),
-            "num_hidden_layers": int(self.manifest.get("num_hidden_layers", 0)),
+            "num_hidden_layers": int(self.manifest["num_hidden_layers"]),
             "dtype": self.storage_dtype,
             "chunk_tokens": self.chunk_tokens,
             "units_committed": len(self._committed_units()),
@@ -520,7 +705,7 @@ class Cache:
             "token_bytes_on_disk": token_disk,
             "raw_token_bytes": raw,
             "compression_ratio": (raw / token_disk) if token_disk else None,
-            "target": self.manifest["identity"]["target"]["path"],
+            "target": target["path"],
             "target_model_type": self.manifest.get("target_model_type"),
             "target_vocab_size": self.manifest.get("target_vocab_size"),
         }
@@ -538,6 +723,7 @@ class Cache:
             f"hidden {s['hidden_size']}, vocab {s['target_vocab_size']}",
             f"  samples     {s['samples']:,}  tokens {s['tokens']:,} (mean {s['mean_length']:.1f}, max "
             f"{s['max_length']}, seq_length {s['seq_length']}; {s['truncated_samples']} truncated)",
+            f"  rejected    {self.rejects_line()}",
             f"  supervised  {s['supervised_tokens']:,} tokens ({s['supervised_fraction']:.1%})",
             f"  layers      {s['layer_ids']} -> target_hidden_states [T, {s['target_hidden_dim']}], "
             f"target_last_hidden_states [T, {s['hidden_size']}] ({last_src})",
@@ -548,13 +734,18 @@ class Cache:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        s = self.summary()
+        """What is in hand (no store walk: ``summary()`` lists every file, which a repr must not)."""
+        lengths = self.lengths()
+        tokens = int(lengths.sum())
+        if self.complete:
+            sup = f"{int(self.manifest['counts']['supervised_tokens']) / max(1, tokens):.1%} supervised, "
+        else:
+            sup = ""
+        r = self.rejects()
         return (
-            f"<dspark cache {s['path']!r}: {s['samples']} samples, {s['tokens']} tokens "
-            f"({s['supervised_fraction']:.1%} supervised), layers {s['layer_ids']} x {s['hidden_size']}, "
-            f"{s['dtype']}, {s['bytes_on_disk'] / 1e6:.1f} MB on disk"
-            + (f" ({s['compression_ratio']:.2f}x)" if s["compression_ratio"] else "")
-            + ("" if s["complete"] else ", INCOMPLETE") + ">"
+            f"<dspark cache {self.path!r}: {len(self)} samples, {tokens} tokens ({sup}{r['rejected']} of "
+            f"{r['rows_in']} rows rejected), layers {self.layer_ids} x {self.hidden_size}, {self.storage_dtype}"
+            + ("" if self.complete else ", INCOMPLETE") + ">"
         )
 
     def plot(self, path: str | Path | None = None, **kwargs: Any) -> Any:
@@ -563,24 +754,55 @@ class Cache:
 
         return plot_cache(self, path, **kwargs)
 
-    # -- pickling (DataLoader workers with spawn) ------------------------------------------
+    # -- re-opening in another process (DataLoader workers) ---------------------------------
+    def _fingerprint(self) -> str:
+        """What a re-opened handle must find unchanged: identity, layout and the sample tables."""
+        h = hashlib.sha256()
+        keep = {k: self.manifest.get(k) for k in ("config_hash", "created_at", "layout", "arrays")}
+        h.update(json.dumps(keep, sort_keys=True).encode())
+        for t in (self._start, self._length, self._unit, self._source_row):
+            h.update(np.ascontiguousarray(t).tobytes())
+        return h.hexdigest()
+
+    def handle_state(self) -> dict[str, Any]:
+        """A small picklable description from which :meth:`reopen` rebuilds this very view elsewhere."""
+        units = None if self.complete else sorted({int(u) for u in self._unit[self.indices]})
+        return {"path": self.path, "chunk_cache_bytes": self._lru.max_bytes, "complete": self.complete,
+                "units": units, "samples": len(self), "fingerprint": self._fingerprint()}
+
+    @classmethod
+    def reopen(cls, state: dict[str, Any]) -> Cache:
+        """Open the cache of ``state`` (from :meth:`handle_state`) afresh: the same samples under the same indices.
+
+        Refuses (:class:`CacheFormatError`) a cache rewritten or repaired since: a worker
+        must never read different samples under the indices its parent handed out.
+        """
+        fresh = cls(state["path"], allow_incomplete=True, chunk_cache_bytes=state["chunk_cache_bytes"])
+        if fresh._fingerprint() != state["fingerprint"]:
+            raise CacheFormatError(f"{state['path']} changed since it was opened (it was re-created or its tables "
+                                   "rewritten): samples would not be the ones the opening process indexed. Open it "
+                                   "again (restart the DataLoader or training job).")
+        units = state["units"]
+        committed = fresh._committed_units()
+        need = set(range(fresh.num_units)) if units is None else set(units)
+        lost = sorted(need - committed) if not fresh.complete else []
+        if lost:
+            raise CacheFormatError(f"{state['path']}: units {lost[:10]} were readable when the cache was opened and "
+                                   "have no commit record now (marked for repair?); open it again once the "
+                                   "precompute run has rewritten them.")
+        if units is not None:
+            fresh.indices = np.flatnonzero(np.isin(fresh._unit, units)).astype(np.int64)
+            fresh.complete = False
+        if len(fresh) != state["samples"]:
+            raise CacheFormatError(f"{state['path']}: {len(fresh)} samples are readable now, {state['samples']} "
+                                   "were when it was opened; open it again.")
+        return fresh
+
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        for k in ("group", "_arrays", "_lru", "store", "_fast"):
-            state.pop(k, None)
-        state["_lru_bytes"] = self._lru.max_bytes
-        return state
+        return self.handle_state()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        import zarr
-
-        lru_bytes = state.pop("_lru_bytes")
-        self.__dict__.update(state)
-        self.store = CacheStore(self.path)
-        self.group = zarr.open_group(self.store.zarr_store(read_only=True), mode="r")
-        self._arrays = {}
-        self._fast = {}
-        self._lru = _ChunkLRU(lru_bytes)
+        self.__dict__.update(Cache.reopen(state).__dict__)
 
 
 def open_cache(path: str | Path, allow_incomplete: bool = False,
@@ -588,6 +810,8 @@ def open_cache(path: str | Path, allow_incomplete: bool = False,
     """Open a cache written by ``python -m dspark_precompute`` (a local path or fsspec URL).
 
     An unfinished cache raises :class:`IncompleteCacheError` unless ``allow_incomplete``;
-    ``chunk_cache_bytes`` bounds the decoded chunks kept for reuse (0 disables it).
+    ``chunk_cache_bytes`` bounds the decoded chunks kept for reuse (0 disables it). A
+    cache whose manifest, array metadata or tables are inconsistent raises
+    :class:`CacheFormatError` listing every problem.
     """
     return Cache(path, allow_incomplete=allow_incomplete, chunk_cache_bytes=chunk_cache_bytes)

@@ -30,9 +30,12 @@ BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "target_hidden_states"
 class CacheDataset(Dataset):
     """Map-style, lazy dataset over a cache: item ``i`` is sample ``i`` as torch tensors (no padding).
 
-    Only the path travels to DataLoader workers (pickling drops open handles), and each
-    process re-opens the cache on first use, so it is safe with fork, spawn and
-    ``DistributedSampler``. ``layers`` restricts ``target_hidden_states`` to those ids.
+    Only a small description of the opened cache travels to DataLoader workers (pickling
+    drops open handles), and each process re-opens the cache on first use, so it is safe
+    with fork, spawn and ``DistributedSampler``. The re-opened cache must be the one the
+    dataset indexed (same tables, same readable units; :meth:`Cache.reopen`), so a worker
+    never reads other samples under the same indices. ``layers`` restricts
+    ``target_hidden_states`` to those ids.
     """
 
     def __init__(self, cache: str | Path | Cache, layers: Sequence[int] | None = None,
@@ -52,15 +55,15 @@ class CacheDataset(Dataset):
         self.seq_length = opened.seq_length
         self.storage_dtype = opened.storage_dtype
         self.manifest = opened.manifest
+        self._state = {**opened.handle_state(), "chunk_cache_bytes": chunk_cache_bytes}
         self._cache: Cache | None = opened
         self._pid = os.getpid()
 
     @property
     def cache(self) -> Cache:
-        """This process's handle (re-opened after a fork: no zarr state is shared)."""
+        """This process's handle (re-opened after a fork or unpickling: no zarr state is shared)."""
         if self._cache is None or self._pid != os.getpid():
-            self._cache = open_cache(self.path, allow_incomplete=self.allow_incomplete,
-                                     chunk_cache_bytes=self.chunk_cache_bytes)
+            self._cache = Cache.reopen(self._state)
             self._pid = os.getpid()
         return self._cache
 

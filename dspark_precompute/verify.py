@@ -2,16 +2,20 @@
 
 Checks, in order, and every problem is reported (not just the first):
 
-* manifest: present, parseable, a supported format version, complete;
-* structure: every array the manifest names exists with the right dtype, shape, chunks;
+* manifest: present, parseable, a supported format version, complete, every field of the
+  right type and range (``format.manifest_problems``, the reader's own check);
+* structure: every array the manifest names exists and its zarr.json matches the manifest
+  (dtype, shape, chunks, layer id, the writer's codec chain: ``format.array_meta_problems``);
 * offsets: the sample and unit tables match the layout the recorded lengths imply
-  (``format.plan_layout``), every sample lies inside its unit, none overlap;
+  (``format.table_problems``, as the reader checks on open, then per sample), every
+  sample lies inside its unit, none overlap;
 * commits: one record per unit, agreeing with the unit table;
 * chunks: every chunk a committed unit owns exists (a deleted chunk file would read back
   silently as zeros) and decodes with a matching crc32c; ids are in the vocabulary,
   masks are 0/1, hidden states finite;
 * counts: samples, tokens, supervised tokens, rejects and truncations match the manifest;
-* weights: ``target_weights.safetensors`` loads with the manifest's shapes;
+* weights: ``target_weights.safetensors`` has the sha256 the manifest records (a note when
+  the cache predates it) and loads with the manifest's shapes;
 * ``recompute=N``: reload the target named in the manifest, re-tokenize N random samples
   and rerun the very forward batch each was written in, comparing ids and masks exactly
   and hidden states within one step of the storage dtype.
@@ -34,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from dspark_precompute import format as fmt
-from dspark_precompute.errors import ChecksumError, DsparkError
-from dspark_precompute.reader import _decode_fast, _fast_array, is_checksum_error
+from dspark_precompute.errors import CacheFormatError, ChecksumError, DsparkError
+from dspark_precompute.reader import _get_many, decode_chunk, read_array_metas, weights_sha256
 from dspark_precompute.store import CacheStore
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,7 @@ class VerifyReport:
     recompute_exact: int = 0
     recompute_max_steps: float = 0.0
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # worth knowing, not a problem
 
     @property
     def ok(self) -> bool:
@@ -86,7 +91,7 @@ class VerifyReport:
             head += (f", {self.recomputed} samples recomputed ({self.recompute_exact} bit-exact, worst "
                      f"{self.recompute_max_steps:.2f} storage steps)")
         head += f" in {self.seconds:.1f}s"
-        lines = [head] + [f"  {p}" for p in self.problems]
+        lines = [head] + [f"  note: {n}" for n in self.notes] + [f"  {p}" for p in self.problems]
         if self.problems:
             lines.append(f"{len(self.problems)} problem(s).")
         return "\n".join(lines)
@@ -122,21 +127,6 @@ def _list_chunk_keys(store: CacheStore, name: str) -> set[str]:
     return out
 
 
-class _Samples:
-    """Which samples hold which token slots (for naming the samples a chunk carries)."""
-
-    def __init__(self, start: np.ndarray, length: np.ndarray):
-        self.order = np.argsort(start, kind="stable")
-        self.start = start[self.order].astype(np.int64)
-        self.end = self.start + length[self.order].astype(np.int64)
-
-    def in_range(self, a: int, b: int) -> np.ndarray:
-        hi = np.searchsorted(self.start, b, side="left")
-        lo = np.searchsorted(self.end, a, side="right")  # ends are increasing: samples do not overlap
-        ids = self.order[lo:hi]
-        return np.sort(ids)
-
-
 def _fmt_ids(ids: np.ndarray, limit: int = 8) -> str:
     ids = [int(x) for x in ids]
     return ("samples " + ", ".join(map(str, ids[:limit])) + (f" (+{len(ids) - limit} more)" if len(ids) > limit else "")
@@ -151,21 +141,25 @@ def verify_cache(path: str | Path, *, recompute: int = 0, seed: int = 0, allow_i
     ``recompute`` samples (chosen with ``seed``) are recomputed with the target named in
     the manifest; a hidden state may differ from the recomputation by at most
     ``tolerance`` steps (ulps) of the storage dtype. ``device`` overrides model.device.
+    A malformed cache is reported as problems, never raised.
     """
-    import zarr
-
     t0 = time.perf_counter()
     report = VerifyReport(str(path))
     bad = _Collector(report, max_problems_per_check)
-    store = CacheStore(str(path))
     try:
-        _verify(store, report, bad, zarr, recompute, seed, allow_incomplete, tolerance, device)
+        store = CacheStore(str(path))
+        _verify(store, report, bad, recompute, seed, allow_incomplete, tolerance, device)
+    except Exception as exc:  # a crafted cache must end in a report, not a traceback
+        log.debug("verify stopped", exc_info=True)
+        bad.add("verify", f"verify stopped at {type(exc).__name__}: {exc}; the cache is malformed in a way the "
+                          "checks before did not name. Re-create it (re-run the precompute command with "
+                          "overwrite=true)")
     finally:
         report.seconds = time.perf_counter() - t0
     return report
 
 
-def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, zarr: Any, recompute: int, seed: int,
+def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, recompute: int, seed: int,
             allow_incomplete: bool, tolerance: float, device: str | None) -> None:
     path = store.path
     # -- manifest -------------------------------------------------------------------------
@@ -190,64 +184,45 @@ def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, zarr: Any,
     layout = m["layout"]
     ct, unit_tokens = int(layout["chunk_tokens"]), int(layout["unit_tokens"])
     num_units, total_slots = int(layout["num_units"]), int(layout["total_token_slots"])
-    hidden = int(m["hidden_size"])
-    disk = np.dtype(fmt.STORAGE_DTYPES[m["storage_dtype"]][0])
-    try:
-        group = zarr.open_group(store.zarr_store(read_only=True), mode="r")
-    except Exception as exc:  # zarr raises several types for a broken group
-        bad.add("structure", f"{path} is not a readable zarr group ({exc})")
-        return
+    zstore = store.zarr_store(read_only=True) if store.url else None
 
     # -- structure ------------------------------------------------------------------------
-    token_arrays: dict[str, tuple[np.dtype, int | None]] = {fmt.INPUT_IDS: (np.dtype(np.int32), None),
-                                                            fmt.LOSS_MASK: (np.dtype(np.uint8), None)}
-    for name in dict.fromkeys(m["arrays"].values()):
-        token_arrays[name] = (disk, hidden)
-    for lid in m["layer_ids"]:
-        if str(lid) not in m["arrays"]:
-            bad.add("structure", f"manifest arrays has no entry for captured layer {lid}", array=None)
-    arrays: dict[str, Any] = {}
-    for name, (dtype, width) in token_arrays.items():
-        try:
-            arr = group[name]
-        except KeyError:
-            bad.add("structure", f"array {name!r} is missing (no {name}/zarr.json); re-create the cache", array=name)
-            continue
-        want_shape = (total_slots,) if width is None else (total_slots, width)
-        want_chunks = (ct,) if width is None else (ct, width)
-        if np.dtype(arr.dtype) != dtype:
-            bad.add("structure", f"array {name!r} has dtype {arr.dtype}, expected {dtype}", array=name)
-        elif tuple(arr.shape) != want_shape:
-            bad.add("structure", f"array {name!r} has shape {tuple(arr.shape)}, expected {want_shape} "
-                                 "(layout.total_token_slots x hidden_size)", array=name)
-        elif tuple(arr.chunks) != want_chunks:
-            bad.add("structure", f"array {name!r} has chunks {tuple(arr.chunks)}, expected {want_chunks}", array=name)
-        else:
-            arrays[name] = arr
+    metas, problems = read_array_metas(store, m, zstore)
+    for name, p in problems:
+        bad.add("structure", p, array=name)
+    arrays = {name: meta for name, meta in metas.items() if name not in fmt.SAMPLE_ARRAYS and name not in
+              fmt.UNIT_ARRAYS}
     tables: dict[str, np.ndarray] = {}
-    missing_tables: dict[str, list[str]] = {}  # zarr skips chunks equal to the fill value: judged below
-    for name, dtype in {**fmt.SAMPLE_ARRAYS, **fmt.UNIT_ARRAYS}.items():
-        try:
-            arr = group[name]
-        except KeyError:
-            bad.add("structure", f"table {name!r} is missing; re-create the cache", array=name)
+    missing_tables: dict[str, list[str]] = {}
+    for name in (*fmt.SAMPLE_ARRAYS, *fmt.UNIT_ARRAYS):
+        meta = metas.get(name)
+        if meta is None:
             continue
         keys = _list_chunk_keys(store, name)
-        expected = {arr.metadata.chunk_key_encoding.encode_chunk_key((c,))
-                    for c in range(-(-arr.shape[0] // arr.chunks[0]))} if arr.shape[0] else set()
-        missing_tables.update({name: sorted(expected - keys)} if expected - keys else {})
-        try:
-            tables[name] = np.asarray(arr[:])
-        except ValueError as exc:
-            if not is_checksum_error(exc):
-                raise
-            bad.add("checksum", f"table {name!r} chunk (0,) (file {name}/c/0) fails its crc32c checksum: the stored "
-                                "bytes are corrupt; re-create the cache", array=name, chunk=(0,))
-            continue
-        report.chunks_checked += len(expected)
-        if tables[name].dtype != np.dtype(dtype):
-            bad.add("structure", f"table {name!r} has dtype {tables[name].dtype}, expected {np.dtype(dtype)}",
-                    array=name)
+        parts = []
+        for c in range(meta.num_chunks):
+            idx = meta.chunk_index(c)
+            key = meta.chunk_key(idx)
+            if key not in keys:
+                missing_tables.setdefault(name, []).append(key)
+                parts.append(np.zeros(meta.chunks, dtype=meta.dtype))
+                continue
+            try:
+                (raw,) = _get_many(store, zstore, [f"{name}/{key}"], [meta.max_stored_bytes()])
+                if raw is None:
+                    raise FileNotFoundError(key)
+                parts.append(decode_chunk(meta, idx, raw))
+            except ChecksumError:
+                bad.add("checksum", f"table {name!r} chunk {idx} (file {name}/{key}) fails its crc32c checksum: the "
+                                    "stored bytes are corrupt; re-create the cache", array=name, chunk=idx)
+                break
+            except (CacheFormatError, FileNotFoundError) as exc:
+                bad.add("checksum", f"table {name!r} chunk {idx} (file {name}/{key}) cannot be read ({exc}); "
+                                    "re-create the cache", array=name, chunk=idx)
+                break
+            report.chunks_checked += 1
+        else:
+            tables[name] = (np.concatenate(parts) if parts else np.zeros(0, meta.dtype))[:meta.shape[0]]
     if len(tables) < len(fmt.SAMPLE_ARRAYS) + len(fmt.UNIT_ARRAYS):
         return  # offsets cannot be checked without every table
 
@@ -255,18 +230,13 @@ def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, zarr: Any,
     start, length = tables["samples/start"].astype(np.int64), tables["samples/length"].astype(np.int64)
     unit, untrunc = tables["samples/unit"].astype(np.int64), tables["samples/untruncated_length"].astype(np.int64)
     n = len(start)
-    for name in fmt.SAMPLE_ARRAYS:
-        if len(tables[name]) != n:
-            bad.add("offsets", f"table {name!r} has {len(tables[name])} rows but samples/start has {n}", array=name)
-    for name in fmt.UNIT_ARRAYS:
-        if len(tables[name]) != num_units:
-            bad.add("offsets", f"table {name!r} has {len(tables[name])} rows, layout.num_units is {num_units}",
-                    array=name)
-    if any(len(tables[k]) != n for k in fmt.SAMPLE_ARRAYS) or any(len(tables[k]) != num_units for k in fmt.UNIT_ARRAYS):
-        return
     u_start, u_stop = tables["units/token_start"].astype(np.int64), tables["units/token_stop"].astype(np.int64)
-    seq = int(m.get("seq_length") or 0)
-    for i in np.flatnonzero((length < 1) | ((length > seq) if seq else False)):
+    # the reader's own checks on open; counts are reported below (complete caches) in verify's words
+    for p in fmt.table_problems(m, tables):
+        if not (complete and p.startswith("manifest counts.")):
+            bad.add("offsets", p)
+    seq = int(m["seq_length"])
+    for i in np.flatnonzero((length < 1) | (length > seq)):
         bad.add("offsets", f"samples/length[{i}] = {length[i]} is outside [1, seq_length={seq}]",
                 array="samples/length", sample=int(i))
     for i in np.flatnonzero(untrunc < length):
@@ -275,7 +245,7 @@ def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, zarr: Any,
     for i in np.flatnonzero((unit < 0) | (unit >= num_units)):
         bad.add("offsets", f"samples/unit[{i}] = {unit[i]} is not a unit id in [0, {num_units})", array="samples/unit",
                 sample=int(i))
-    plan = fmt.plan_layout(np.clip(length, 0, None), ct, unit_tokens)
+    plan = fmt.plan_layout(np.clip(length, 1, seq), ct, unit_tokens)
     for i in np.flatnonzero(plan.start != start):
         bad.add("offsets", f"samples/start[{i}] = {start[i]}, but the layout of the recorded lengths puts sample "
                            f"{i} at token {plan.start[i]}: the offset table was altered, so sample {i} would read "
@@ -294,21 +264,23 @@ def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, zarr: Any,
             bad.add("offsets", f"layout.total_token_slots is {total_slots}, the lengths need {plan.total_slots}")
     ok_unit = (unit >= 0) & (unit < num_units)
     su = np.where(ok_unit, unit, 0)
-    for i in np.flatnonzero(ok_unit & ((start < u_start[su]) | (start + length > u_stop[su]))):
-        bad.add("offsets", f"sample {i} spans tokens [{start[i]}, {start[i] + length[i]}) outside its unit {unit[i]} "
-                           f"[{u_start[unit[i]]}, {u_stop[unit[i]]})", array="samples/start", sample=int(i),
-                unit=int(unit[i]))
+    if num_units:
+        for i in np.flatnonzero(ok_unit & ((start < u_start[su]) | (start + length > u_stop[su]))):
+            bad.add("offsets", f"sample {i} spans tokens [{start[i]}, {start[i] + length[i]}) outside its unit "
+                               f"{unit[i]} [{u_start[unit[i]]}, {u_stop[unit[i]]})", array="samples/start",
+                    sample=int(i), unit=int(unit[i]))
     order = np.argsort(start, kind="stable")
     ends = start[order] + length[order]
     for k in np.flatnonzero(start[order][1:] < ends[:-1]):
         a, b = int(order[k]), int(order[k + 1])
         bad.add("offsets", f"samples {a} and {b} overlap on the token axis ([{start[a]}, {start[a] + length[a]}) and "
                            f"[{start[b]}, ...))", array="samples/start", sample=b)
-    # a table chunk may be absent only if it is legitimately all zeros (zarr does not write those)
+    # every table chunk is written since weights_sha256 is recorded; before, all-zero ones were not
+    legacy = "weights_sha256" not in m
     may_be_zero = {"samples/start": not plan.start.any(), "samples/unit": not plan.unit.any(),
                    "units/token_start": not plan.unit_start.any(), "samples/source_row": n <= 1}
     for name, keys in missing_tables.items():
-        if not may_be_zero.get(name, False):
+        if not (legacy and may_be_zero.get(name, False)):
             for key in keys:
                 bad.add("missing-chunk", f"table {name!r} chunk file {name}/{key} is missing: the table reads back "
                                          "as zeros; re-create the cache", array=name)
@@ -336,8 +308,9 @@ def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, zarr: Any,
         committed.add(u)
         want = {"token_start": int(u_start[u]), "token_stop": int(u_stop[u]), "samples": int((unit == u).sum())}
         for k2, v in want.items():
-            if rec.get(k2) != v:
-                bad.add("commits", f"commit record {key} has {k2}={rec.get(k2)!r}, the tables give {v}", unit=u)
+            if not isinstance(rec, dict) or rec.get(k2) != v:
+                got = rec.get(k2) if isinstance(rec, dict) else rec
+                bad.add("commits", f"commit record {key} has {k2}={got!r:.80}, the tables give {v}", unit=u)
     if complete:
         for u in sorted(set(range(num_units)) - committed):
             bad.add("commits", f"unit {u} has no commit record {fmt.commit_key(u)} although the cache is complete",
@@ -345,21 +318,19 @@ def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, zarr: Any,
     readable = np.isin(unit, sorted(committed)) if not complete else np.ones(n, dtype=bool)
 
     # -- chunks ---------------------------------------------------------------------------
-    where = _Samples(start, length) if offsets_ok else None
+    where = fmt.SampleIndex(start, length) if offsets_ok else None
     supervised = np.zeros(n, dtype=np.int64)
     mask_ok = fmt.LOSS_MASK in arrays
     vocab = int(m.get("target_vocab_size") or 0)
     units = sorted(committed) if not complete else list(range(num_units))
     maybe_empty: list[tuple[tuple[int, ...], str, int, int, int, np.ndarray]] = []
-    fast = {name: None if store.url else _fast_array(arr, Path(store.root) / name) for name, arr in arrays.items()}
-    for name, arr in arrays.items():
+    for name, meta in arrays.items():
         existing = _list_chunk_keys(store, name)
-        enc = arr.metadata.chunk_key_encoding
         for u in units:
-            a0, a1 = int(u_start[u]), int(u_stop[u])
+            a0, a1 = (int(np.clip(x, 0, total_slots)) for x in (u_start[u], u_stop[u]))  # never past the array
             for c in range(a0 // ct, -(-a1 // ct)):
-                idx = (c,) if arr.ndim == 1 else (c, 0)
-                key = enc.encode_chunk_key(idx)
+                idx = meta.chunk_index(c)
+                key = meta.chunk_key(idx)
                 lo, hi = c * ct, min((c + 1) * ct, total_slots)
                 holds = where.in_range(lo, hi) if where is not None else np.zeros(0, dtype=np.int64)
                 if key not in existing and name == fmt.LOSS_MASK and where is not None and not _holds_whole(
@@ -375,13 +346,11 @@ def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, zarr: Any,
                         mask_ok = False
                     continue
                 try:
-                    if fast[name] is not None:  # the reader's direct decoder: same bytes, a third of the time
-                        data = _decode_fast(fast[name], name, idx)[:hi - lo]
-                    else:
-                        data = np.asarray(arr[lo:hi])
-                except (ValueError, ChecksumError) as exc:
-                    if not (isinstance(exc, ChecksumError) or is_checksum_error(exc)):
-                        raise
+                    (raw,) = _get_many(store, zstore, [f"{name}/{key}"], [meta.max_stored_bytes()])
+                    if raw is None:
+                        raise CacheFormatError("it vanished while verify ran")
+                    data = decode_chunk(meta, idx, raw)[:hi - lo]
+                except ChecksumError:
                     bad.add("checksum", f"array {name!r} chunk {idx} (file {name}/{key}) fails its crc32c checksum: "
                                         f"the stored bytes are corrupt; token slots [{lo}, {hi}) of unit {u}, "
                                         f"{_fmt_ids(holds)}", array=name, chunk=idx, unit=u,
@@ -389,10 +358,9 @@ def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, zarr: Any,
                     if name == fmt.LOSS_MASK:
                         mask_ok = False
                     continue
-                except Exception as exc:  # truncated or garbled chunk: the codec itself fails
+                except CacheFormatError as exc:  # a chunk whose size or codec header is wrong: never decoded
                     bad.add("checksum", f"array {name!r} chunk {idx} (file {name}/{key}) cannot be decoded "
-                                        f"({type(exc).__name__}: {exc}); {_fmt_ids(holds)}", array=name, chunk=idx,
-                            unit=u)
+                                        f"({exc}); {_fmt_ids(holds)}", array=name, chunk=idx, unit=u)
                     if name == fmt.LOSS_MASK:
                         mask_ok = False
                     continue
@@ -425,7 +393,7 @@ def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, zarr: Any,
             bad.add("counts", f"manifest counts.rows_in = {counts.get('rows_in')!r}, but samples + rejected = "
                               f"{n + int(counts.get('rejected') or 0)}")
     # -- weights --------------------------------------------------------------------------
-    _check_weights(store, m, bad)
+    _check_weights(store, m, bad, report)
     # -- recompute ------------------------------------------------------------------------
     if recompute > 0:
         if not offsets_ok or bad.per_check.get("structure"):
@@ -469,11 +437,21 @@ def _check_values(name: str, idx: tuple[int, ...], data: np.ndarray, lo: int, ho
                                   "hidden values", array=name, chunk=idx, sample=int(s), unit=u)
 
 
-def _check_weights(store: CacheStore, m: dict[str, Any], bad: _Collector) -> None:
+def _check_weights(store: CacheStore, m: dict[str, Any], bad: _Collector, report: VerifyReport) -> None:
     if not store.exists(fmt.WEIGHTS):
         bad.add("weights", f"{fmt.WEIGHTS} is missing: training cannot initialise the draft's embedding and head. "
                            "Re-run the precompute command to rewrite it")
         return
+    want = m.get("weights_sha256")
+    if want is None:
+        report.notes.append(f"no weights checksum recorded (weights_sha256: the cache predates it or is incomplete); "
+                            f"the bytes of {fmt.WEIGHTS} were not checked, only its tensors' names and shapes")
+    else:
+        got = weights_sha256(store)
+        if got != want:
+            bad.add("weights", f"{fmt.WEIGHTS} has sha256 {got}, the manifest records {want}: the file is corrupt "
+                               "or was replaced. Re-run the precompute command to rewrite it, or re-create the cache")
+            return
     from safetensors import safe_open
 
     local = None if store.url else str(Path(store.root) / fmt.WEIGHTS)
@@ -491,17 +469,8 @@ def _check_weights(store: CacheStore, m: dict[str, Any], bad: _Collector) -> Non
     except Exception as exc:  # safetensors raises its own error types
         bad.add("weights", f"{fmt.WEIGHTS} cannot be read ({exc}); re-run the precompute command to rewrite it")
         return
-    want = (int(m.get("target_vocab_size") or 0), int(m["hidden_size"]))
-    if "embed_tokens.weight" not in shapes:
-        bad.add("weights", f"{fmt.WEIGHTS} has no embed_tokens.weight (keys {sorted(shapes)})")
-    for k, shape in shapes.items():
-        if k in ("embed_tokens.weight", "lm_head.weight") and shape != want:
-            bad.add("weights", f"{fmt.WEIGHTS}: {k} has shape {list(shape)}, expected [target_vocab_size, hidden_size] "
-                               f"= {list(want)}")
-    tied = meta.get("tied")
-    if tied is not None and (tied == "true") != ("lm_head.weight" not in shapes):
-        bad.add("weights", f"{fmt.WEIGHTS}: metadata tied={tied} but lm_head.weight is "
-                           f"{'absent' if 'lm_head.weight' not in shapes else 'present'}")
+    for p in fmt.weights_problems(shapes, m, meta):
+        bad.add("weights", p)
 
 
 def _recompute(store: CacheStore, m: dict[str, Any], tables: dict[str, np.ndarray], pick: np.ndarray,
@@ -516,6 +485,9 @@ def _recompute(store: CacheStore, m: dict[str, Any], tables: dict[str, np.ndarra
     from dspark_precompute.reader import open_cache, to_torch
     from dspark_precompute.target import HiddenStateCapture, load_target
 
+    if not isinstance(m.get("config"), dict) or not isinstance(m["config"].get("storage"), dict):
+        bad.add("recompute", "the manifest holds no resolved config (config.storage): the run cannot be rebuilt")
+        return
     cfgd = copy.deepcopy(m["config"])
     cfgd["storage"]["path"] = store.path
     cfgd.update(overwrite=False, progress=False)
@@ -558,8 +530,8 @@ def _recompute(store: CacheStore, m: dict[str, Any], tables: dict[str, np.ndarra
             try:
                 wanted = [fmt.INPUT_IDS, fmt.LOSS_MASK, *dict.fromkeys(m["arrays"].values())]
                 stored = cache.read_tokens(wanted, a, a + n)
-            except ChecksumError as exc:
-                bad.add("recompute", f"sample {s}: cannot read it ({exc})", sample=s, array=exc.array)
+            except CacheFormatError as exc:  # a corrupt or missing chunk, named by the reader
+                bad.add("recompute", f"sample {s}: cannot read it ({exc})", sample=s, array=getattr(exc, "array", None))
                 continue
             raw = rows[int(tables["samples/source_row"][s])]
             conv = normalize(raw, cfg.data.format)
@@ -624,12 +596,14 @@ def mark_for_recompute(path: str | Path, units: list[int]) -> list[str]:
     lock = WriterLock(store.root).acquire()  # raises LockedError while a run is writing
     removed = []
     try:
-        m = json.loads(store.read_bytes(fmt.MANIFEST))
+        from dspark_precompute.reader import load_manifest
+
+        m = load_manifest(store)  # a manifest the reader refuses is not edited: the cache needs re-creating
         if m.get("complete"):
             m["complete"] = False
             m.pop("completed_at", None)
             store.write_bytes(fmt.MANIFEST, (json.dumps(m, indent=2, sort_keys=True) + "\n").encode())
-        for u in sorted(set(units)):
+        for u in sorted({int(u) for u in units if 0 <= int(u) < int(m["layout"]["num_units"])}):
             key = fmt.commit_key(u)
             if store.exists(key):
                 store.delete(key)

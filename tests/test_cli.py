@@ -169,3 +169,24 @@ def test_errors_exit_2_with_the_reason_on_stderr(tmp_path, capsys):
     assert captured.out == "" and "dspark-cache info:" in captured.err and "no manifest.json" in captured.err
     assert main(["export-nemo", str(tmp_path), str(tmp_path / "out"), "--shard-size", "0"]) == 2
     assert "shard_size=0 must be >= 1 (samples per shard)" in capsys.readouterr().err
+
+
+def test_info_and_its_json_show_the_rejected_rows(default_run, capsys):
+    _, result = default_run
+    lines = [json.loads(x) for x in (Path(result.path) / "rejects.jsonl").read_text().splitlines() if x.strip()]
+    assert main(["info", result.path]) == 0
+    assert f"rejected    {len(lines)} of {result.samples + len(lines)} rows" in capsys.readouterr().out
+    assert main(["info", result.path, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["rejected"] == len(lines) == result.rejected and got["rows_in"] == result.samples + len(lines)
+    assert got["rejected_by_reason"] == {"no_supervised_tokens": len(lines)}
+    assert got["rejected_fraction"] == pytest.approx(len(lines) / (result.samples + len(lines)))
+
+
+def test_the_plot_title_shows_the_rejected_rows(default_run):
+    from dspark_precompute.plot import plot_cache
+
+    _, result = default_run
+    fig = plot_cache(result.path, max_samples=2)
+    title = fig._suptitle.get_text()
+    assert "rejected 2 of 16 rows (12.5%): no_supervised_tokens=2" in title

@@ -247,3 +247,46 @@ def test_the_reading_side_imports_nothing_from_transformers():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'tokenizers', 'hydra')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def test_describe_summary_and_repr_show_the_rejected_rows_and_their_reasons(default_run):
+    from collections import Counter
+
+    _, result = default_run
+    c = open_cache(result.path)
+    lines = (Path(result.path) / "rejects.jsonl").read_text().splitlines()
+    by = Counter(json.loads(line)["reason"] for line in lines if line.strip())
+    rejected = sum(by.values())
+    rows_in = len(c) + rejected
+    assert (rejected, rows_in) == (2, 16)  # the embedded data has two rows with nothing to supervise
+    s = c.summary()
+    assert (s["rows_in"], s["rejected"], s["rejected_by_reason"]) == (rows_in, rejected, dict(by))
+    assert s["rejected_fraction"] == pytest.approx(rejected / rows_in)
+    assert "  rejected    2 of 16 rows (12.5%): no_supervised_tokens=2" in c.describe().splitlines()
+    assert "2 of 16 rows rejected" in repr(c)
+
+
+def test_the_rejects_line_lists_reasons_most_frequent_first_with_thousands_separators(cache_copy):
+    m = json.loads((cache_copy / "manifest.json").read_text())
+    m["counts"].update(rows_in=1400, rejected=1386,
+                       rejected_by_reason={"malformed_json": 186, "no_supervised_tokens": 1200})
+    (cache_copy / "manifest.json").write_text(json.dumps(m))
+    c = open_cache(cache_copy)
+    assert ("  rejected    1,386 of 1,400 rows (99.0%): no_supervised_tokens=1,200, malformed_json=186"
+            in c.describe().splitlines())
+    assert list(c.summary()["rejected_by_reason"]) == ["no_supervised_tokens", "malformed_json"]
+
+
+@pytest.mark.parametrize("extra", [("storage.compressor=none", "storage.dtype=fp32"),
+                                   ("storage.compressor=blosc_lz4", "storage.shuffle=bit", "storage.dtype=fp16")])
+def test_every_codec_chain_the_writer_writes_reads_back_what_zarr_holds(tmp_path, extra):
+    result = run(compose(small(tmp_path, "data.max_samples=4", "storage.chunk_tokens=128", *extra)))
+    c = open_cache(result.path)
+    g = zarr.open_group(result.path, mode="r")
+    codecs = [x["name"] for x in json.loads((Path(result.path) / "hidden_states" / "layer_1" / "zarr.json")
+                                            .read_text())["codecs"]]
+    assert codecs == (["bytes", "crc32c"] if "none" in extra[0] else ["bytes", "blosc", "crc32c"])
+    for name in ["input_ids", "loss_mask", *dict.fromkeys(c.array_names.values())]:
+        want = np.asarray(g[name][:])
+        got = c.read_tokens([name], 0, want.shape[0])[name]
+        assert got.dtype == want.dtype and np.array_equal(got, want), name

@@ -244,3 +244,30 @@ def test_the_s3_storage_group_composes_with_the_storage_keys(s3_endpoint, monkey
     local = compose([])
     for key in ("dtype", "compressor", "compression_level", "shuffle", "chunk_tokens", "unit_tokens", "unit_mib"):
         assert getattr(cfg.storage, key) == getattr(local.storage, key), key
+
+
+def test_a_chunk_object_missing_from_a_bucket_is_a_missing_chunk_error_not_zeros(bucket, local_reference):
+    from pathlib import Path
+
+    from dspark_precompute.errors import MissingChunkError
+
+    url = f"s3://{bucket}/copy"
+    remote = CacheStore(url)
+    for f in Path(local_reference).rglob("*"):
+        if f.is_file() and not f.name.startswith("."):
+            remote.write_bytes(f.relative_to(local_reference).as_posix(), f.read_bytes())
+    ref = open_cache(local_reference)
+    layer = ref.array_names[str(ref.layer_ids[0])]
+    ct = ref.chunk_tokens
+    remote.delete(f"{layer}/c/1/0")
+    c = open_cache(url)
+    starts, lengths = ref.starts(), ref.lengths()
+    victims = [i for i in range(len(ref)) if starts[i] < 2 * ct and starts[i] + lengths[i] > ct]
+    assert victims
+    with pytest.raises(MissingChunkError, match=rf"array '{layer}' chunk \(1, 0\) is missing \(file {layer}/c/1/0\)"
+                       ) as info:
+        c.read_raw(victims[0])
+    assert list(info.value.samples) == victims
+    for i in sorted(set(range(len(ref))) - set(victims)):
+        ra, rb = c.read_raw(i), ref.read_raw(i)
+        assert all(np.array_equal(ra[k], rb[k]) for k in rb)

@@ -1,0 +1,548 @@
+"""Damaged and crafted caches: every reading entry point refuses with a typed error, never wrong numbers.
+
+Entry points: ``open_cache`` (and sample reads), the training DataLoader, ``dspark-cache
+info|export-nemo|plot`` (exit 2 with the reason) and ``verify`` (exit 1, a named problem,
+never a traceback). Damage is done the way it happens: a deleted chunk file, a table
+rewritten through zarr (so its checksum is valid), a hand-edited manifest or zarr.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from conftest import compose, small
+from dspark_precompute import open_cache
+from dspark_precompute.cli import main
+from dspark_precompute.errors import CacheFormatError, ChecksumError, MissingChunkError
+from dspark_precompute.pipeline import run
+from dspark_precompute.training import CacheDataset, build_dataloader
+from test_reader import to_memory_fs, zarr_sample
+
+CT = 256  # default_run's chunk_tokens
+
+
+@pytest.fixture(scope="module")
+def zstd_run(tmp_path_factory):
+    """Layers [0, 1] of 4 with a zstd chain (test_reader's final_norm_run: built once, reused)."""
+    base = tmp_path_factory.getbasetemp()
+    return run(compose(small(base, "model.layer_ids=[0,1]", "model.random.tie_word_embeddings=false",
+                             "data.max_samples=3", "storage.compressor=zstd", "storage.compression_level=3",
+                             name="layers01_untied")))
+
+
+def tables(path) -> dict[str, np.ndarray]:
+    g = zarr.open_group(str(path), mode="r")
+    return {k: np.asarray(g[k][:]) for k in ("samples/start", "samples/length", "samples/unit",
+                                             "units/token_start", "units/token_stop")}
+
+
+def holders(path, lo: int, hi: int) -> list[int]:
+    """Oracle: samples with a token in slots [lo, hi), by a plain loop over the tables."""
+    t = tables(path)
+    s, n = t["samples/start"], t["samples/length"]
+    return [i for i in range(len(s)) if s[i] < hi and s[i] + n[i] > lo]
+
+
+def edit_manifest(path, fn) -> None:
+    f = Path(path) / "manifest.json"
+    m = json.loads(f.read_text())
+    out = fn(m)
+    f.write_text(json.dumps(m if out is None else out))
+
+
+def edit_meta(path, array: str, fn) -> None:
+    f = Path(path) / array / "zarr.json"
+    meta = json.loads(f.read_text())
+    fn(meta)
+    f.write_text(json.dumps(meta))
+
+
+def rewrite_table(path, name: str, fn) -> np.ndarray:
+    """Change a table through zarr: the chunk gets a fresh, valid checksum (only the values are wrong)."""
+    arr = zarr.open_array(str(Path(path) / name), mode="r+")
+    values = np.asarray(arr[:])
+    fn(values)
+    arr[:] = values
+    return values
+
+
+def with_crc(body: bytes) -> bytes:
+    return body + int(google_crc32c.value(body)).to_bytes(4, "little")
+
+
+def same_sample(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- item 1: a missing chunk is damage, never zeros ---------------------------------------------
+@pytest.mark.parametrize("array,chunk_file,idx", [
+    ("hidden_states/layer_2", "hidden_states/layer_2/c/1/0", (1, 0)),
+    ("input_ids", "input_ids/c/2", (2,)),
+    ("loss_mask", "loss_mask/c/3", (3,)),
+])
+def test_a_deleted_chunk_raises_missing_chunk_error_naming_array_chunk_and_samples(cache_copy, array, chunk_file, idx):
+    ref = {i: zarr_sample(str(cache_copy), i) for i in range(14)}
+    (cache_copy / chunk_file).unlink()
+    victims = holders(cache_copy, idx[0] * CT, (idx[0] + 1) * CT)
+    assert victims
+    c = open_cache(cache_copy)
+    for i in victims:
+        with pytest.raises(MissingChunkError, match=rf"array '{array}' chunk {re.escape(str(idx))} is missing \(file "
+                                                    rf"{chunk_file}\)"
+                                                    rf": it holds token slots \[{idx[0] * CT}, {(idx[0] + 1) * CT}\)"
+                           ) as info:
+            c[i]
+        assert info.value.array == array and info.value.chunk == idx and list(info.value.samples) == victims
+        assert "dspark-cache verify --repair" in str(info.value)
+    for i in sorted(set(range(len(c))) - set(victims)):  # everything else still reads exactly
+        got = c.sample(i, as_numpy=True)
+        assert np.array_equal(got["input_ids"], ref[i]["input_ids"].astype(np.int64))
+    if array.startswith("hidden_states/"):  # a layer subset without the damaged array still reads
+        assert np.array_equal(c.sample(victims[0], layers=[1], last=False, as_numpy=True)["input_ids"],
+                              ref[victims[0]]["input_ids"])
+
+
+def test_a_missing_chunk_is_also_damage_with_the_chunk_cache_off_and_in_a_slice(cache_copy):
+    (cache_copy / "hidden_states" / "layer_3" / "c" / "0" / "0").unlink()
+    c = open_cache(cache_copy, chunk_cache_bytes=0)
+    victim = holders(cache_copy, 0, CT)[0]
+    with pytest.raises(MissingChunkError):
+        c[:]
+    with pytest.raises(MissingChunkError):
+        c.read_tokens(["hidden_states/layer_3"], 0, 1)
+    with pytest.raises(MissingChunkError):
+        c[victim]
+
+
+def test_a_missing_chunk_behind_an_fsspec_url_raises_too(cache_copy):
+    import fsspec
+
+    (cache_copy / "hidden_states" / "layer_1" / "c" / "2" / "0").unlink()
+    url = to_memory_fs(str(cache_copy), "damage-url-test")
+    try:
+        c = open_cache(url)
+        victims = holders(cache_copy, 2 * CT, 3 * CT)
+        with pytest.raises(MissingChunkError, match=r"'hidden_states/layer_1' chunk \(2, 0\) is missing") as info:
+            c[victims[0]]
+        assert list(info.value.samples) == victims
+        other = holders(cache_copy, 0, CT)[0]
+        assert np.array_equal(c.sample(other, as_numpy=True)["target_hidden_states"],
+                              open_cache(cache_copy).sample(other, as_numpy=True)["target_hidden_states"])
+    finally:
+        fsspec.filesystem("memory").rm("/damage-url-test", recursive=True)
+
+
+def test_a_deleted_table_chunk_is_refused_at_open(cache_copy):
+    (cache_copy / "samples" / "unit" / "c" / "0").unlink()  # one unit's worth of zeros would look plausible
+    with pytest.raises(MissingChunkError, match=r"table 'samples/unit' chunk \(0,\) is missing \(file "
+                                                r"samples/unit/c/0\): its rows \[0, 14\)"):
+        open_cache(cache_copy)
+    assert main(["verify", str(cache_copy)]) == 1
+
+
+def test_export_plot_info_and_the_dataloader_refuse_a_missing_chunk(cache_copy, tmp_path, capsys):
+    (cache_copy / "hidden_states" / "layer_2" / "c" / "1" / "0").unlink()
+    (cache_copy / "loss_mask" / "c" / "1").unlink()
+    named = r"chunk \(1(, 0)?,?\) is missing"
+    assert main(["export-nemo", str(cache_copy), str(tmp_path / "nemo")]) == 2
+    err = capsys.readouterr().err
+    assert "dspark-cache export-nemo:" in err and "is missing (file " in err
+    assert not (tmp_path / "nemo" / "manifest.json").exists()  # no finished-looking export of zeros
+    assert main(["plot", str(cache_copy), "-o", str(tmp_path / "p.png")]) == 2  # supervised counts read the mask
+    assert "dspark-cache plot:" in capsys.readouterr().err and not (tmp_path / "p.png").exists()
+    with pytest.raises(MissingChunkError, match=named):
+        for _ in build_dataloader(cache_copy, batch_size=4, shuffle=False):
+            pass
+    # info reads the stored masks of an incomplete cache (its counts are not final)
+    edit_manifest(cache_copy, lambda m: m.update(complete=False))
+    assert main(["info", str(cache_copy), "--allow-incomplete"]) == 2
+    assert "loss_mask' chunk (1,) is missing" in capsys.readouterr().err
+
+
+def test_a_dataloader_worker_raises_the_typed_error_in_the_training_process(cache_copy):
+    (cache_copy / "input_ids" / "c" / "0").unlink()
+    loader = build_dataloader(cache_copy, batch_size=2, shuffle=False, num_workers=1)
+    with pytest.raises(MissingChunkError, match=r"array 'input_ids' chunk \(0,\) is missing"):
+        for _ in loader:
+            pass
+
+
+def test_a_corrupt_chunk_in_a_worker_stays_a_checksum_error(cache_copy):
+    f = cache_copy / "hidden_states" / "layer_1" / "c" / "0" / "0"
+    blob = bytearray(f.read_bytes())
+    blob[40] ^= 0x10
+    f.write_bytes(bytes(blob))
+    loader = build_dataloader(cache_copy, batch_size=2, shuffle=False, num_workers=1)
+    with pytest.raises(ChecksumError, match=r"hidden_states/layer_1"):
+        for _ in loader:
+            pass
+
+
+# -- item 2: the manifest and tables are checked on open -----------------------------------------
+def test_swapped_starts_of_two_equal_length_samples_are_refused_by_the_reader_and_verify(cache_copy, capsys):
+    lengths = tables(cache_copy)["samples/length"]
+    vals, counts = np.unique(lengths, return_counts=True)
+    a, b = np.flatnonzero(lengths == vals[counts > 1][0])[:2]  # default_run has 12 samples truncated to 256
+    rewrite_table(cache_copy, "samples/start", lambda s: s.__setitem__([a, b], s[[b, a]]))
+    with pytest.raises(CacheFormatError, match=r"samples/start: the disk order is not the layout of the recorded "
+                                               rf"lengths .* holds sample {b} \(length {lengths[b]}\) where the layout "
+                                               rf"puts sample {a}"):
+        open_cache(cache_copy)
+    assert main(["verify", str(cache_copy)]) == 1
+    assert f"samples/start[{a}] = " in capsys.readouterr().out
+
+
+def test_an_edited_chunk_tokens_is_refused_naming_the_arrays(cache_copy, capsys):
+    edit_manifest(cache_copy, lambda m: m["layout"].update(chunk_tokens=128))
+    with pytest.raises(CacheFormatError, match=r"array 'hidden_states/layer_1' \(hidden_states/layer_1/zarr.json\) "
+                                               r"has chunk shape \[256, 64\], the manifest implies \[128, 64\]"):
+        open_cache(cache_copy)
+    assert main(["verify", str(cache_copy)]) == 1
+    assert "the manifest implies [128]" in capsys.readouterr().out
+
+
+def test_swapped_layer_names_in_the_manifest_fail_the_reader_and_verify(cache_copy, capsys):
+    edit_manifest(cache_copy, lambda m: m["arrays"].update({"1": "hidden_states/layer_2",
+                                                            "2": "hidden_states/layer_1"}))
+    with pytest.raises(CacheFormatError, match=r"arrays\['1'\] = 'hidden_states/layer_2', but the naming rule gives "
+                                               r"'hidden_states/layer_1'"):
+        open_cache(cache_copy)
+    assert main(["verify", str(cache_copy)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAILED") and "naming rule gives 'hidden_states/layer_2'" in out
+
+
+def test_layer_directories_swapped_on_disk_are_caught_by_their_layer_id_attribute(cache_copy, capsys):
+    h = cache_copy / "hidden_states"
+    (h / "layer_1").rename(h / "tmp")
+    (h / "layer_2").rename(h / "layer_1")
+    (h / "tmp").rename(h / "layer_2")
+    with pytest.raises(CacheFormatError, match=r"array 'hidden_states/layer_1' .* has attribute layer_id=2, the "
+                                               r"manifest implies 1: the array holds another layer"):
+        open_cache(cache_copy)
+    assert main(["verify", str(cache_copy)]) == 1
+    assert "has attribute layer_id=1, the manifest implies 2" in capsys.readouterr().out
+
+
+def test_an_unknown_or_foreign_codec_is_refused_at_open_naming_array_and_codec(cache_copy, capsys):
+    edit_meta(cache_copy, "hidden_states/layer_3", lambda m: m["codecs"].__setitem__(1, {"name": "no-such-codec"}))
+    with pytest.raises(CacheFormatError, match=r"array 'hidden_states/layer_3' .* uses codec 'no-such-codec', which "
+                                               r"this tool never writes"):
+        open_cache(cache_copy)
+    assert main(["verify", str(cache_copy)]) == 1 and "uses codec 'no-such-codec'" in capsys.readouterr().out
+    # a codec zarr knows (it would decode it silently) is refused just the same
+    edit_meta(cache_copy, "hidden_states/layer_3", lambda m: m["codecs"].__setitem__(
+        1, {"name": "gzip", "configuration": {"level": 1}}))
+    with pytest.raises(CacheFormatError, match=r"uses codec 'gzip'"):
+        open_cache(cache_copy)
+
+
+# Each case damages the cache one way; every entry point must refuse it with this message.
+CRAFTED = {
+    "chunk_tokens 0": (lambda p: edit_manifest(p, lambda m: m["layout"].update(chunk_tokens=0)),
+                       r"layout.chunk_tokens = 0 is outside \[1, "),
+    "chunk_tokens a string": (lambda p: edit_manifest(p, lambda m: m["layout"].update(chunk_tokens="256")),
+                              r"layout.chunk_tokens = '256' \(a string\)"),
+    "chunk_tokens a float": (lambda p: edit_manifest(p, lambda m: m["layout"].update(chunk_tokens=256.5)),
+                             r"layout.chunk_tokens = 256.5 \(a float\)"),
+    "hidden_size 10**12": (lambda p: edit_manifest(p, lambda m: m.update(hidden_size=10 ** 12)),
+                           r"hidden_size = 1000000000000 is outside"),
+    "hidden_size negative": (lambda p: edit_manifest(p, lambda m: m.update(hidden_size=-64)),
+                             r"hidden_size = -64 is outside"),
+    "seq_length 0": (lambda p: edit_manifest(p, lambda m: m.update(seq_length=0)), r"seq_length = 0 is outside"),
+    "layout missing": (lambda p: edit_manifest(p, lambda m: m.pop("layout") and None), r"manifest lacks 'layout'"),
+    "num_units off by one": (lambda p: edit_manifest(p, lambda m: m["layout"].update(num_units=3)),
+                             r"array 'units/token_start' .* has shape \[4\], the manifest implies \[3\] "
+                             r"\(layout.num_units\)"),
+    "samples count off": (lambda p: edit_manifest(p, lambda m: m["counts"].update(samples=15, rows_in=17)),
+                          r"has shape \[14\], the manifest implies \[15\] \(counts.samples\)"),
+    "manifest a JSON list": (lambda p: edit_manifest(p, lambda m: [m]), r"is not a JSON object \(it holds a list\)"),
+    "manifest a JSON number": (lambda p: edit_manifest(p, lambda m: 7), r"is not a JSON object \(it holds an integer"),
+    "manifest not UTF-8": (lambda p: (Path(p) / "manifest.json").write_bytes(b"\xff\xfe{"), r"is not valid JSON"),
+    "array outside hidden_states": (lambda p: edit_manifest(p, lambda m: m["arrays"].update({"2": "input_ids"})),
+                                    r"arrays\['2'\] = 'input_ids' is not an array under hidden_states/"),
+    "path traversal": (lambda p: edit_manifest(p, lambda m: m["arrays"].update({"2": "../../etc"})),
+                       r"arrays\['2'\] = '../../etc' is not an array under hidden_states/"),
+    "unknown storage dtype": (lambda p: edit_manifest(p, lambda m: m.update(storage_dtype="int4")),
+                              r"storage_dtype 'int4' is unknown"),
+    "layer id a boolean": (lambda p: edit_manifest(p, lambda m: m.update(layer_ids=[True, 2, 3])),
+                           r"layer_ids = \[True, 2, 3\] must be integers"),
+    "unknown codec": (lambda p: edit_meta(p, "hidden_states/layer_2",
+                                          lambda m: m["codecs"].__setitem__(1, {"name": "lzw"})),
+                      r"uses codec 'lzw', which this tool never writes"),
+    "zarr.json deleted": (lambda p: (Path(p) / "hidden_states" / "layer_2" / "zarr.json").unlink(),
+                          r"array 'hidden_states/layer_2' is missing \(no hidden_states/layer_2/zarr.json\)"),
+    "sample length 2**31-1": (lambda p: rewrite_table(p, "samples/length", lambda t: t.__setitem__(0, 2 ** 31 - 1)),
+                              r"samples/length: 1 sample\(s\) outside \[1, seq_length=256\]: sample 0 has length "
+                              r"2147483647"),
+    "chunk shape 2**27 rows": (lambda p: edit_meta(p, "hidden_states/layer_1", lambda m: m["chunk_grid"][
+        "configuration"].update(chunk_shape=[2 ** 27, 64])), r"has chunk shape \[134217728, 64\], the manifest implies"),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_cache_is_a_cache_format_error_from_every_entry_point(cache_copy, tmp_path, capsys, case):
+    damage, message = CRAFTED[case]
+    damage(cache_copy)
+    p = str(cache_copy)
+    with pytest.raises(CacheFormatError, match=message):
+        open_cache(p)
+    with pytest.raises(CacheFormatError, match=message):
+        build_dataloader(p, batch_size=2)
+    for argv in (["info", p], ["info", p, "--json"], ["export-nemo", p, str(tmp_path / "nemo")],
+                 ["plot", p, "-o", str(tmp_path / "p.png")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"dspark-cache {argv[0]}: ") and "Traceback" not in err, err
+        assert re.search(message, err), err
+    assert main(["verify", p]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAILED") and re.search(message, out) and "[verify]" not in out, out
+    assert main(["verify", p, "--repair"]) == 1  # nothing to mark: the report says re-create, no crash
+    capsys.readouterr()
+
+
+def test_crafted_sizes_are_refused_before_any_large_allocation(cache_copy, tmp_path):
+    """Run in a child with 3 GiB of address space: an allocation the crafted values ask for would fail there."""
+    big = tmp_path / "big"
+    shutil.copytree(cache_copy, big)
+    rewrite_table(big, "samples/length", lambda t: t.__setitem__(0, 2 ** 31 - 1))  # 256 GiB of hidden states
+    wide = tmp_path / "wide"
+    shutil.copytree(cache_copy, wide)
+    edit_manifest(wide, lambda m: m.update(hidden_size=10 ** 12))  # a 1.36 PiB export row
+    huge_chunks = tmp_path / "huge_chunks"
+    shutil.copytree(cache_copy, huge_chunks)
+    edit_manifest(huge_chunks, lambda m: m["layout"].update(chunk_tokens=2 ** 27, total_token_slots=2 ** 27))
+    for name in ("input_ids", "loss_mask", "hidden_states/layer_1", "hidden_states/layer_2",
+                 "hidden_states/layer_3"):
+        edit_meta(huge_chunks, name, lambda m: (m["chunk_grid"]["configuration"].update(
+            chunk_shape=[2 ** 27, *m["shape"][1:]]), m.update(shape=[2 ** 27, *m["shape"][1:]])))
+    # a chunk whose blosc header claims 2 GiB, with a valid crc32c
+    header = tmp_path / "header"
+    shutil.copytree(cache_copy, header)
+    f = header / "hidden_states" / "layer_2" / "c" / "0" / "0"
+    body = bytearray(f.read_bytes()[:-4])
+    body[4:8] = (2 ** 31 - 64).to_bytes(4, "little")
+    f.write_bytes(with_crc(bytes(body)))
+    code = r"""
+import resource, sys, tracemalloc
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+from dspark_precompute import open_cache
+from dspark_precompute.export import export_nemo
+tracemalloc.start()
+for path in sys.argv[1:]:
+    try:
+        c = open_cache(path)
+        victims = [i for i in range(len(c)) if c.starts()[i] < 256]
+        for i in victims:
+            c[i]
+        export_nemo(c, path + "-nemo")
+        print(path, "READ", flush=True)
+    except Exception as exc:
+        print(path, type(exc).__name__, type(exc).__mro__[1].__name__, flush=True)
+print("peak", tracemalloc.get_traced_memory()[1])
+"""
+    proc = subprocess.run([sys.executable, "-c", code, str(big), str(wide), str(huge_chunks), str(header)],
+                          capture_output=True, text=True, timeout=300)
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    for path in (big, wide, huge_chunks):
+        assert lines.get(str(path)) == "CacheFormatError DsparkError", proc.stdout + proc.stderr[-3000:]
+    assert lines.get(str(header)) == "CacheFormatError DsparkError", proc.stdout + proc.stderr[-3000:]
+    assert int(lines["peak"]) < 64 << 20, lines  # far below any crafted size: nothing was sized by them
+
+
+def test_a_zstd_chunk_declaring_another_size_is_not_decoded(zstd_run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(zstd_run.path, copy)
+    f = copy / "hidden_states" / "layer_0" / "c" / "0" / "0"
+    body = bytearray(f.read_bytes()[:-4])
+    from dspark_precompute import format as fmt
+
+    size = fmt._zstd_content_size(bytes(body[:32]))
+    ct = json.loads((copy / "manifest.json").read_text())["layout"]["chunk_tokens"]
+    assert size == ct * 64 * 2
+    fhd = body[4]
+    pos = 5 + (0 if (fhd >> 5) & 1 else 1) + (0, 1, 2, 4)[fhd & 3]
+    width = (1 if (fhd >> 5) & 1 else 0, 2, 4, 8)[fhd >> 6]
+    assert width >= 2
+    value = size * 2 - (256 if width == 2 else 0)
+    body[pos:pos + width] = value.to_bytes(width, "little")
+    f.write_bytes(with_crc(bytes(body)))
+    c = open_cache(copy)
+    with pytest.raises(CacheFormatError, match=r"array 'hidden_states/layer_0' chunk \(0, 0\) \(file "
+                                               rf"hidden_states/layer_0/c/0/0\) has a zstd frame declaring {2 * size:,} "
+                                               rf"decompressed bytes, a chunk of this array is {size:,}"):
+        c[0]
+
+
+# -- item 3: the weights file's checksum ----------------------------------------------------------
+def test_target_weights_returns_the_files_tensors_and_refuses_a_changed_file(cache_copy, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    c = open_cache(cache_copy)
+    got = c.target_weights()
+    want = load_file(str(cache_copy / "target_weights.safetensors"))
+    assert got.keys() == want.keys() == {"embed_tokens.weight"} and torch.equal(got["embed_tokens.weight"],
+                                                                             want["embed_tokens.weight"])
+    assert main(["export-nemo", str(cache_copy), str(tmp_path / "nemo")]) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "nemo").iterdir()}
+    f = cache_copy / "target_weights.safetensors"
+    blob = bytearray(f.read_bytes())
+    blob[-3] ^= 0x01  # a weight value: the file still loads, only its sha256 tells
+    f.write_bytes(bytes(blob))
+    with pytest.raises(ChecksumError, match=r"checksum mismatch in .*/target_weights.safetensors: .* the manifest "
+                                            r"records [0-9a-f]{64}") as info:
+        c.target_weights()
+    assert info.value.file.endswith("target_weights.safetensors")
+    capsys.readouterr()
+    assert main(["export-nemo", str(cache_copy), str(tmp_path / "nemo"), "--overwrite"]) == 2
+    assert "checksum mismatch in" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "nemo").iterdir()} == before  # the old export is kept
+    assert main(["verify", str(cache_copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [p["check"] for p in report["problems"]] == ["weights"]
+    assert "target_weights.safetensors has sha256" in report["problems"][0]["message"]
+
+
+def test_a_cache_without_a_recorded_weights_checksum_reads_and_verifies_with_a_note(cache_copy, capsys):
+    edit_manifest(cache_copy, lambda m: m.pop("weights_sha256") and None)
+    f = cache_copy / "target_weights.safetensors"
+    assert torch.equal(open_cache(cache_copy).target_weights()["embed_tokens.weight"],
+                       __import__("safetensors.torch").torch.load_file(str(f))["embed_tokens.weight"])
+    assert main(["verify", str(cache_copy)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK") and "note: no weights checksum recorded" in out
+
+
+# -- siblings -------------------------------------------------------------------------------------
+def test_repr_reads_only_what_is_in_hand(default_run, monkeypatch):
+    from dspark_precompute.reader import Cache
+    from dspark_precompute.store import CacheStore
+
+    _, result = default_run
+    c = open_cache(result.path)
+
+    def walk(*a, **k):
+        raise AssertionError("repr walked the store")
+
+    monkeypatch.setattr(CacheStore, "nbytes", walk)
+    monkeypatch.setattr(Cache, "_bytes_under", walk)
+    monkeypatch.setattr(Path, "rglob", walk)
+    text = repr(c)
+    assert text.startswith(f"<dspark cache {result.path!r}: 14 samples, 3501 tokens (61.2% supervised, 2 of 16 rows "
+                           "rejected), layers [1, 2, 3] x 64, bf16>"), text
+
+
+def test_a_stray_file_in_commits_does_not_break_opening(cache_copy):
+    (cache_copy / "commits" / "notes.json").write_text("{}")
+    (cache_copy / "commits" / "u99.json.bak").write_text("{}")
+    c = open_cache(cache_copy)
+    assert len(c) == 14 and c.summary()["units_committed"] == 4
+
+
+def test_read_tokens_refuses_tables_and_slots_outside_the_token_axis(default_run):
+    _, result = default_run
+    c = open_cache(result.path)
+    with pytest.raises(ValueError, match=r"\['samples/start'\] are not token arrays"):
+        c.read_tokens(["samples/start"], 0, 1)
+    with pytest.raises(ValueError, match=r"token slots \[3580, 3600\) lie outside the token axis \[0, 3584\)"):
+        c.read_tokens(["input_ids"], 3580, 3600)
+
+
+def test_an_unpickled_dataset_refuses_a_cache_re_created_since_it_was_opened(cache_copy, tmp_path):
+    ds = CacheDataset(cache_copy)
+    blob, cache_blob = pickle.dumps(ds), pickle.dumps(ds.cache)
+    one = pickle.loads(blob)
+    assert same_sample(one[0], ds[0]) and same_sample(pickle.loads(cache_blob)[0], ds[0])
+    # the same path re-created with other data: a worker would read other samples under the same indices
+    run(compose(small(tmp_path, "storage.chunk_tokens=256", "storage.unit_tokens=1024", "data.max_samples=10",
+                      "overwrite=true", name="copy")))
+    back = pickle.loads(blob)
+    with pytest.raises(CacheFormatError, match="changed since it was opened"):
+        back[0]
+    with pytest.raises(CacheFormatError, match="changed since it was opened"):
+        pickle.loads(cache_blob)
+    assert len(pickle.loads(pickle.dumps(open_cache(cache_copy)))) == 9  # a handle opened now is fine
+
+
+def test_a_worker_reads_the_samples_its_parent_indexed_while_a_run_commits_more(cache_copy):
+    edit_manifest(cache_copy, lambda m: m.update(complete=False))
+    record = cache_copy / "commits" / "u000001.json"
+    saved = record.read_bytes()
+    record.unlink()
+    ds = CacheDataset(cache_copy, allow_incomplete=True)
+    expected = [ds[j] for j in range(len(ds))]
+    assert len(ds) < 14
+    blob = pickle.dumps(ds)
+    record.write_bytes(saved)  # the run commits unit 1 while training reads
+    back = pickle.loads(blob)
+    assert len(back) == len(ds)
+    assert all(same_sample(back[j], expected[j]) for j in range(len(ds)))
+    c = pickle.loads(pickle.dumps(open_cache(cache_copy, allow_incomplete=True)))
+    assert len(c) == 14  # a new handle sees every committed unit
+    record.unlink()  # marked for repair: samples the worker may be handed are gone
+    with pytest.raises(CacheFormatError, match=r"units \[1\] were readable when the cache was opened"):
+        pickle.loads(pickle.dumps(c))
+
+
+def test_export_refuses_a_non_integer_shard_size(default_run, tmp_path):
+    from dspark_precompute.export import export_nemo
+
+    _, result = default_run
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            export_nemo(result.path, tmp_path / "nemo", shard_size=bad)
+    assert not (tmp_path / "nemo").exists()
+
+
+def test_verify_repair_on_a_crafted_manifest_reports_instead_of_crashing(cache_copy, capsys):
+    edit_manifest(cache_copy, lambda m: [m])
+    assert main(["verify", str(cache_copy), "--repair"]) == 1
+    out = capsys.readouterr().out
+    assert "is not a JSON object" in out and "Traceback" not in out
+    from dspark_precompute.verify import mark_for_recompute
+
+    with pytest.raises(CacheFormatError, match="is not a JSON object"):
+        mark_for_recompute(cache_copy, [0])
+
+
+def test_a_remote_chunk_larger_than_any_chunk_can_be_is_refused_unread(cache_copy):
+    import fsspec
+
+    f = cache_copy / "input_ids" / "c" / "1"
+    f.write_bytes(os.urandom(5 << 20))  # 5 MiB where a 1 KiB chunk (256 x int32, compressed) belongs
+    url = to_memory_fs(str(cache_copy), "damage-big-chunk")
+    try:
+        for path in (str(cache_copy), url):
+            c = open_cache(path)
+            with pytest.raises(CacheFormatError, match=r"array 'input_ids' chunk \(1,\) \(file input_ids/c/1\) is "
+                                                       r"larger than any chunk of this array can be"):
+                c[holders(cache_copy, CT, 2 * CT)[0]]
+    finally:
+        fsspec.filesystem("memory").rm("/damage-big-chunk", recursive=True)
+
+
+def test_slots_of_a_unit_not_yet_committed_are_named_as_unwritten_not_damaged(cache_copy):
+    edit_manifest(cache_copy, lambda m: m.update(complete=False))
+    (cache_copy / "commits" / "u000002.json").unlink()
+    c = open_cache(cache_copy, allow_incomplete=True)
+    t = tables(cache_copy)
+    a = int(t["units/token_start"][2])
+    assert len(c) == 14 - int((t["samples/unit"] == 2).sum())
+    (cache_copy / "input_ids" / "c" / str(a // CT)).unlink()  # as if the writer had not reached it
+    with pytest.raises(MissingChunkError, match=r"is not written yet: it belongs to unit\(s\) \[2\], which have no "
+                                                r"commit record"):
+        c.read_tokens(["input_ids"], a, a + 1)
