@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
-from dspark_precompute.errors import DsparkError
+from dspark_precompute.errors import DsparkError, StoppedBySignal
 
 log = logging.getLogger("dspark_precompute")
 
@@ -49,7 +50,8 @@ def _verify(args: argparse.Namespace) -> int:
     from dspark_precompute.verify import mark_for_recompute, verify_cache
 
     report = verify_cache(args.path, recompute=args.recompute, seed=args.seed, allow_incomplete=args.allow_incomplete,
-                          tolerance=args.tolerance, device=args.device)
+                          tolerance=args.tolerance, device=args.device, model=args.model,
+                          trust_remote_code=args.trust_remote_code)
     if args.json:
         _out(json.dumps({"ok": report.ok, "path": report.path, "samples": report.samples, "tokens": report.tokens,
                          "chunks_checked": report.chunks_checked, "recomputed": report.recomputed,
@@ -111,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tolerance", type=float, default=1.0,
                    help="largest allowed difference, in steps of the storage dtype (default 1)")
     s.add_argument("--device", default=None, help="device for --recompute (default: the manifest's model.device)")
+    s.add_argument("--model", default=None, metavar="PATH",
+                   help="target for --recompute (default: the path recorded in the manifest)")
+    s.add_argument("--trust-remote-code", action="store_true",
+                   help="let --recompute run code shipped with the target checkpoint (never taken from the cache)")
     s.add_argument("--allow-incomplete", action="store_true", help="check the committed part of an unfinished cache")
     s.add_argument("--repair", action="store_true",
                    help="mark damaged units for recomputation by the next run of the precompute command")
@@ -142,14 +148,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         log.addHandler(h)
     log.setLevel(logging.INFO if args.verbose else logging.WARNING)
+    from dspark_precompute import signals
+
+    previous = signals.install()
     try:
         return int(args.fn(args))
+    except StoppedBySignal as exc:  # Ctrl-C: files are written under temporary names, renamed when whole
+        sys.stderr.write(f"dspark-cache {args.command}: stopped by {signal.Signals(exc.signum).name}; no file was "
+                         "left half-written\n")
+        return exc.exit_code
     except DsparkError as exc:
         sys.stderr.write(f"dspark-cache {args.command}: {exc}\n")
-        return 2
+        return exc.exit_code
     except ValueError as exc:  # bad arguments surfaced by the library (layer ids, shard size, ...)
         sys.stderr.write(f"dspark-cache {args.command}: {exc}\n")
         return 2
+    finally:
+        signals.restore(previous)
 
 
 if __name__ == "__main__":

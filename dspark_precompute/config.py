@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark_precompute.errors import ConfigError
+from dspark_precompute.format import MAX_CHUNK_TOKENS, MAX_SEQ_LENGTH
 from dspark_precompute.layers import layer_id_problems
 
 EMBEDDED = "embedded"  # data.path value: the chat set shipped inside the package
@@ -26,7 +27,6 @@ COMPRESSORS = ("none", "zstd", "blosc_zstd", "blosc_lz4")
 SHUFFLES = ("none", "byte", "bit")
 DATA_FORMATS = ("auto", "messages", "sharegpt")
 ON_INVALID = ("skip", "error")
-MAX_CHUNK_TOKENS = 1 << 20
 _SPLIT_RE = re.compile(r"^(\w+)(?:\[(-?\d*):(-?\d*)\])?$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
@@ -284,6 +284,8 @@ class PrecomputeConfig:
         out: list[str] = []
         if self.seq_length <= 0:
             out.append(f"seq_length={self.seq_length} must be a positive number of tokens")
+        elif self.seq_length > MAX_SEQ_LENGTH:
+            out.append(f"seq_length={self.seq_length} is above {MAX_SEQ_LENGTH}, the longest sample a cache may hold")
         elif self.batch.max_tokens >= 1 and self.batch.max_tokens < self.seq_length:
             out.append(
                 f"batch.max_tokens={self.batch.max_tokens} is smaller than seq_length={self.seq_length}: "

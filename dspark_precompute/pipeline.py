@@ -189,6 +189,10 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
     names = fmt.hidden_arrays(layer_ids, target.num_hidden_layers)
     itemsize = np.dtype(fmt.STORAGE_DTYPES[cfg.storage.dtype][0]).itemsize
     chunk = cfg.storage.chunk_tokens or fmt.auto_chunk_tokens(hidden, itemsize)
+    if chunk * hidden * itemsize > fmt.MAX_CHUNK_BYTES:
+        raise ConfigError([f"storage.chunk_tokens={chunk} makes {chunk * hidden * itemsize / 2**30:.1f} GiB chunks "
+                           f"at hidden size {hidden}; readers refuse chunks over {fmt.MAX_CHUNK_BYTES >> 30} GiB. "
+                           f"Use at most {fmt.MAX_CHUNK_BYTES // (hidden * itemsize)} (or null: about 1 MiB)"])
     n_hidden = sum(1 for s in specs if s.width)
     per_token = fmt.bytes_per_token(hidden, itemsize, n_hidden)
     unit = cfg.storage.unit_tokens or max(chunk, (cfg.storage.unit_mib << 20) // per_token // chunk * chunk)

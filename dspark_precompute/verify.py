@@ -134,21 +134,25 @@ def _fmt_ids(ids: np.ndarray, limit: int = 8) -> str:
 
 
 def verify_cache(path: str | Path, *, recompute: int = 0, seed: int = 0, allow_incomplete: bool = False,
-                 tolerance: float = 1.0, device: str | None = None, max_problems_per_check: int = 20
-                 ) -> VerifyReport:
+                 tolerance: float = 1.0, device: str | None = None, max_problems_per_check: int = 20,
+                 model: str | None = None, trust_remote_code: bool = False) -> VerifyReport:
     """Check the cache at ``path``; ``report.ok`` is true only if nothing is wrong.
 
     ``recompute`` samples (chosen with ``seed``) are recomputed with the target named in
     the manifest; a hidden state may differ from the recomputation by at most
-    ``tolerance`` steps (ulps) of the storage dtype. ``device`` overrides model.device.
-    A malformed cache is reported as problems, never raised.
+    ``tolerance`` steps (ulps) of the storage dtype. ``device`` overrides model.device,
+    ``model`` the target's path. Nothing read from the cache can turn on remote code or
+    point the loader into the cache itself: only ``trust_remote_code=True`` (the user's
+    own flag) lets a checkpoint's code run. A malformed cache is reported as problems,
+    never raised.
     """
     t0 = time.perf_counter()
     report = VerifyReport(str(path))
     bad = _Collector(report, max_problems_per_check)
     try:
         store = CacheStore(str(path))
-        _verify(store, report, bad, recompute, seed, allow_incomplete, tolerance, device)
+        _verify(store, report, bad, recompute, seed, allow_incomplete, tolerance,
+                {"device": device, "model": model, "trust_remote_code": bool(trust_remote_code)})
     except Exception as exc:  # a crafted cache must end in a report, not a traceback
         log.debug("verify stopped", exc_info=True)
         bad.add("verify", f"verify stopped at {type(exc).__name__}: {exc}; the cache is malformed in a way the "
@@ -160,7 +164,7 @@ def verify_cache(path: str | Path, *, recompute: int = 0, seed: int = 0, allow_i
 
 
 def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, recompute: int, seed: int,
-            allow_incomplete: bool, tolerance: float, device: str | None) -> None:
+            allow_incomplete: bool, tolerance: float, loader: dict[str, Any]) -> None:
     path = store.path
     # -- manifest -------------------------------------------------------------------------
     if not store.exists(fmt.MANIFEST):
@@ -401,7 +405,7 @@ def _verify(store: CacheStore, report: VerifyReport, bad: _Collector, recompute:
         else:
             ids = np.flatnonzero(readable)
             pick = np.sort(np.random.default_rng(seed).choice(ids, size=min(int(recompute), len(ids)), replace=False))
-            _recompute(store, m, tables, pick, tolerance, device, report, bad)
+            _recompute(store, m, tables, pick, tolerance, loader, report, bad)
 
 
 def _holds_whole(holds: np.ndarray, start: np.ndarray, length: np.ndarray, lo: int, hi: int) -> bool:
@@ -473,8 +477,25 @@ def _check_weights(store: CacheStore, m: dict[str, Any], bad: _Collector, report
         bad.add("weights", p)
 
 
+def _paths_inside(cfgd: dict[str, Any], root: str) -> list[str]:
+    """Config keys whose path lies inside the cache: a cache never holds the target, data or template."""
+    inside = []
+    base = Path(root).resolve()
+    for section, key in (("model", "path"), ("model", "tokenizer"), ("data", "path"), ("data", "chat_template")):
+        value = (cfgd.get(section) or {}).get(key)
+        if not isinstance(value, str) or "{" in value or "://" in value:
+            continue
+        try:
+            p = Path(value).expanduser().resolve()
+        except (OSError, RuntimeError):
+            continue
+        if p == base or base in p.parents:
+            inside.append(f"{section}.{key}={value!r}")
+    return inside
+
+
 def _recompute(store: CacheStore, m: dict[str, Any], tables: dict[str, np.ndarray], pick: np.ndarray,
-               tolerance: float, device: str | None, report: VerifyReport, bad: _Collector) -> None:
+               tolerance: float, loader: dict[str, Any], report: VerifyReport, bad: _Collector) -> None:
     """Rerun the target on the batches the picked samples were written in; compare."""
     import torch
 
@@ -491,6 +512,21 @@ def _recompute(store: CacheStore, m: dict[str, Any], tables: dict[str, np.ndarra
     cfgd = copy.deepcopy(m["config"])
     cfgd["storage"]["path"] = store.path
     cfgd.update(overwrite=False, progress=False)
+    device = loader.get("device")
+    if isinstance(cfgd.get("model"), dict):
+        if cfgd["model"].get("trust_remote_code") and not loader.get("trust_remote_code"):
+            report.notes.append("the cache was written with model.trust_remote_code=true; recompute loads without "
+                                "it (pass --trust-remote-code to verify if you trust that code)")
+        cfgd["model"]["trust_remote_code"] = bool(loader.get("trust_remote_code"))  # only the user's flag
+        if loader.get("model"):
+            cfgd["model"]["path"] = loader["model"]
+    if not store.url:
+        inside = _paths_inside(cfgd, store.root)
+        if inside:
+            bad.add("recompute", f"the manifest points {', '.join(inside)} inside the cache itself; a cache never "
+                                 "holds the target, its tokenizer, data or template, so nothing there is loaded. "
+                                 "Pass --model PATH for the target, or recompute from the original run's files")
+            return
     recorded = _COMPUTE_NAME.get(m["identity"].get("compute_dtype", ""), None)
     if recorded:
         cfgd["model"]["dtype"] = recorded  # same arithmetic as the run, whatever this machine's default

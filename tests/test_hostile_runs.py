@@ -339,3 +339,49 @@ def test_the_built_in_target_counts_its_weights_without_building_them():
     model = tiny.build_target(cfg.random, len(tok))
     assert weight_bytes(cfg, info, torch.float32) == sum(p.numel() for p in model.parameters()) * 4
 
+
+
+# -- verify --recompute never runs code a cache points at ----------------------------------------------
+
+EVIL_TOKENIZER = '''
+from pathlib import Path
+Path({marker!r}).write_text("ran")
+from transformers import PreTrainedTokenizerFast
+
+
+class EvilTokenizer(PreTrainedTokenizerFast):
+    pass
+'''
+
+
+def evil_tokenizer(d: Path, marker: Path) -> Path:
+    tok = tiny.build_tokenizer()
+    tok.save_pretrained(d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["auto_map"] = {"AutoTokenizer": [None, "evil.EvilTokenizer"]}
+    cfg["tokenizer_class"] = "EvilTokenizer"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "evil.py").write_text(EVIL_TOKENIZER.format(marker=str(marker)))
+    return d
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_verify_recompute_never_runs_code_a_crafted_manifest_points_at(tmp_path, reference, inside):
+    import shutil
+
+    from dspark_precompute.cli import main as cache_cli
+
+    c = tmp_path / "c"
+    shutil.copytree(reference, c)
+    marker = tmp_path / "marker"
+    tok_dir = evil_tokenizer((c if inside else tmp_path) / "tok", marker)
+    m = json.loads((c / "manifest.json").read_text())
+    m["config"]["model"]["tokenizer"] = str(tok_dir)
+    m["config"]["model"]["trust_remote_code"] = True
+    (c / "manifest.json").write_text(json.dumps(m))
+    code = cache_cli(["verify", str(c), "--recompute", "1"])
+    assert code == 1 and not marker.exists()
+    # the user's own flag is what allows a checkpoint's code, and never for files inside the cache
+    if inside:
+        assert cache_cli(["verify", str(c), "--recompute", "1", "--trust-remote-code"]) == 1
+        assert not marker.exists()
