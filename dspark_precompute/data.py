@@ -12,6 +12,7 @@ Row selection is: optional seeded shuffle -> split slice -> ``max_samples``.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -193,13 +194,14 @@ class _Walk:
 def _walk(root: Path) -> _Walk:
     """Every file below ``root`` (following symlinks, never into a loop), classified."""
     out = _Walk()
-
-    def visit(d: str, rel: str, ancestors: frozenset[str]) -> None:
+    todo = [(str(root), "", frozenset({os.path.realpath(root)}))]  # (directory, its relative path, ancestors)
+    while todo:
+        d, rel, ancestors = todo.pop()
         try:
             entries = list(os.scandir(d))
         except OSError as exc:
             out.broken.append(f"{rel or '.'}/ ({exc.strerror or exc})")
-            return
+            continue
         for e in entries:
             r = f"{rel}/{e.name}" if rel else e.name
             if _not_data(e.name):
@@ -207,25 +209,26 @@ def _walk(root: Path) -> _Walk:
                 continue
             try:
                 is_dir, is_file = e.is_dir(), e.is_file()  # both follow symlinks
-            except OSError as exc:
-                out.broken.append(f"{r} ({exc.strerror or exc})")
-                continue
-            if e.is_symlink() and not (is_dir or is_file):
-                target = os.readlink(e.path)
-                out.broken.append(f"{r} (a symbolic link to {target!r}, which "
-                                  f"{'does not exist' if not os.path.lexists(os.path.join(d, target)) else 'is not a file'})")
+            except OSError:
+                is_dir = is_file = False
+            if not (is_dir or is_file) and (e.is_symlink() or not os.path.lexists(e.path)):
+                try:
+                    os.stat(e.path)
+                    why = "is not a regular file"
+                except OSError as exc:
+                    why = "does not exist" if exc.errno == errno.ENOENT else f"cannot be read: {exc.strerror}"
+                target = f"a symbolic link to {os.readlink(e.path)!r}, which " if e.is_symlink() else ""
+                out.broken.append(f"{r} ({target}{why})")
             elif is_dir:
                 real = os.path.realpath(e.path)
                 if real in ancestors:
                     log.warning("data: not following %s/: it links back to a directory that contains it", r)
                     continue
-                visit(e.path, r, ancestors | {real})
+                todo.append((e.path, r, ancestors | {real}))
             elif is_file and Path(e.name).suffix.lower() in DATA_SUFFIXES:
                 out.data.append((r, Path(e.path)))
             else:
                 out.unknown.append(r)
-
-    visit(str(root), "", frozenset({os.path.realpath(root)}))
     out.data.sort()
     out.skipped.sort()
     out.unknown.sort()
@@ -329,6 +332,7 @@ def resolve_source(path: str, split: str | None = None) -> DataSource:
         if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file():
             arrow = sorted(p.rglob("*.arrow"))
             if arrow:  # written by datasets' save_to_disk
+                _need_datasets(path, "a dataset saved with save_to_disk")
                 return DataSource(path=str(p), files=arrow, kind="hf_disk", root=p)
         walk = _walk(p)
         if walk.broken:
@@ -360,7 +364,16 @@ def resolve_source(path: str, split: str | None = None) -> DataSource:
             raise DataError(f"data.path={path!r}: " + "; ".join(problems))
         source = DataSource(path=str(p), files=[f for _, f in walk.data], kind="files", root=p)
         return select_split(source, split) if split is not None else source
+    _need_datasets(path, "not a local file or directory, so a Hugging Face hub dataset id")
     return DataSource(path=path, files=[], kind="hub")
+
+
+def _need_datasets(path: str, what: str) -> None:
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        raise DataError(f"data.path={path!r} is {what}: reading it needs the `datasets` package "
+                        "(pip install datasets)") from None
 
 
 # -- reading rows --------------------------------------------------------------------------
@@ -383,6 +396,12 @@ def _parse(data: bytes, where: str) -> tuple[Any, tuple[str, str] | None]:
         return None, (Reason.INVALID_UTF8, message)
     try:
         return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        hint = ""
+        if exc.msg == "Extra data":
+            hint = ("; the row holds more than one JSON value" + (
+                " (its lines seem to end with a bare \\r: convert the line ends to \\n)" if "\r" in text else ""))
+        return None, (Reason.MALFORMED_JSON, f"{where}: {exc}{hint}")
     except RecursionError:
         message = (f"{where}: nested deeper than the JSON parser allows (about {sys.getrecursionlimit()} "
                    "levels); flatten the row")
@@ -618,10 +637,19 @@ def record_size(value: Any, limit: int) -> int:
     return total
 
 
+_RENDERED = ("messages", "conversations", "tools")
+
+
 def _checked(rec: Any, out: RawRow, limit: int, where: str) -> RawRow:
-    size = record_size(rec, limit)
+    """A record read by pyarrow/datasets, or a row_too_large reject when what it would render is too large.
+
+    Only the fields that reach the chat template count (other columns, an image say, are
+    never tokenized); the record is already in memory, the limit guards the tokenizer.
+    """
+    rendered = {k: rec[k] for k in _RENDERED if k in rec} if isinstance(rec, dict) else rec
+    size = record_size(rendered or rec, limit)
     if size > limit:
-        out.error = _too_large(f"at least {size}", limit, where)
+        out.error = _too_large(f"at least {size}", limit, f"{where}: its messages and tools")
     else:
         out.record = rec
     return out

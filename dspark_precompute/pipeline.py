@@ -314,7 +314,8 @@ def tokenize(plan: Plan, ranks: Ranks | None = None) -> Tokenized:
             f"{len(invalid)} of {n} rows ({len(invalid) / n:.1%}) are invalid, above "
             f"data.max_invalid_fraction={cfg.data.max_invalid_fraction}: "
             + ", ".join(f"{k}={v}" for k, v in sorted(by.items()))
-            + f". First: row {invalid[0].row}: {invalid[0].message}. Fix the data or raise the threshold."
+            + f". First: row {invalid[0].row}{_where(invalid[0])}: {invalid[0].message}. Fix the data or raise "
+            "the threshold."
         )
     if not kept:
         raise DataError(f"no row of data.path={cfg.data.path!r} became a sample")
@@ -339,6 +340,11 @@ def ensure_encoded(plan: Plan, tok: Tokenized, sample_ids: set[int]) -> None:
             if not missing:
                 return
     raise CacheFormatError(f"rows {sorted(missing)[:5]} vanished from data.path between two reads")
+
+
+def _where(r: Reject) -> str:
+    parts = [f"file {r.file}" if r.file else "", f"line {r.line}" if r.line else ""]
+    return f" ({', '.join(x for x in parts if x)})" if any(parts) else ""
 
 
 def _reason_counts(rejects: list[Reject]) -> dict[str, int]:

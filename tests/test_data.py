@@ -122,7 +122,8 @@ def test_a_row_over_max_row_bytes_is_a_row_too_large_reject_that_counts_as_inval
     (r,) = tok.rejects
     assert (r.reason, r.row, r.line, r.file, r.file_row) == ("row_too_large", 1, 2, "d.jsonl", 1)
     assert "data.max_row_bytes=2000" in r.message and "Split or trim the row" in r.message
-    with pytest.raises(DataError, match=r"above data.max_invalid_fraction.*row_too_large=1"):
+    with pytest.raises(DataError, match=r"above data.max_invalid_fraction.*row_too_large=1\. "
+                                        r"First: row 1 \(file d.jsonl, line 2\): d.jsonl:2: the line holds"):
         run_tokenize(tmp_path, data, "data.max_row_bytes=2000")
     with pytest.raises(InvalidRowError, match=r"row_too_large.*file d.jsonl, line 2"):
         run_tokenize(tmp_path, data, "data.max_row_bytes=2000", "data.on_invalid=error")
@@ -162,6 +163,18 @@ def test_oversized_rows_of_every_file_type_are_read_past_without_holding_them(tm
     assert "30000" in rows[1].error[1] and "data.max_row_bytes=65536" in rows[1].error[1]
 
 
+@pytest.mark.parametrize("field", ["reasoning_content", "tool_calls"])
+def test_a_10_mb_reasoning_or_tool_arguments_string_is_row_too_large_at_the_default_limit(tmp_path, field):
+    huge = "x" * 10_000_000
+    msg = {"role": "assistant", "content": "a"}
+    msg[field] = huge if field == "reasoning_content" else [{"function": {"name": "f", "arguments": huge}}]
+    f = tmp_path / "d.jsonl"
+    f.write_text(jl(good(0), {"messages": [{"role": "user", "content": "q"}, msg]}, good(1)))
+    rows = rows_of(f)
+    assert [r.error[0] if r.error else "ok" for r in rows] == ["ok", "row_too_large", "ok"]
+    assert "data.max_row_bytes=1048576" in rows[1].error[1]
+
+
 def test_record_size_counts_utf8_bytes_and_stops_early_past_the_limit():
     assert record_size({"a": "é" * 10, "b": [1, None, "xyz"]}, 1000) == 1 + 20 + 1 + 8 + 8 + 3
     assert 100 < record_size(["x" * 100] * 1000, 100) < 300  # counted only until past the limit
@@ -176,6 +189,11 @@ def test_parquet_records_over_the_limit_are_row_too_large(tmp_path):
     rows = rows_of(tmp_path / "d.parquet", max_row_bytes=2000)
     assert [r.error[0] if r.error else "ok" for r in rows] == ["ok", "row_too_large", "ok"]
     assert rows[1].file == "d.parquet" and rows[1].file_row == 1 and rows[2].record == good(1)
+    assert "its messages and tools" in rows[1].error[1]
+    # a column the template never sees (an image, say) does not count against the limit
+    pq.write_table(pa.Table.from_pylist([{**good(0), "image": b"\0" * 10_000}]), tmp_path / "img.parquet")
+    (row,) = rows_of(tmp_path / "img.parquet", max_row_bytes=2000)
+    assert row.error is None and len(row.record["image"]) == 10_000
 
 
 def _tree_rss(proc) -> int:
@@ -360,6 +378,12 @@ def test_symlinks_are_followed_but_never_into_a_loop_and_broken_links_are_refuse
     os.symlink(tmp_path / "missing.jsonl", root / "gone.jsonl")
     with pytest.raises(DataError, match=r"gone.jsonl \(a symbolic link to .*missing.jsonl', which does not exist"):
         resolve_source(str(root))
+    os.remove(root / "gone.jsonl")
+    os.symlink("p.jsonl", root / "q.jsonl")
+    os.symlink("q.jsonl", root / "p.jsonl")
+    with pytest.raises(DataError, match=r"p.jsonl \(a symbolic link to 'q.jsonl', which cannot be read: Too many "
+                                        r"levels of symbolic links\).*q.jsonl"):
+        resolve_source(str(root))
 
 
 # item 3: byte-order marks, lone surrogates, and other text that is not what it seems
@@ -420,6 +444,27 @@ def test_files_that_are_not_utf8_text_are_refused_saying_what_they_are(tmp_path)
     rows = rows_of(latin1)
     assert rows[0].error is None and rows[1].error[0] == "invalid_utf8"
     assert "byte 0xe9" in rows[1].error[1] and "iconv" in rows[1].error[1]
+
+
+def test_a_saved_dataset_or_hub_id_without_datasets_installed_is_refused_before_reading(tmp_path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name == "datasets" else real(name, *a, **k))
+    saved = write_tree(tmp_path / "saved", {"state.json": "{}", "dataset_info.json": "{}", "data-00000.arrow": "x"})
+    with pytest.raises(DataError, match="a dataset saved with save_to_disk: reading it needs the `datasets`"):
+        resolve_source(str(saved))
+    with pytest.raises(DataError, match="hub dataset id: reading it needs the `datasets` package"):
+        resolve_source("someone/chat-data")
+
+
+def test_lines_ending_in_a_bare_carriage_return_get_a_hint(tmp_path):
+    f = tmp_path / "mac.jsonl"
+    f.write_bytes(json.dumps(good(0)).encode() + b"\r" + json.dumps(good(1)).encode() + b"\r")
+    (row,) = rows_of(f)
+    assert row.error[0] == "malformed_json" and "more than one JSON value" in row.error[1]
+    assert "bare \\r" in row.error[1]
 
 
 def test_crlf_line_ends_and_a_last_line_without_newline_keep_rows_and_line_numbers(tmp_path):
