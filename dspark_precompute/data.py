@@ -361,7 +361,8 @@ def resolve_source(path: str, split: str | None = None) -> DataSource:
         if parquet and (need := _needs_pyarrow(parquet)):
             problems.append(need)
         if problems:
-            raise DataError(f"data.path={path!r}: " + "; ".join(problems))
+            raise DataError(f"data.path={path!r}: {len(problems)} file problem(s): " + "; ".join(problems[:5])
+                            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
         source = DataSource(path=str(p), files=[f for _, f in walk.data], kind="files", root=p)
         return select_split(source, split) if split is not None else source
     _need_datasets(path, "not a local file or directory, so a Hugging Face hub dataset id")
