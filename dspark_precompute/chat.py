@@ -125,7 +125,7 @@ class ChatEncoder:
             if self.mask_generation_prompt:
                 self._remove_generation_prompts(conv, full, offsets, mask)
             if self.mask_reasoning_content:
-                self._remove_reasoning(conv, ids, mask)
+                self._remove_reasoning(conv, full, ids, mask)
         except _Unmaskable as exc:
             return Reject(row, Reason.UNMASKABLE, str(exc))
         except Exception as exc:
@@ -197,6 +197,11 @@ class ChatEncoder:
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
+            if prev_end and bisect.bisect_left(starts, prev_end) >= S:
+                # Turns follow each other in the render (the char search below relies on it as
+                # well), so this turn and every later one lie past seq_length: their masks are
+                # cut off anyway, and rendering their prefixes would cost O(messages^2).
+                break
             s, e = boundary(i), boundary(i + 1)
             if s is not None and e is not None:
                 for t in range(s, min(e, len(ids))):
@@ -251,6 +256,8 @@ class ChatEncoder:
                 continue
             try:
                 plain = self.render(conv.messages[:i], conv.tools)
+                if full.startswith(plain) and bisect.bisect_left(starts, len(plain)) >= self.seq_length:
+                    break  # this header and every later one lie past seq_length
                 prompted = self.render(conv.messages[:i], conv.tools, add_generation_prompt=True)
             except Exception:
                 continue
@@ -265,13 +272,16 @@ class ChatEncoder:
             for t in range(lo, hi):
                 mask[t] = 0
 
-    def _remove_reasoning(self, conv: Conversation, ids: list[int], mask: list[int]) -> None:
+    def _remove_reasoning(self, conv: Conversation, full: str, ids: list[int], mask: list[int]) -> None:
         for i, m in enumerate(conv.messages):
             if m["role"] != "assistant" or not m.get("reasoning_content"):
                 continue
             cleared = list(conv.messages)
             cleared[i] = {**m, "reasoning_content": ""}
-            other, _ = self.tokenize(self.render(cleared, conv.tools))
+            text = self.render(cleared, conv.tools)
+            if text == full:  # the template does not render this reasoning (Qwen3: turns before the last query)
+                continue
+            other, _ = self.tokenize(text)
             p = 0
             while p < min(len(ids), len(other)) and ids[p] == other[p]:
                 p += 1

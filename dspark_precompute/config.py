@@ -150,6 +150,7 @@ class DataConfig:
     max_samples: int | None = None
     on_invalid: str = "skip"
     max_invalid_fraction: float = 0.01
+    max_row_bytes: int = 1 << 20  # a larger row is a row_too_large reject, never parsed or tokenized
 
     def problems(self) -> list[str]:
         out = []
@@ -163,6 +164,9 @@ class DataConfig:
             out.append(f"data.on_invalid={self.on_invalid!r} must be 'skip' or 'error'")
         if not 0.0 <= float(self.max_invalid_fraction) <= 1.0:
             out.append(f"data.max_invalid_fraction={self.max_invalid_fraction} must be in [0, 1]")
+        if isinstance(self.max_row_bytes, bool) or not isinstance(self.max_row_bytes, int) or self.max_row_bytes < 1:
+            out.append(f"data.max_row_bytes={self.max_row_bytes!r} must be a positive number of bytes "
+                       "(memory per row grows with it: about 400 bytes per byte in the worst case)")
         if self.path != EMBEDDED:
             p = Path(self.path).expanduser()
             if not p.exists() and not _looks_like_hub_id(self.path):

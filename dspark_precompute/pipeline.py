@@ -22,7 +22,7 @@ import torch
 from dspark_precompute import __version__
 from dspark_precompute import format as fmt
 from dspark_precompute.chat import ChatEncoder, Encoded, resolve_chat_template, sha256_text
-from dspark_precompute.config import EMBEDDED, PrecomputeConfig
+from dspark_precompute.config import EMBEDDED, DataConfig, PrecomputeConfig
 from dspark_precompute.data import Reason, Reject, iter_rows, normalize, resolve_source
 from dspark_precompute.distributed import Coordinator, RankFailedError, Ranks, assign_units, init_ranks
 from dspark_precompute import signals
@@ -85,7 +85,8 @@ def default_storage_path(cfg: PrecomputeConfig) -> str:
                   if k in ("path", "tokenizer", "revision", "dtype", "layer_ids", "draft_num_hidden_layers", "random")},
         "data": {k: v for k, v in cfg.to_dict()["data"].items()
                  if k in ("path", "format", "split", "shuffle_seed", "chat_template", "mask_reasoning_content",
-                          "mask_generation_prompt", "max_samples")},
+                          "mask_generation_prompt", "max_samples")
+                 or (k == "max_row_bytes" and v != DataConfig.max_row_bytes)},
         "storage": {k: getattr(s, k) for k in (*_STORED_STORAGE_KEYS, "chunk_tokens", "unit_tokens", "unit_mib")},
         "seq_length": cfg.seq_length,
     }
@@ -139,7 +140,7 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
     store = CacheStore(path)
     problems: list[str] = []
     try:
-        source = resolve_source(cfg.data.path)
+        source = resolve_source(cfg.data.path, cfg.data.split_slice()[0])
         data_sha = source.content_sha256()
     except DataError as exc:
         problems.append(str(exc))
@@ -216,6 +217,10 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
             "split": cfg.data.split, "shuffle_seed": cfg.data.shuffle_seed, "max_samples": cfg.data.max_samples,
             "mask_reasoning_content": cfg.data.mask_reasoning_content,
             "mask_generation_prompt": cfg.data.mask_generation_prompt,
+            # which rows are rejected as too large; recorded only when not the default, so caches
+            # written before the limit existed keep their hash
+            **({"max_row_bytes": cfg.data.max_row_bytes}
+               if cfg.data.max_row_bytes != DataConfig.max_row_bytes else {}),
         },
         "seq_length": cfg.seq_length,
         "layer_ids": layer_ids,
@@ -292,11 +297,14 @@ def _encode_row(plan: Plan, encoder: ChatEncoder, raw: Any, sel: int) -> Encoded
     if not isinstance(item, Reject):
         item = encoder.encode(item, raw.row)
     if isinstance(item, Reject):
-        # row: index in the selection (what samples/source_row counts); file_row/line: the source
-        item.row, item.file_row, item.line = sel, raw.row, raw.line
+        # row: index in the selection (what samples/source_row counts); file/file_row/line: the source
+        item.row, item.line, item.file = sel, raw.line, raw.file
+        item.file_row = raw.row if raw.file_row is None else raw.file_row
         if plan.cfg.data.on_invalid == "error" and item.reason not in FILTERED_REASONS:
+            where = ", ".join(x for x in (f"file {raw.file}" if raw.file else "",
+                                          f"line {raw.line}" if raw.line else "") if x)
             raise InvalidRowError(str(plan.cfg.data.path), raw.row, item.reason,
-                                  item.message + (f" (line {raw.line})" if raw.line else ""))
+                                  item.message + (f" ({where})" if where else ""))
     return item
 
 
@@ -336,7 +344,8 @@ def tokenize(plan: Plan, ranks: Ranks | None = None) -> Tokenized:
             f"{len(invalid)} of {n} rows ({len(invalid) / n:.1%}) are invalid, above "
             f"data.max_invalid_fraction={cfg.data.max_invalid_fraction}: "
             + ", ".join(f"{k}={v}" for k, v in sorted(by.items()))
-            + f". First: row {invalid[0].row}: {invalid[0].message}. Fix the data or raise the threshold."
+            + f". First: row {invalid[0].row}{_where(invalid[0])}: {invalid[0].message}. Fix the data or raise "
+            "the threshold."
         )
     if not kept:
         raise DataError(f"no row of data.path={cfg.data.path!r} became a sample")
@@ -361,6 +370,11 @@ def ensure_encoded(plan: Plan, tok: Tokenized, sample_ids: set[int]) -> None:
             if not missing:
                 return
     raise CacheFormatError(f"rows {sorted(missing)[:5]} vanished from data.path between two reads")
+
+
+def _where(r: Reject) -> str:
+    parts = [f"file {r.file}" if r.file else "", f"line {r.line}" if r.line else ""]
+    return f" ({', '.join(x for x in parts if x)})" if any(parts) else ""
 
 
 def _reason_counts(rejects: list[Reject]) -> dict[str, int]:

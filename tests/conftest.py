@@ -22,15 +22,27 @@ os.environ.setdefault("DSPARK_CACHE_DIR", tempfile.mkdtemp(prefix="dspark-test-h
 
 
 def compose(overrides: list[str] | None = None):
-    """The Hydra config for ``overrides`` as the CLI would build it, converted to the typed config."""
+    """The Hydra config for ``overrides`` as the CLI would build it, converted to the typed config.
+
+    Overrides that do not compose against the schema raise the ConfigError the CLI prints.
+    """
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
+    from hydra.errors import HydraException
 
+    from dspark_precompute.__main__ import _compose_problem
     from dspark_precompute.config import from_dictconfig, register_configs
+    from dspark_precompute.errors import ConfigError
 
     register_configs()
+    overrides = list(overrides or [])
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return from_dictconfig(hcompose(config_name="config", overrides=list(overrides or [])))
+        try:
+            dcfg = hcompose(config_name="config", overrides=overrides)
+        except HydraException:
+            problems = [p for o in overrides if (p := _compose_problem([o], check_values=False))]
+            raise ConfigError(problems or [_compose_problem(overrides)]) from None
+    return from_dictconfig(dcfg)
 
 
 def small(tmp_path: Path, *extra: str, name: str = "cache") -> list[str]:

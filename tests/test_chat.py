@@ -175,3 +175,55 @@ def test_the_embedded_template_rewrites_earlier_turns_and_masks_still_cover_ever
     texts = [tok.decode(got.input_ids[r]) for r in runs]
     assert texts == ["<|im_start|>assistant\n4<|im_end|>\n",
                      "<|im_start|>assistant\n<think>\nmultiply\n</think>\n\n9 ✓<|im_end|>\n"]
+
+
+def _many_turns(n: int, reasoning: bool) -> Conversation:
+    msgs = [{"role": "system", "content": "Be brief."}]
+    for t in range(n):
+        msgs.append({"role": "user", "content": f"question {t}: what is {t}+{t}?"})
+        msgs.append({"role": "assistant", "content": f"the answer is {2 * t}.",
+                     **({"reasoning_content": f"add {t} and {t}"} if reasoning else {})})
+    return Conversation(msgs)
+
+
+@pytest.mark.parametrize("reasoning", [False, True])
+def test_turns_past_seq_length_do_not_change_the_kept_mask(reasoning):
+    tok = tiny.build_tokenizer()
+    conv = _many_turns(120, reasoning)
+    for kw in ({}, {"mask_reasoning_content": True, "mask_generation_prompt": True}):
+        full = ChatEncoder(tok, tiny.CHAT_TEMPLATE, BIG, **kw).encode(conv)
+        for s in (40, 100, 256, 1000):
+            cut = ChatEncoder(tok, tiny.CHAT_TEMPLATE, s, **kw).encode(conv)
+            if isinstance(cut, Reject):
+                assert s == 40 and cut.reason == "no_supervised_tokens" and not full.loss_mask[:s].any()
+                continue
+            assert np.array_equal(cut.input_ids, full.input_ids[:s]), (kw, s)
+            assert np.array_equal(cut.loss_mask, full.loss_mask[:s]), (kw, s)
+            assert cut.untruncated_length == len(full.input_ids)
+
+
+def test_masks_with_every_option_are_unchanged_by_truncation_on_real_reasoning_rows(qwen3_tokenizer):
+    kw = {"mask_reasoning_content": True, "mask_generation_prompt": True}
+    full = ChatEncoder(qwen3_tokenizer, qwen3_tokenizer.chat_template, BIG, **kw)
+    short = ChatEncoder(qwen3_tokenizer, qwen3_tokenizer.chat_template, 128, **kw)
+    for i, row in enumerate(chat_rows("reason_tool_use_demo_50")[:25]):
+        conv = conv_of(row, i)
+        a, b = full.encode(conv, i), short.encode(conv, i)
+        if isinstance(b, Reject):
+            assert b.reason == "no_supervised_tokens" and a.loss_mask[:128].sum() == 0
+            continue
+        assert np.array_equal(b.input_ids, a.input_ids[:128]) and np.array_equal(b.loss_mask, a.loss_mask[:128]), i
+
+
+def test_a_row_with_thousands_of_turns_encodes_in_seconds():
+    """The mask loops rendered every turn's prefix and re-tokenized the whole row per reasoning turn:
+    O(turns^2), about 40 s for each of these rows (120 KB, 35 KB) before, well under a second or a few now."""
+    import time
+
+    tok = tiny.build_tokenizer()
+    for turns, kw in ((1000, {}), (300, {"mask_reasoning_content": True, "mask_generation_prompt": True})):
+        enc = ChatEncoder(tok, tiny.CHAT_TEMPLATE, 2048, **kw)
+        t0 = time.perf_counter()
+        got = enc.encode(_many_turns(turns, bool(kw)))
+        assert not isinstance(got, Reject) and got.truncated
+        assert time.perf_counter() - t0 < 12, kw
