@@ -1,24 +1,44 @@
 """dspark-precompute: run a frozen target LLM once, store its hidden states for draft training.
 
 ``python -m dspark_precompute`` runs the pipeline (Hydra); ``open_cache(path)`` reads a cache.
+The package follows the cache contract: ``contract`` (what a cache is), ``write`` (config
+-> target -> samples -> batches -> capture -> writers -> store), ``read`` (reader,
+training, export, verify) and ``cli`` (the two commands).
 """
 
-__version__ = "0.1.0"
+from typing import Any
+
+__version__ = "0.2.0"
 
 
-
-def __getattr__(name):  # PEP 562: the reader (and torch) load on first use, not on import
-    if name in ("Cache", "open_cache"):
-        from dspark_precompute import reader
+def __getattr__(name: str) -> Any:  # PEP 562: the reader (and torch) load on first use, not on import
+    if name in ("CacheReader", "Cache", "open_cache"):
+        from dspark_precompute.read import reader
 
         return getattr(reader, name)
+    if name == "plot_cache":
+        from dspark_precompute.read.plot import plot_cache
+
+        return plot_cache
     raise AttributeError(f"module 'dspark_precompute' has no attribute {name!r}")
 
 
-def run(cfg):  # noqa: D103 - thin re-export, imports the heavy pipeline lazily
-    from dspark_precompute.pipeline import run as _run
+def run(cfg: Any, provenance: dict[str, Any] | None = None) -> Any:
+    """Precompute the cache ``cfg`` describes (see :func:`dspark_precompute.write.run.run`).
 
-    return _run(cfg)
+    The notebook entry point: with no logging configured, the run's progress goes to stderr.
+    """
+    import logging
+
+    from dspark_precompute.write.run import run as _run
+
+    pkg = logging.getLogger("dspark_precompute")
+    if not logging.getLogger().handlers and not pkg.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        pkg.addHandler(handler)
+
+    return _run(cfg, provenance)
 
 
-__all__ = ["Cache", "open_cache", "run", "__version__"]
+__all__ = ["Cache", "CacheReader", "open_cache", "plot_cache", "run", "__version__"]

@@ -22,7 +22,7 @@ _counts: dict[str, int] = {}
 
 
 
-def _plan() -> dict[str, tuple[int, str]]:
+def _schedule() -> dict[str, tuple[int, str]]:
     spec = os.environ.get("DSPARK_FAULT", "")
     only = os.environ.get("DSPARK_FAULT_RANK")
     if only is not None and only != os.environ.get("RANK", "0"):
@@ -35,7 +35,7 @@ def _plan() -> dict[str, tuple[int, str]]:
     return out
 
 
-_PLAN = _plan()
+_PLAN = _schedule()
 
 
 def fault_point(name: str) -> None:

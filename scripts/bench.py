@@ -4,7 +4,7 @@
 For every (target, seq_length) case, on the same target weights, tokenizer, data and
 seq_length, and alternating the methods repeat by repeat (medians reported):
 
-1. ``tool``     ``dspark_precompute.pipeline.run(cfg)`` end to end: tokenize, load the
+1. ``tool``     ``dspark_precompute.write.run.run(cfg)`` end to end: tokenize, load the
                target, forward, capture, compress, write, commit.
 2. ``limit``    the bare decoder forward over the very batches the tool runs (same unit
                grouping, same ``make_batches``), with no capture, copies or writes. The
@@ -80,24 +80,24 @@ COMPRESSORS = [  # (label, storage.compressor, level, shuffle)
 # configuration
 
 
+BENCH_CONF = REPO / "scripts" / "conf"  # the benchmark targets (model=bench_tiny|bench_mid), beside the package's
+
+
 def compose(overrides: list[str]):
-    """The typed config for ``overrides``, composed by Hydra exactly as the CLI does."""
-    from hydra import compose as hcompose
-    from hydra import initialize_config_dir
+    """The typed config for ``overrides``, composed by Hydra exactly as the CLI does (plus scripts/conf)."""
+    from dspark_precompute.write.config import compose as compose_config
 
-    from dspark_precompute.config import from_dictconfig, register_configs
-
-    register_configs()
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return from_dictconfig(hcompose(config_name="config", overrides=list(overrides)))
+    return compose_config([f"hydra.searchpath=[file://{BENCH_CONF}]", *overrides])
 
 
 def _tokenizer_override(model_group: str) -> list[str]:
     """conf/model/*.yaml give the tokenizer relative to the repo root: make it absolute."""
     from omegaconf import OmegaConf
 
-    conf = OmegaConf.load(REPO / "conf" / "model" / f"{model_group}.yaml")
+    path = BENCH_CONF / "model" / f"{model_group}.yaml"
+    if not path.exists():
+        return []
+    conf = OmegaConf.load(path)
     tok = conf.get("tokenizer")
     if not tok or Path(tok).is_absolute():
         return []
@@ -219,8 +219,9 @@ def make_case(target: str, seq: int, rows: int | None, data: Path | None, workdi
     """Tokenize once and plan the tool's batches (used by the limit; nothing here is timed)."""
     import numpy as np
 
-    from dspark_precompute import format as fmt
-    from dspark_precompute.pipeline import make_batches, prepare
+    from dspark_precompute.contract.layout import build_layout
+    from dspark_precompute.write.batching import make_batches
+    from dspark_precompute.write.plan import prepare
 
     group = TARGETS.get(target, target)
     overrides = tool_overrides(group, data, seq, rows, workdir / "prep", device, dtype, extra)
@@ -228,12 +229,11 @@ def make_case(target: str, seq: int, rows: int | None, data: Path | None, workdi
     plan = prepare(cfg)
     samples, rows_in, n_rejects = tokenize_samples(plan)
     lengths = np.asarray([len(s.input_ids) for s in samples], dtype=np.int64)
-    layout = fmt.plan_layout(lengths, plan.chunk_tokens, plan.unit_tokens)
+    layout = build_layout(lengths, plan.chunk_tokens, plan.unit_tokens)
     batches = []
     for u in range(layout.num_units):
         batches += make_batches(layout.unit_order[u], lengths, cfg.batch.max_tokens, cfg.batch.max_samples)
-    pad = getattr(plan.tokenizer, "pad_token_id", None)
-    pad = int(pad if pad is not None else (plan.tokenizer.eos_token_id or 0))
+    pad = plan.pad_id
     t = plan.target
     info = {"rows_in": rows_in, "samples": len(samples), "rejected": n_rejects, "tokens": int(lengths.sum()),
             "hidden_size": t.hidden_size, "num_layers": t.num_hidden_layers, "vocab_size": t.vocab_size,
@@ -247,20 +247,17 @@ def make_case(target: str, seq: int, rows: int | None, data: Path | None, workdi
 
 def tokenize_samples(plan: Any) -> tuple[list, int, int]:
     """The package's own tokenization of the selection: (samples in selection order, rows, rejects)."""
-    from dspark_precompute import pipeline
+    from dspark_precompute.write.tokenize import tokenize
 
-    if hasattr(pipeline, "tokenize"):
-        tok = pipeline.tokenize(plan)
-        return [tok.encoded[i] for i in range(len(tok.lengths))], int(tok.rows_in), len(tok.rejects)
-    samples, _rows, rejects, rows_in = pipeline.encode_all(plan)  # older pipeline API
-    return samples, int(rows_in), len(rejects)
+    tok = tokenize(plan)
+    return [tok.encoded[i] for i in range(len(tok.lengths))], int(tok.rows_in), len(tok.rejects)
 
 
 def load_model(case: Case) -> Any:
-    from dspark_precompute.target import load_target
+    from dspark_precompute.write.target import load_target
 
     p = case.plan
-    return load_target(case.cfg.model, p.target, len(p.tokenizer), p.device, p.compute_dtype)
+    return _count_lm_head(load_target(case.cfg.model, p.target, len(p.tokenizer), p.device, p.compute_dtype))
 
 
 # --------------------------------------------------------------------------------------
@@ -268,14 +265,14 @@ def load_model(case: Case) -> Any:
 
 
 def run_tool(case: Case, path: Path) -> dict[str, Any]:
-    from dspark_precompute import format as fmt
-    from dspark_precompute.pipeline import run
+    from dspark_precompute.contract.spec import WEIGHTS
+    from dspark_precompute.write.run import run
 
     cfg = compose([o for o in case.overrides if not o.startswith("storage.path=")] + [f"storage.path={path}"])
     t0 = time.perf_counter()
     result = run(cfg)
     wall = time.perf_counter() - t0
-    weights = (path / fmt.WEIGHTS).stat().st_size if (path / fmt.WEIGHTS).exists() else 0
+    weights = (path / WEIGHTS).stat().st_size if (path / WEIGHTS).exists() else 0
     total = dir_bytes(path, exclude=(".writer.lock",))
     return {"wall_s": wall, "timing": dict(result.timing), "tokens": result.tokens, "samples": result.samples,
             "bytes_total": total, "bytes_weights": weights, "bytes_data": total - weights}
@@ -286,42 +283,19 @@ def run_tool(case: Case, path: Path) -> dict[str, Any]:
 
 
 def limit_inputs(case: Case) -> list[tuple[Any, Any]]:
-    """The tool's forward inputs, built exactly as pipeline._forward_units builds them.
-
-    If the package exposes ``pipeline.batch_inputs(samples, batch, lengths, pad_id, device)``
-    (returning ids, the mask handed to the forward or None, ...), that is used, so the limit
-    always runs exactly the tool's forward.
-    """
-    import numpy as np
-    import torch
-
-    from dspark_precompute import pipeline
+    """The tool's forward inputs, built by the pipeline's own ``batch_inputs`` (right-padded, no mask),
+    so the limit always runs exactly the tool's forward."""
+    from dspark_precompute.write.batching import batch_inputs
 
     device = case.plan.device
-    out = []
-    if hasattr(pipeline, "batch_inputs"):
-        for batch in case.batches:
-            ids, mask = pipeline.batch_inputs(case.samples, batch, case.lengths, case.pad_id, device)[:2]
-            out.append((ids, mask))
-        return out
-    for batch in case.batches:
-        blens = case.lengths[batch]
-        T = int(blens.max())
-        ids = torch.full((len(batch), T), case.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(batch), T), dtype=torch.long)
-        for r, s in enumerate(batch):
-            ids[r, : blens[r]] = torch.from_numpy(case.samples[s].input_ids.astype(np.int64))
-            attn[r, : blens[r]] = 1
-        padded = bool((blens != T).any())
-        out.append((ids.to(device), attn.to(device) if padded else None))
-    return out
+    return [(batch_inputs(case.samples, batch, case.lengths, case.pad_id, device)[0], None) for batch in case.batches]
 
 
 def run_limit(model: Any, inputs: list[tuple[Any, Any]], device: Any) -> dict[str, Any]:
     """Bare decoder forward (no hooks, no lm_head, no copies, no writes) over ``inputs``."""
     import torch
 
-    from dspark_precompute.target import decoder_of
+    from dspark_precompute.write.capture import decoder_of
 
     decoder = decoder_of(model)
     _sync(device)
@@ -339,7 +313,7 @@ def run_limit(model: Any, inputs: list[tuple[Any, Any]], device: Any) -> dict[st
 
 def _nemo_capture(model: Any, layer_ids: list[int]):
     """Hooks as in NeMo's HFDSparkTargetModel.generate_batch: layers, embeddings, final norm."""
-    from dspark_precompute.target import decoder_of
+    from dspark_precompute.write.capture import decoder_of
 
     dec = decoder_of(model)
     last = len(dec.layers) - 1
@@ -497,7 +471,7 @@ def sweep_compressors(data: Any, chunk: int, workdir: Path, repeats: int) -> lis
     import numpy as np
     import zarr
 
-    from dspark_precompute.writer import compressors
+    from dspark_precompute.contract.arrays import codec_chain
 
     raw = data.nbytes
     res: dict[str, dict[str, list[float]]] = {c[0]: {"w": [], "r": [], "ratio": []} for c in COMPRESSORS}
@@ -506,9 +480,8 @@ def sweep_compressors(data: Any, chunk: int, workdir: Path, repeats: int) -> lis
         for label, name, level, shuffle in order:
             path = workdir / f"sweep-{name}-{level}-{shuffle}"
             shutil.rmtree(path, ignore_errors=True)
-            storage = {"compressor": name, "compression_level": level, "shuffle": shuffle}
             arr = zarr.create_array(str(path), shape=data.shape, chunks=(chunk, data.shape[1]), dtype=data.dtype,
-                                    fill_value=0, compressors=compressors(storage, data.dtype.itemsize))
+                                    fill_value=0, compressors=codec_chain(name, level, shuffle, data.dtype.itemsize))
             t0 = time.perf_counter()
             arr[:] = data
             t1 = time.perf_counter()
@@ -597,7 +570,7 @@ def _vm_hwm() -> int:
 
 def _rss_child(args: argparse.Namespace) -> None:
     """Child mode: one tool run; prints its peak RSS as JSON (the parent samples the whole tree)."""
-    from dspark_precompute.pipeline import run
+    from dspark_precompute.write.run import run
 
     cfg = compose(json.loads(args.rss_child))
     t0 = time.perf_counter()
@@ -673,10 +646,40 @@ def parse_specs(text: str, baseline: bool) -> list[Spec]:
     return out
 
 
+LM_HEAD_CALLS = {"n": 0}  # forwards through the target's lm_head, counted by a hook on every model loaded
+
+
+def _count_lm_head(model: Any) -> Any:
+    def hook(_module: Any, _inputs: Any, _output: Any) -> None:
+        LM_HEAD_CALLS["n"] += 1
+
+    head = model.get_output_embeddings()
+    if head is not None:
+        head.register_forward_hook(hook)
+    return model
+
+
+def _counting_tool_loads() -> None:
+    """Every target the tool loads gets the lm_head counter (the tool must never call it)."""
+    import dspark_precompute.write.run as run_module
+
+    real = run_module.load_target
+    if getattr(real, "_counts_lm_head", False):
+        return
+
+    def load(*a: Any, **k: Any) -> Any:
+        return _count_lm_head(real(*a, **k))
+
+    load._counts_lm_head = True  # type: ignore[attr-defined]
+    run_module.load_target = load
+
+
 def bench_case(spec: Spec, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import gc
 
     import torch
+
+    _counting_tool_loads()
 
     target, seq, rows = spec.target, spec.seq, spec.rows or None
     tier = "tool vs limit vs padded" if spec.baseline else "tool vs limit (scale)"
@@ -693,6 +696,7 @@ def bench_case(spec: Spec, args: argparse.Namespace, workdir: Path) -> dict[str,
         order = methods[rep % len(methods):] + methods[:rep % len(methods)]
         for m in order:
             gc.collect()
+            calls_before = LM_HEAD_CALLS["n"]
             if m == "tool":
                 shutil.rmtree(tool_path, ignore_errors=True)
                 r = run_tool(case, tool_path)
@@ -701,6 +705,7 @@ def bench_case(spec: Spec, args: argparse.Namespace, workdir: Path) -> dict[str,
             else:
                 shutil.rmtree(padded_dir, ignore_errors=True)
                 r = run_padded(case, padded_dir)
+            r["lm_head_calls"] = LM_HEAD_CALLS["n"] - calls_before
             rec[m].append(r)
             log(f"   repeat {rep + 1}/{args.repeats} {m:6s} {r['wall_s']:8.2f} s")
     del inputs, model
@@ -718,14 +723,15 @@ def bench_case(spec: Spec, args: argparse.Namespace, workdir: Path) -> dict[str,
     tool = rec["tool"][-1]
     best = {m: min(r["wall_s"] for r in rec[m]) for m in rec}
     summary = {
+        "lm_head_calls": {m: max(r.get("lm_head_calls", 0) for r in rec[m]) for m in rec},
         "best_wall_s": best, "tool_over_limit_best": best["tool"] / best["limit"],
         "tokens": tokens, "samples": case.info["samples"],
         "tool_wall_s": tool_wall, "limit_wall_s": limit_wall,
         "tool_tok_s": tokens / tool_wall, "limit_tok_s": tokens / limit_wall,
         "tool_over_limit": tool_wall / limit_wall,
         "tool_forward_write_s": timing.get("forward_write_s", float("nan")),
-        "tool_forward_write_over_limit": median([r["timing"].get("forward_write_s", float("nan")) / l["wall_s"]
-                                                 for r, l in zip(rec["tool"], rec["limit"])]),
+        "tool_forward_write_over_limit": median([r["timing"].get("forward_write_s", float("nan")) / lim["wall_s"]
+                                                 for r, lim in zip(rec["tool"], rec["limit"])]),
         "tool_bytes_total": tool["bytes_total"], "tool_bytes_data": tool["bytes_data"],
         "tool_B_per_tok_total": tool["bytes_total"] / tokens, "tool_B_per_tok_data": tool["bytes_data"] / tokens,
         "tool_timing_median": timing, "tool_share_median": shares,
@@ -871,7 +877,8 @@ def markdown(results: dict[str, Any]) -> str:
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for c in scale:
             s = c["summary"]
-            L.append(f"| {c['target']} | {c['seq_length']} | {s['samples']} | {s['tokens']:,} | {_fmt(s['tool_wall_s'])} "
+            L.append(f"| {c['target']} | {c['seq_length']} | {s['samples']} | {s['tokens']:,} "
+                     f"| {_fmt(s['tool_wall_s'])} "
                      f"| {_fmt(s['limit_wall_s'])} | {_fmt(s['tool_tok_s'], 0)} | {_fmt(s['limit_tok_s'], 0)} "
                      f"| **{_fmt(s['tool_over_limit'])}x** | {_fmt(s['tool_over_limit_best'])}x "
                      f"| {_fmt(s['tool_forward_write_over_limit'])}x | {c['info']['units']} | {psi(c)} |")
@@ -915,11 +922,12 @@ def markdown(results: dict[str, Any]) -> str:
             s = c["summary"]
             t = s["padded_timing_median"]
             L.append(f"| {c['target']} | {c['seq_length']} | {_fmt(t['tokenize_s'])} | {_fmt(t['load_target_s'])} "
-                     f"| {_fmt(t['forward_s'])} | {_fmt(t['d2h_s'])} | {_fmt(t['write_s'])} | {_fmt(s['padded_wall_s'])} |")
+                     f"| {_fmt(t['forward_s'])} | {_fmt(t['d2h_s'])} | {_fmt(t['write_s'])} "
+                     f"| {_fmt(s['padded_wall_s'])} |")
     sweeps = [c for c in cases if c.get("sweep")]
     if sweeps:
-        L.append("\n### Compressors (hidden states the tool captured, bf16; median of %d)\n"
-                 % results["args"]["sweep_repeats"])
+        L.append(f"\n### Compressors (hidden states the tool captured, bf16; median of "
+                 f"{results['args']['sweep_repeats']})\n")
         L.append("| target | seq | compressor | ratio | write MB/s | read MB/s |")
         L.append("|---|---|---|---|---|---|")
         for c in sweeps:

@@ -72,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from dspark_precompute import open_cache
-    from dspark_precompute.export import export_nemo
+    from dspark_precompute.read.export import export_nemo
 
     if not (args.cache / "manifest.json").exists():
         build_cache(args.cache)

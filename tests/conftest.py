@@ -10,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspark_precompute import format as fmt
+from dspark_precompute.contract import spec as fmt
+from dspark_precompute.contract.manifest import RUN_RECORD_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "dspark_precompute" / "conf"
 SHARED = REPO.parent / "shared" / "data"
 QWEN3_TOKENIZER = SHARED / "tokenizers" / "qwen3"
 CHAT = SHARED / "chat"
@@ -22,27 +24,10 @@ os.environ.setdefault("DSPARK_CACHE_DIR", tempfile.mkdtemp(prefix="dspark-test-h
 
 
 def compose(overrides: list[str] | None = None):
-    """The Hydra config for ``overrides`` as the CLI would build it, converted to the typed config.
+    """The typed config for ``overrides`` as the CLI would build it (ConfigError listing every problem)."""
+    from dspark_precompute.write.config import compose as compose_config
 
-    Overrides that do not compose against the schema raise the ConfigError the CLI prints.
-    """
-    from hydra import compose as hcompose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-
-    from dspark_precompute.__main__ import _compose_problem
-    from dspark_precompute.config import from_dictconfig, register_configs
-    from dspark_precompute.errors import ConfigError
-
-    register_configs()
-    overrides = list(overrides or [])
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        try:
-            dcfg = hcompose(config_name="config", overrides=overrides)
-        except HydraException:
-            problems = [p for o in overrides if (p := _compose_problem([o], check_values=False))]
-            raise ConfigError(problems or [_compose_problem(overrides)]) from None
-    return from_dictconfig(dcfg)
+    return compose_config(overrides)
 
 
 def small(tmp_path: Path, *extra: str, name: str = "cache") -> list[str]:
@@ -77,7 +62,7 @@ def chat_rows(name: str) -> list[dict]:
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
     """One small run shared by the read-only tests (tiny target, 16 rows, seq_length 256)."""
-    from dspark_precompute.pipeline import run
+    from dspark_precompute.write.run import run
 
     tmp = tmp_path_factory.mktemp("default_run")
     cfg = compose(small(tmp, "storage.chunk_tokens=256", "storage.unit_tokens=1024"))
@@ -113,7 +98,7 @@ def arrays_of(path: str) -> dict[str, np.ndarray]:
 
 def stable_manifest(path: str) -> dict:
     m = json.loads((Path(path) / fmt.MANIFEST).read_text())
-    for k in fmt.TIMING_FIELDS:
+    for k in RUN_RECORD_FIELDS:
         m.pop(k, None)
     return m
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import chat_rows
-from dspark_precompute import tiny
-from dspark_precompute.chat import ChatEncoder
-from dspark_precompute.data import Conversation, RawRow, Reject, normalize
+
+from dspark_precompute.write import tiny
+from dspark_precompute.write.chat import ChatEncoder
+from dspark_precompute.write.data import Conversation, RawRow, Reject, normalize
 
 BIG = 1 << 20
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-
 from conftest import compose, small
+
 from dspark_precompute import open_cache
-from dspark_precompute.cli import main
-from dspark_precompute.pipeline import run
+from dspark_precompute.cli.cache import main
+from dspark_precompute.write.run import run
 
 
 def tables(path: Path) -> dict[str, np.ndarray]:
@@ -184,7 +184,7 @@ def test_info_and_its_json_show_the_rejected_rows(default_run, capsys):
 
 
 def test_the_plot_title_shows_the_rejected_rows(default_run):
-    from dspark_precompute.plot import plot_cache
+    from dspark_precompute.read.plot import plot_cache
 
     _, result = default_run
     fig = plot_cache(result.path, max_samples=2)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import compose, small
-from dspark_precompute.config import PrecomputeConfig, from_dict
+
 from dspark_precompute.errors import ConfigError
-from dspark_precompute.pipeline import prepare
+from dspark_precompute.write.config import PrecomputeConfig, from_dict
+from dspark_precompute.write.plan import prepare
 
 
 def cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 import torch
 import zarr
-
 from conftest import compose, small
-from dspark_precompute import open_cache
-from dspark_precompute.cli import main
-from dspark_precompute.errors import CacheFormatError, ChecksumError, MissingChunkError
-from dspark_precompute.pipeline import run
-from dspark_precompute.training import CacheDataset, build_dataloader
 from test_reader import to_memory_fs, zarr_sample
+
+from dspark_precompute import open_cache
+from dspark_precompute.cli.cache import main
+from dspark_precompute.errors import CacheFormatError, ChecksumError, MissingChunkError
+from dspark_precompute.read.training import CacheDataset, build_dataloader
+from dspark_precompute.write.run import run
 
 CT = 256  # default_run's chunk_tokens
 
@@ -289,7 +289,8 @@ CRAFTED = {
                               r"samples/length: 1 sample\(s\) outside \[1, seq_length=256\]: sample 0 has length "
                               r"2147483647"),
     "chunk shape 2**27 rows": (lambda p: edit_meta(p, "hidden_states/layer_1", lambda m: m["chunk_grid"][
-        "configuration"].update(chunk_shape=[2 ** 27, 64])), r"has chunk shape \[134217728, 64\], the manifest implies"),
+        "configuration"].update(chunk_shape=[2 ** 27, 64])),
+        r"has chunk shape \[134217728, 64\], the manifest implies"),
 }
 
 
@@ -341,7 +342,7 @@ def test_crafted_sizes_are_refused_before_any_large_allocation(cache_copy, tmp_p
 import resource, sys, tracemalloc
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 from dspark_precompute import open_cache
-from dspark_precompute.export import export_nemo
+from dspark_precompute.read.export import export_nemo
 tracemalloc.start()
 for path in sys.argv[1:]:
     try:
@@ -369,7 +370,7 @@ def test_a_zstd_chunk_declaring_another_size_is_not_decoded(zstd_run, tmp_path):
     shutil.copytree(zstd_run.path, copy)
     f = copy / "hidden_states" / "layer_0" / "c" / "0" / "0"
     body = bytearray(f.read_bytes()[:-4])
-    from dspark_precompute import format as fmt
+    from dspark_precompute.contract import arrays as fmt
 
     size = fmt._zstd_content_size(bytes(body[:32]))
     ct = json.loads((copy / "manifest.json").read_text())["layout"]["chunk_tokens"]
@@ -383,7 +384,8 @@ def test_a_zstd_chunk_declaring_another_size_is_not_decoded(zstd_run, tmp_path):
     f.write_bytes(with_crc(bytes(body)))
     c = open_cache(copy)
     with pytest.raises(CacheFormatError, match=r"array 'hidden_states/layer_0' chunk \(0, 0\) \(file "
-                                               rf"hidden_states/layer_0/c/0/0\) has a zstd frame declaring {2 * size:,} "
+                                               rf"hidden_states/layer_0/c/0/0\) has a zstd frame declaring "
+                                               rf"{2 * size:,} "
                                                rf"decompressed bytes, a chunk of this array is {size:,}"):
         c[0]
 
@@ -429,8 +431,8 @@ def test_a_cache_without_a_recorded_weights_checksum_reads_and_verifies_with_a_n
 
 # -- siblings -------------------------------------------------------------------------------------
 def test_repr_reads_only_what_is_in_hand(default_run, monkeypatch):
-    from dspark_precompute.reader import Cache
-    from dspark_precompute.store import CacheStore
+    from dspark_precompute.contract.store import CacheStore
+    from dspark_precompute.read import summary
 
     _, result = default_run
     c = open_cache(result.path)
@@ -439,7 +441,7 @@ def test_repr_reads_only_what_is_in_hand(default_run, monkeypatch):
         raise AssertionError("repr walked the store")
 
     monkeypatch.setattr(CacheStore, "nbytes", walk)
-    monkeypatch.setattr(Cache, "_bytes_under", walk)
+    monkeypatch.setattr(summary, "_bytes_under", walk)
     monkeypatch.setattr(Path, "rglob", walk)
     text = repr(c)
     assert text.startswith(f"<dspark cache {result.path!r}: 14 samples, 3501 tokens (61.2% supervised, 2 of 16 rows "
@@ -499,7 +501,7 @@ def test_a_worker_reads_the_samples_its_parent_indexed_while_a_run_commits_more(
 
 
 def test_export_refuses_a_non_integer_shard_size(default_run, tmp_path):
-    from dspark_precompute.export import export_nemo
+    from dspark_precompute.read.export import export_nemo
 
     _, result = default_run
     for bad in (0, -1, True, 2.5):
@@ -513,7 +515,7 @@ def test_verify_repair_on_a_crafted_manifest_reports_instead_of_crashing(cache_c
     assert main(["verify", str(cache_copy), "--repair"]) == 1
     out = capsys.readouterr().out
     assert "is not a JSON object" in out and "Traceback" not in out
-    from dspark_precompute.verify import mark_for_recompute
+    from dspark_precompute.read.verify import mark_for_recompute
 
     with pytest.raises(CacheFormatError, match="is not a JSON object"):
         mark_for_recompute(cache_copy, [0])

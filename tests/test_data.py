@@ -18,8 +18,9 @@ from conftest import compose, small
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from dspark_precompute.config import DataConfig
-from dspark_precompute.data import (
+from dspark_precompute.errors import ConfigError, DataError, InvalidRowError
+from dspark_precompute.write.config import DataConfig
+from dspark_precompute.write.data import (
     DataSource,
     RawRow,
     Reject,
@@ -29,8 +30,9 @@ from dspark_precompute.data import (
     record_size,
     resolve_source,
 )
-from dspark_precompute.errors import ConfigError, DataError, InvalidRowError
-from dspark_precompute.pipeline import prepare, run, tokenize
+from dspark_precompute.write.plan import prepare
+from dspark_precompute.write.run import run
+from dspark_precompute.write.tokenize import tokenize
 
 
 def reason(record) -> str:
@@ -502,7 +504,8 @@ def test_reject_messages_are_capped_so_huge_values_do_not_pile_up(tmp_path):
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=8) | st.sampled_from(['"', "\\", "]}", "[{,"]),
+    | st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=8)
+    | st.sampled_from(['"', "\\", "]}", "[{,"]),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
     max_leaves=20)
 

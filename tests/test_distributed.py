@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 from conftest import assert_same_cache, compose, small
-from dspark_precompute.distributed import assign_units
-from dspark_precompute.pipeline import run
+
+from dspark_precompute.write.distributed import assign_units
+from dspark_precompute.write.run import run
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024")
 

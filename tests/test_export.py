@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from conftest import compose, small
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import compose, small
 from dspark_precompute import open_cache
 from dspark_precompute.errors import CacheFormatError, IncompleteCacheError
-from dspark_precompute.export import export_nemo
-from dspark_precompute.pipeline import run
+from dspark_precompute.read.export import export_nemo
+from dspark_precompute.write.run import run
 
 SHARD_KEYS = {"input_ids", "attention_mask", "loss_mask", "target_hidden_states", "target_last_hidden_states"}
 
@@ -67,7 +67,7 @@ def test_the_export_has_nemos_files_manifest_and_shard_shapes(default_run, tmp_p
     text = (out / "manifest.json").read_text()
     manifest = json.loads(text)
     assert text == json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    src = c.manifest
+    src = c.manifest.to_json()
     assert manifest == {
         "format_version": 1, "target_model": "tiny", "target_model_type": "qwen3",
         "target_vocab_size": src["target_vocab_size"], "hidden_size": H, "num_hidden_layers": 4, "seq_length": S,
@@ -93,7 +93,7 @@ def test_exported_rows_round_trip_to_the_zarr_cache_with_nemo_padding(default_ru
     c = open_cache(result.path)
     out = tmp_path / "nemo"
     export_nemo(result.path, out, shard_size=4)
-    pad = c.manifest["pad_token_id"]
+    pad = c.manifest.to_json()["pad_token_id"]
     assert pad == 256  # the tiny tokenizer's <|endoftext|>
     for i in range(len(c)):
         shard = load_file(str(out / f"shard-{i // 4:06d}.safetensors"))
@@ -119,7 +119,7 @@ def test_tied_weights_are_written_twice_and_untied_ones_as_they_are(default_run,
         cached = load_file(str(Path(src) / "target_weights.safetensors"))
         assert sorted(w) == ["embed_tokens.weight", "lm_head.weight"]
         assert ("lm_head.weight" in cached) is (not tied)
-        V = open_cache(src).manifest["target_vocab_size"]
+        V = open_cache(src).manifest.to_json()["target_vocab_size"]
         for key in w:
             assert w[key].shape == (V, 64) and w[key].dtype == torch.float32  # NeMo's writer stores float32
             assert torch.equal(w[key], cached.get(key, cached["embed_tokens.weight"]).float())

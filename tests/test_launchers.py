@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import yaml
-
 from conftest import assert_same_cache, compose, small
-from dspark_precompute.pipeline import run
+
+from dspark_precompute.write.run import run
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024")
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import CONF, REPO, compose, small
 
-from conftest import REPO, compose, small
-from dspark_precompute.config import PrecomputeConfig
-from dspark_precompute.pipeline import default_storage_path
+from dspark_precompute.write.config import PrecomputeConfig
+from dspark_precompute.write.plan import default_storage_path
 
 
 def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
 @pytest.mark.parametrize("group", ["model", "data", "storage", "batch"])
@@ -24,7 +23,7 @@ def test_every_config_group_option_composes_into_a_valid_typed_config(group, tmp
     options = group_options(group)
     assert options
     for option in options:
-        text = (REPO / "conf" / group / f"{option}.yaml").read_text()
+        text = (CONF / group / f"{option}.yaml").read_text()
         if "../shared/" in text and not (REPO.parent / "shared" / "data").exists():
             continue  # the benchmark targets use the shared Qwen3 tokenizer fixture
         cfg = compose([f"{group}={option}", *required.get(option, [])])

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+from conftest import REPO
 from nbclient import NotebookClient
 
-from conftest import REPO
 from dspark_precompute import open_cache
 
 NOTEBOOK = REPO / "examples" / "reading_a_cache.ipynb"

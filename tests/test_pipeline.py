@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-
 from conftest import REPO, assert_same_cache, compose, small
-from dspark_precompute import format as fmt
-from dspark_precompute import open_cache, tiny
-from dspark_precompute.chat import ChatEncoder
-from dspark_precompute.config import DataConfig
-from dspark_precompute.data import normalize, read_rows, resolve_source
+
+from dspark_precompute import open_cache
+from dspark_precompute.contract import spec as fmt
 from dspark_precompute.errors import ConfigError, IncompatibleCacheError
-from dspark_precompute.pipeline import run
+from dspark_precompute.write import tiny
+from dspark_precompute.write.chat import ChatEncoder
+from dspark_precompute.write.config import DataConfig
+from dspark_precompute.write.data import normalize, read_rows, resolve_source
+from dspark_precompute.write.run import run
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024")
 
@@ -34,7 +35,7 @@ def test_sample_i_is_row_i_of_the_selection_whatever_order_batches_ran_in(defaul
     kept = [i for i, e in enumerate(encoded) if not hasattr(e, "reason")]
     rejected = [json.loads(line)["row"] for line in (Path(result.path) / fmt.REJECTS).read_text().splitlines()]
     assert sorted(kept + rejected) == list(range(16)) and rejected  # every row accounted for
-    assert list(c.source_row) == kept and len(c) == len(kept) == c.manifest["counts"]["samples"]
+    assert list(c.source_row) == kept and len(c) == len(kept) == c.manifest.to_json()["counts"]["samples"]
     lengths = []
     for i, row in enumerate(kept):
         got, want = c[i], encoded[row]
@@ -48,7 +49,7 @@ def test_sample_i_is_row_i_of_the_selection_whatever_order_batches_ran_in(defaul
 
 def test_only_real_tokens_are_stored(tmp_path, default_run):
     cfg, result = default_run
-    m = open_cache(result.path).manifest
+    m = open_cache(result.path).manifest.to_json()
     lengths = np.asarray(zarr.open_group(result.path, mode="r")["samples/length"][:])
     assert int(lengths.sum()) == m["counts"]["tokens"] == result.tokens
     # unit tails are the only slack: less than one chunk per unit
@@ -78,7 +79,7 @@ def test_a_killed_run_resumes_to_a_cache_bit_identical_to_an_uninterrupted_one(t
     with pytest.raises(Exception, match="incomplete"):
         open_cache(str(path))
     partial = open_cache(str(path), allow_incomplete=True)
-    assert 0 < len(partial) < partial.manifest["counts"]["samples"]
+    assert 0 < len(partial) < partial.manifest.to_json()["counts"]["samples"]
     result = run(compose(overrides))
     assert result.resumed_units >= 1 and result.units_written >= 1
     assert_same_cache(str(tmp_path / "ref"), str(path))
@@ -95,7 +96,7 @@ def no_weights(monkeypatch):
     """Fail the test if anything tries to load target weights."""
     def boom(*a, **k):
         raise AssertionError("weights were loaded before the refusal")
-    monkeypatch.setattr("dspark_precompute.pipeline.load_target", boom)
+    monkeypatch.setattr("dspark_precompute.write.run.load_target", boom)
 
 
 @pytest.mark.parametrize("override,field", [

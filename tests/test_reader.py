@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 import zarr
-
 from conftest import compose, small
+
 from dspark_precompute import open_cache
 from dspark_precompute.errors import CacheFormatError, ChecksumError, IncompleteCacheError
-from dspark_precompute.pipeline import run
+from dspark_precompute.write.run import run
 
 
 def zarr_sample(path: str, i: int) -> dict[str, np.ndarray]:
@@ -134,7 +134,7 @@ def test_the_chunk_cache_size_never_changes_what_is_read(default_run):
 
 
 def test_the_direct_chunk_decoder_and_zarrs_own_path_read_the_same_bytes(default_run, final_norm_run, monkeypatch):
-    import dspark_precompute.reader as reader
+    import dspark_precompute.read.reader as reader
 
     for path in (default_run[1].path, final_norm_run.path):  # blosc and zstd chains
         fast = open_cache(path)
@@ -242,8 +242,9 @@ def test_a_directory_without_a_manifest_is_not_a_cache(tmp_path):
 
 
 def test_the_reading_side_imports_nothing_from_transformers():
-    code = ("import sys, dspark_precompute.reader, dspark_precompute.training, dspark_precompute.export, "
-            "dspark_precompute.verify, dspark_precompute.cli; "
+    code = ("import sys, dspark_precompute.read.reader, dspark_precompute.read.training, "
+            "dspark_precompute.read.export, "
+            "dspark_precompute.read.verify, dspark_precompute.cli.cache; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'tokenizers', 'hydra')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})

@@ -13,16 +13,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO, assert_same_cache, compose, small
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, assert_same_cache, compose, small
-from dspark_precompute import open_cache, tiny
-from dspark_precompute.chat import ChatEncoder
-from dspark_precompute.data import RawRow, Reject, normalize
+from dspark_precompute import open_cache
+from dspark_precompute.contract.lock import WriterLock
 from dspark_precompute.errors import CacheFormatError, ConfigError, DsparkError, LockedError, StorageWriteError
-from dspark_precompute.lock import WriterLock
-from dspark_precompute.pipeline import prepare, run, tokenize
+from dspark_precompute.write import tiny
+from dspark_precompute.write.chat import ChatEncoder
+from dspark_precompute.write.data import RawRow, Reject, normalize
+from dspark_precompute.write.plan import prepare
+from dspark_precompute.write.run import run
+from dspark_precompute.write.tokenize import tokenize
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024", "data.max_samples=16")
 
@@ -128,7 +131,7 @@ def test_a_second_run_on_a_locked_cache_is_refused_naming_the_owner(tmp_path):
 
 def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from dspark_precompute.lock import WriterLock; WriterLock(sys.argv[1]).acquire(); "
+        "import sys, time; from dspark_precompute.contract.lock import WriterLock; WriterLock(sys.argv[1]).acquire(); "
         "print('held', flush=True); time.sleep(60)"), str(tmp_path / "c")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(LockedError, match=f"pid {holder.pid}"):
@@ -157,7 +160,7 @@ def test_every_bad_row_kind_is_accounted_for_and_the_run_goes_on(tmp_path):
     with pytest.raises(DsparkError, match=r"row 1 is invalid \(malformed_json\).*line 2"):
         run(compose([*base, "data.on_invalid=error", "data.max_invalid_fraction=1"]))
     result = run(compose([*base, "data.max_invalid_fraction=1"]))
-    m = open_cache(result.path).manifest["counts"]
+    m = open_cache(result.path).manifest.to_json()["counts"]
     assert m["rows_in"] == 12 == m["samples"] + m["rejected"] and m["samples"] == 4
     rejects = [json.loads(x) for x in (Path(result.path) / "rejects.jsonl").read_text().splitlines()]
     assert {r["reason"] for r in rejects} == {
@@ -240,13 +243,13 @@ def write_model_dir(path: Path, config: dict) -> Path:
 
 
 def test_unsupported_and_multimodal_targets_are_refused_before_weights_load(tmp_path, monkeypatch):
-    monkeypatch.setattr("dspark_precompute.pipeline.load_target",
+    monkeypatch.setattr("dspark_precompute.write.run.load_target",
                         lambda *a, **k: pytest.fail("weights loaded"))
     bert = write_model_dir(tmp_path / "bert", {"model_type": "bert_like", "hidden_size": 8})
     vlm = write_model_dir(tmp_path / "vlm", {"model_type": "llava", "vision_config": {}, "text_config": {
         "num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 10}})
     for d, what in ((bert, "not a decoder-only LM"), (vlm, "multimodal")):
-        monkeypatch.setattr("dspark_precompute.pipeline.load_tokenizer", lambda cfg: tiny.build_tokenizer())
+        monkeypatch.setattr("dspark_precompute.write.plan.load_tokenizer", lambda cfg: tiny.build_tokenizer())
         with pytest.raises(ConfigError, match=what):
             run(compose(small(tmp_path, f"model.path={d}")))
 
@@ -255,4 +258,4 @@ def test_nothing_in_the_package_unpickles_or_calls_torch_load():
     src = "\n".join(p.read_text() for p in (REPO / "dspark_precompute").rglob("*.py"))
     for banned in ("torch.load(", "pickle.load", "pickle.loads(", "allow_pickle=True", "joblib.load"):
         assert banned not in src, banned
-    assert re.search(r"use_safetensors\W+True", (REPO / "dspark_precompute" / "target.py").read_text())
+    assert re.search(r"use_safetensors\W+True", (REPO / "dspark_precompute" / "write" / "target.py").read_text())

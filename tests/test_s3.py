@@ -22,10 +22,11 @@ pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
 from conftest import compose  # noqa: E402
-from dspark_precompute import format as fmt  # noqa: E402
+
 from dspark_precompute import open_cache  # noqa: E402
-from dspark_precompute.pipeline import run  # noqa: E402
-from dspark_precompute.store import CacheStore, storage_options  # noqa: E402
+from dspark_precompute.contract import spec as fmt  # noqa: E402
+from dspark_precompute.contract.store import CacheStore, storage_options  # noqa: E402
+from dspark_precompute.write.run import run  # noqa: E402
 
 SECRET = "s3cr3t-" + uuid.uuid4().hex  # must never show up in a log, a repr or the cache
 
@@ -117,8 +118,8 @@ def assert_same_through_the_reader(url: str, local: str) -> None:
     for key in sb.list_keys(fmt.COMMITS):
         assert json.loads(sa.read_bytes(key)) == json.loads(sb.read_bytes(key)), key
     for k in ("config_hash", "identity", "counts", "layout", "arrays", "layer_ids", "complete"):
-        assert a.manifest[k] == b.manifest[k], k
-    assert a.manifest["config"]["storage"]["path"] == url
+        assert a.manifest.to_json()[k] == b.manifest.to_json()[k], k
+    assert a.manifest.to_json()["config"]["storage"]["path"] == url
 
 
 def test_the_fsspec_branch_of_the_store_behaves_like_a_directory(bucket, tmp_path):
@@ -215,7 +216,7 @@ def test_a_killed_run_in_a_bucket_resumes_bit_identical(bucket, local_reference,
     with pytest.raises(Exception, match="incomplete"):
         open_cache(url)
     partial = open_cache(url, allow_incomplete=True)
-    assert len(partial) < partial.manifest["counts"]["samples"]
+    assert len(partial) < partial.manifest.to_json()["counts"]["samples"]
 
     # Lose one committed unit as well, record and a chunk object: the resume must rewrite it too.
     lost = int(committed[0].rsplit("u", 1)[1].split(".")[0])
@@ -234,7 +235,7 @@ def test_a_killed_run_in_a_bucket_resumes_bit_identical(bucket, local_reference,
 def test_the_s3_storage_group_composes_with_the_storage_keys(s3_endpoint, monkeypatch):
     cfg = compose(["storage=s3"])
     assert cfg.storage.root.startswith("s3://") and cfg.storage.path is None
-    from dspark_precompute.pipeline import default_storage_path
+    from dspark_precompute.write.plan import default_storage_path
 
     assert default_storage_path(cfg).startswith(cfg.storage.root.rstrip("/") + "/")
     monkeypatch.setenv("DSPARK_S3_ROOT", "s3://my-bucket/team/caches")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import compose, small
-from dspark_precompute import open_cache, tiny
-from dspark_precompute.config import RandomTargetConfig
-from dspark_precompute.pipeline import run
-from dspark_precompute.target import HiddenStateCapture, export_weights
+
+from dspark_precompute import open_cache
+from dspark_precompute.write import tiny
+from dspark_precompute.write.capture import HiddenStateCapture, export_weights
+from dspark_precompute.write.config import RandomTargetConfig
+from dspark_precompute.write.run import run
 
 
 def hf_states(model, ids: torch.Tensor) -> tuple:
@@ -90,7 +91,7 @@ def test_when_the_last_layer_is_captured_it_is_stored_once(tmp_path, ids):
     cfg = compose(small(tmp_path, f"model.layer_ids=[{','.join(map(str, ids))}]", "data.max_samples=2"))
     run(cfg)
     c = open_cache(cfg.storage.path)
-    names = c.manifest["arrays"]
+    names = c.manifest.to_json()["arrays"]
     import zarr
 
     stored = sorted(zarr.open_group(cfg.storage.path, mode="r")["hidden_states"].array_keys())

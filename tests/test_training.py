@@ -14,9 +14,15 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from dspark_precompute import open_cache
-from dspark_precompute.export import export_nemo
-from dspark_precompute.training import (
-    BATCH_KEYS, CacheDataset, PadCollator, TokenBudgetBatchSampler, build_dataloader, collate, padding_fraction,
+from dspark_precompute.read.export import export_nemo
+from dspark_precompute.read.training import (
+    BATCH_KEYS,
+    CacheDataset,
+    PadCollator,
+    TokenBudgetBatchSampler,
+    build_dataloader,
+    collate,
+    padding_fraction,
 )
 
 NEMO_KEYS = ("input_ids", "attention_mask", "loss_mask", "target_hidden_states", "target_last_hidden_states")

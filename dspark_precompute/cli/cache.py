@@ -1,0 +1,184 @@
+"""``dspark-cache``: inspect, verify, export and plot caches from the shell.
+
+::
+
+    dspark-cache info PATH [--json]
+    dspark-cache verify PATH [--recompute N] [--repair]
+    dspark-cache export-nemo CACHE OUT [--shard-size 256] [--overwrite]
+    dspark-cache plot PATH -o report.png
+
+Exit status: 0 success, 1 ``verify`` found problems, 2 the command could not run (the
+message on stderr says why and what to do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from dspark_precompute.errors import DsparkError, StoppedBySignal
+
+log = logging.getLogger("dspark_precompute")
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def _layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers={text!r} must be comma-separated layer ids, e.g. 1,14,27") from None
+
+
+def _info(args: argparse.Namespace) -> int:
+    from dspark_precompute.read.reader import open_cache
+
+    c = open_cache(args.path, allow_incomplete=args.allow_incomplete)
+    _out(json.dumps(c.summary(), indent=2, sort_keys=True, default=str) if args.json else c.describe())
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from dspark_precompute.read.verify import Problem, mark_for_recompute, verify_cache
+
+    report = verify_cache(args.path, allow_incomplete=args.allow_incomplete)
+    if args.recompute > 0:
+        if report.problems and any(p.check in ("structure", "offsets") for p in report.problems):
+            report.problems.append(Problem("recompute", "skipped: the cache's structure or offsets are "
+                                                        "broken, fix those first"))
+        else:
+            from dspark_precompute.write.recompute import recompute
+
+            t0 = time.perf_counter()
+            r = recompute(args.path, args.recompute, seed=args.seed, tolerance=args.tolerance, device=args.device,
+                          model=args.model, trust_remote_code=args.trust_remote_code)
+            report.problems += [Problem(**p) for p in r.problems]
+            report.notes += r.notes
+            report.recomputed, report.recompute_exact, report.recompute_max_steps = r.recomputed, r.exact, r.max_steps
+            report.seconds += time.perf_counter() - t0
+    if args.json:
+        _out(json.dumps({"ok": report.ok, "path": report.path, "samples": report.samples, "tokens": report.tokens,
+                         "chunks_checked": report.chunks_checked, "recomputed": report.recomputed,
+                         "recompute_exact": report.recompute_exact,
+                         "recompute_max_steps": report.recompute_max_steps, "notes": report.notes,
+                         "problems": [p.__dict__ for p in report.problems]}, indent=2, default=list))
+    else:
+        _out(report.format())
+    if args.repair and not report.ok:
+        units = report.damaged_units()
+        rest = [p for p in report.problems if p.unit is None]
+        if units:
+            removed = mark_for_recompute(args.path, units)
+            _out(f"repair: units {units} marked for recomputation ({len(removed)} commit record(s) removed, manifest "
+                 "set incomplete). Re-run the precompute command that wrote this cache (same overrides, "
+                 f"storage.path={args.path}) to rewrite exactly those units, then verify again.")
+        if rest:
+            _out(f"repair: {len(rest)} problem(s) are not confined to a unit (manifest, tables, weights); they need "
+                 "the cache re-created (re-run the precompute command with overwrite=true).")
+    return 0 if report.ok else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    from dspark_precompute.read.export import export_nemo
+
+    r = export_nemo(args.cache, args.out, shard_size=args.shard_size, overwrite=args.overwrite, layers=args.layers)
+    _out(f"exported {r.num_samples} samples in {r.num_shards} shard(s) of {r.shard_size} "
+         f"({r.bytes_written / 1e6:.1f} MB) to {r.path} in {r.seconds:.1f}s\n"
+         f"use it with: recipe_args.cached_target_path={r.path}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from dspark_precompute.read.plot import plot_cache
+
+    plot_cache(args.path, args.output, max_samples=args.max_samples, seed=args.seed,
+               allow_incomplete=args.allow_incomplete)
+    _out(f"wrote {args.output}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dspark-cache", description="Inspect, verify, export and plot dspark-precompute "
+                                                                  "hidden-state caches.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("info", help="print a cache's summary")
+    s.add_argument("path", help="cache directory or fsspec URL")
+    s.add_argument("--json", action="store_true", help="machine-readable summary")
+    s.add_argument("--allow-incomplete", action="store_true", help="describe the committed part of an unfinished cache")
+    s.set_defaults(fn=_info)
+
+    s = sub.add_parser("verify", help="check structure, offsets, counts and every chunk's checksum")
+    s.add_argument("path")
+    s.add_argument("--recompute", type=int, default=0, metavar="N",
+                   help="reload the target and recompute N random samples (needs the target and data)")
+    s.add_argument("--seed", type=int, default=0, help="which samples --recompute picks")
+    s.add_argument("--tolerance", type=float, default=1.0,
+                   help="largest allowed difference, in steps of the storage dtype (default 1)")
+    s.add_argument("--device", default=None, help="device for --recompute (default: the manifest's model.device)")
+    s.add_argument("--model", default=None, metavar="PATH",
+                   help="target for --recompute (default: the path recorded in the manifest)")
+    s.add_argument("--trust-remote-code", action="store_true",
+                   help="let --recompute run code shipped with the target checkpoint (never taken from the cache)")
+    s.add_argument("--allow-incomplete", action="store_true", help="check the committed part of an unfinished cache")
+    s.add_argument("--repair", action="store_true",
+                   help="mark damaged units for recomputation by the next run of the precompute command")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=_verify)
+
+    s = sub.add_parser("export-nemo", help="write NeMo AutoModel's DSpark offline cache layout")
+    s.add_argument("cache")
+    s.add_argument("out", help="output directory (use as recipe_args.cached_target_path)")
+    s.add_argument("--shard-size", type=int, default=256, help="samples per shard (NeMo's default 256)")
+    s.add_argument("--layers", type=_layers, default=None, help="export only these captured layer ids, e.g. 1,14,27")
+    s.add_argument("--overwrite", action="store_true", help="replace a previous export in OUT")
+    s.set_defaults(fn=_export)
+
+    s = sub.add_parser("plot", help="length histogram, supervised fraction and per-layer RMS as one image")
+    s.add_argument("path")
+    s.add_argument("-o", "--output", required=True, help="image file (png, svg, pdf)")
+    s.add_argument("--max-samples", type=int, default=64, help="samples used for the RMS panel")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--allow-incomplete", action="store_true")
+    s.set_defaults(fn=_plot)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers and not log.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(h)
+    log.setLevel(logging.INFO if args.verbose else logging.WARNING)
+    from dspark_precompute.write import signals
+
+    previous = signals.install()
+    try:
+        return int(args.fn(args))
+    except StoppedBySignal as exc:  # Ctrl-C: files are written under temporary names, renamed when whole
+        sys.stderr.write(f"dspark-cache {args.command}: stopped by {signal.Signals(exc.signum).name}; no file was "
+                         "left half-written\n")
+        return exc.exit_code
+    except DsparkError as exc:
+        sys.stderr.write(f"dspark-cache {args.command}: {exc}\n")
+        return exc.exit_code
+    except ValueError as exc:  # bad arguments surfaced by the library (layer ids, shard size, ...)
+        sys.stderr.write(f"dspark-cache {args.command}: {exc}\n")
+        return 2
+    finally:
+        signals.restore(previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""``python -m dspark_precompute [overrides]`` (also ``dspark-precompute``): the precompute command.
+
+Thin Hydra entry point: compose ``conf/`` against the typed schema, call ``run``.
+Examples::
+
+    python -m dspark_precompute                                   # embedded default, seconds on a CPU
+    python -m dspark_precompute model=qwen3_0_6b data.path=/data/chat.jsonl seq_length=4096
+    python -m dspark_precompute -m seq_length=1024,2048           # one cache per value
+
+Before Hydra runs anything, every override is checked against the schema (each value of
+a sweep too): all bad values are reported together, one line each, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from dspark_precompute.errors import ConfigError, DsparkError, StoppedBySignal
+from dspark_precompute.write.config import CONF_DIR, composition_problem, register_configs
+
+log = logging.getLogger("dspark_precompute")
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def _app(dcfg: DictConfig) -> None:
+    from dspark_precompute.write.config import from_dictconfig
+    from dspark_precompute.write.run import run
+
+    provenance = _provenance(dcfg)  # in memory, now: Hydra's files on disk may belong to another run
+    try:
+        run(from_dictconfig(dcfg), provenance=provenance)
+    except (DsparkError, StoppedBySignal) as exc:
+        log.error("%s", exc)
+        raise SystemExit(getattr(exc, "exit_code", 2)) from None
+
+
+def _provenance(dcfg: DictConfig) -> dict[str, Any]:
+    """The command line, Hydra overrides and composed config of this job, as this process holds them."""
+    from hydra.core.hydra_config import HydraConfig
+
+    out: dict[str, Any] = {"argv": list(sys.argv)}
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return out
+    overrides = list(hc.overrides.task)
+    out["overrides"] = overrides
+    out["files"] = {
+        "config.yaml": OmegaConf.to_yaml(dcfg),
+        "overrides.yaml": OmegaConf.to_yaml(OmegaConf.create(overrides)),
+        "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(hc)})),
+    }
+    return out
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
+def _fail(problems: list[str]) -> None:
+    sys.stderr.write(f"dspark-precompute: {ConfigError(problems)}\n")
+    raise SystemExit(ConfigError.exit_code)
+
+
+def _preflight(argv: list[str]) -> None:
+    """Check every override (and every value of every sweep) before Hydra launches a job."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
+        return
+    try:
+        parsed = OverridesParser.create().parse_overrides(args.overrides)
+    except Exception as exc:  # noqa: BLE001 - Hydra's parser error
+        _fail([f"the command line cannot be parsed: {' '.join(str(exc).split())}"])
+        return
+    choices: list[list[str]] = []
+    for text, o in zip(args.overrides, parsed):
+        if o.key_or_group.startswith("hydra"):
+            continue  # Hydra's own settings (launcher, run dir): Hydra checks those
+        if o.is_sweep_override():
+            key = o.get_key_element()
+            choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            choices.append([text])
+    first = [c[0] for c in choices]
+    problem = composition_problem(first)
+    if problem is None and all(len(c) == 1 for c in choices):
+        return
+    problems: list[str] = []
+    if problem is not None:
+        # find every culprit: each override on its own, then (if none alone) the combination
+        for c in choices:
+            for alt in c:
+                p = composition_problem([alt], check_values=False)
+                if p and p not in problems:
+                    problems.append(p)
+        if not problems:
+            problems.append(problem)
+    for i, c in enumerate(choices):  # the other values of each sweep: alone, then with the rest as given
+        for alt in c[1:]:
+            p = composition_problem([alt], check_values=False) or composition_problem(first[:i] + [alt] + first[i + 1:])
+            if p and p not in problems:
+                problems.append(p)
+    if problems:
+        _fail([line for p in problems for line in p.split("\n")])
+
+
+def main() -> None:
+    from dspark_precompute.write import signals
+
+    signals.install()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HF tokenizers and our helper processes
+    try:
+        register_configs()
+        if not CONF_DIR.is_dir():
+            sys.exit(f"dspark-precompute: config directory {CONF_DIR} is missing; install the project with "
+                     "`pip install -e .` from its checkout")
+        _preflight(sys.argv[1:])
+        if _rank() > 0 and "-m" not in sys.argv and "--multirun" not in sys.argv:
+            # torchrun: every rank composes the same config, only rank 0 writes Hydra's output dir and log.
+            sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
+                         "hydra/hydra_logging=disabled"]
+        _app()
+    except StoppedBySignal as exc:  # a signal outside the run (while composing, importing)
+        sys.stderr.write(f"dspark-precompute: {exc}\n")
+        raise SystemExit(exc.exit_code) from None
+    except KeyboardInterrupt:  # before the handlers were installed
+        sys.stderr.write("dspark-precompute: stopped by SIGINT; resume with the same command\n")
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""One writer at a time: an exclusive ``flock`` on a lock file inside the cache directory.
+
+The kernel drops the lock when its process dies, however it dies, so a lock left by a
+killed run is simply free again (no pid guessing, no race between two starters taking
+over the same stale lock). The file also records host, pid and start time, so a refused
+run can name the owner.
+
+A run that gives up before writing anything removes what the lock itself created (the
+lock file, and the directories it had to make), so a refused run leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from dspark_precompute.contract.spec import LOCK
+from dspark_precompute.errors import LockedError
+
+LOCK_NAME = LOCK
+
+
+class WriterLock:
+    def __init__(self, cache_dir: str | Path):
+        self.dir = Path(cache_dir)
+        self.path = self.dir / LOCK_NAME
+        self._fd: int | None = None
+        self._made_dirs: list[Path] = []
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> WriterLock:
+        missing = []
+        d = self.dir
+        while not d.exists():
+            missing.append(d)
+            d = d.parent
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._made_dirs = missing  # deepest first
+        while True:
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+                except (OSError, json.JSONDecodeError):
+                    owner = {}
+                os.close(fd)
+                raise LockedError(
+                    f"{self.dir} is being written by pid {owner.get('pid', '?')} on {owner.get('host', '?')} "
+                    f"(started {owner.get('started', '?')}). Wait for it to finish or stop it; a lock left by a "
+                    "killed run frees itself."
+                ) from None
+            # A refused run may have unlinked the file between our open and our flock: then we
+            # hold a lock on a name nobody else can see. Retry on the file the path names now.
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            if [p.name for p in self.dir.iterdir()] == [LOCK_NAME]:
+                # nothing but our lock: remove it (while still holding it) and the dirs we made
+                self.path.unlink(missing_ok=True)
+                for d in self._made_dirs:
+                    try:
+                        d.rmdir()
+                    except OSError:
+                        break
+        except OSError:
+            pass
+        finally:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    def __enter__(self) -> WriterLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

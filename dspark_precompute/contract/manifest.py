@@ -1,0 +1,497 @@
+"""The manifest: one typed record of what a cache holds, and the only code that reads its keys.
+
+``Manifest.parse`` checks a manifest.json (every field's type and range, the array names
+against the naming rule, counts and layout against each other: :func:`manifest_problems`)
+before anything is computed from it; ``Manifest.read``/``write`` move it through a store;
+``differences`` names the identity fields a resume would change. The ``identity``
+section is hashed into ``config_hash`` and its fields are the write side's to choose
+(its plan); the reader takes only the few it shows through the properties below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dspark_precompute.contract.spec import (
+    FINAL_NORM,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HIDDEN_GROUP,
+    MANIFEST,
+    MAX_CHUNK_BYTES,
+    MAX_CHUNK_TOKENS,
+    MAX_HIDDEN_SIZE,
+    MAX_NUM_LAYERS,
+    MAX_SAMPLE_BYTES,
+    MAX_SEQ_LENGTH,
+    MAX_TOKEN_SLOTS,
+    MAX_VOCAB_SIZE,
+    STORAGE_DTYPES,
+    WEIGHTS,
+    bytes_per_token,
+    disk_dtype,
+    hidden_arrays,
+    is_int,
+)
+from dspark_precompute.errors import CacheFormatError
+
+if TYPE_CHECKING:
+    from dspark_precompute.contract.store import CacheStore
+
+_HEX = frozenset("0123456789abcdef")
+# fields that say when and by which command a cache was written: an uninterrupted run and a
+# resumed one that end with bit-identical data differ only in these
+RUN_RECORD_FIELDS = ("created_at", "updated_at", "completed_at", "timing", "provenance")
+
+
+def config_hash(identity: dict[str, Any]) -> str:
+    """sha256 of the identity as canonical JSON (sorted keys, no spaces)."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def identity_differences(recorded: dict[str, Any], requested: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Each hashed field that differs, as (dotted key, recorded value, requested value)."""
+    a, b = flatten(recorded), flatten(requested)
+    return [(k, a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@dataclass(frozen=True)
+class ManifestLayout:
+    """Where units and chunks lie on the token axis."""
+
+    chunk_tokens: int
+    unit_tokens: int
+    num_units: int
+    total_token_slots: int
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How the input rows were accounted for: ``rows_in = samples + rejected``."""
+
+    rows_in: int
+    samples: int
+    rejected: int
+    tokens: int
+    supervised_tokens: int
+    truncated_samples: int
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Manifest:
+    """A cache's manifest.json as typed fields (build it, parse it, write it; never index a dict)."""
+
+    config_hash: str
+    identity: dict[str, Any]
+    target_model: str
+    target_model_type: str
+    target_vocab_size: int
+    num_hidden_layers: int
+    hidden_size: int
+    layer_ids: list[int]
+    seq_length: int
+    storage_dtype: str
+    chat_template: str
+    arrays: dict[str, str]
+    layout: ManifestLayout
+    counts: Counts
+    complete: bool
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved run config (to rebuild the run)
+    tied_embeddings: bool = True
+    pad_token_id: int | None = None
+    eos_token_id: int | None = None
+    tool_version: str = ""
+    created_at: str = ""
+    updated_at: str = ""
+    completed_at: str | None = None
+    timing: dict[str, float] | None = None
+    weights_sha256: str | None = None
+    provenance: dict[str, Any] | None = None
+
+    # -- derived facts ----------------------------------------------------------------------
+    @property
+    def disk_dtype(self) -> np.dtype:
+        return disk_dtype(self.storage_dtype)
+
+    @property
+    def logical_dtype(self) -> str:
+        return STORAGE_DTYPES[self.storage_dtype][1]
+
+    @property
+    def hidden_array_names(self) -> list[str]:
+        """Every stored hidden-state array once (the last layer and ``last`` may be the same array)."""
+        return list(dict.fromkeys(self.arrays.values()))
+
+    @property
+    def last_array(self) -> str:
+        """The array of the post-norm state the trainer applies lm_head to."""
+        return self.arrays["last"]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(self.hidden_size, self.disk_dtype.itemsize, len(self.hidden_array_names))
+
+    @property
+    def target_hidden_dim(self) -> int:
+        return self.hidden_size * len(self.layer_ids)
+
+    @property
+    def pad_id(self) -> int:
+        """The id NeMo pads with: the tokenizer's pad token, else its eos token, else 0."""
+        for v in (self.pad_token_id, self.eos_token_id):
+            if v is not None:
+                return int(v)
+        return 0
+
+    def data_identity(self, key: str, default: Any = None) -> Any:
+        """One recorded fact about the input data (path, split, shuffle_seed, mask options)."""
+        return self.identity.get("data", {}).get(key, default)
+
+    # -- JSON -------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("completed_at", "timing", "weights_sha256", "provenance") and v is None:
+                continue
+            out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        # derived, written for other tools (NeMo-style readers) and for people reading the file
+        out.update(bytes_per_token=self.bytes_per_token, target_hidden_dim=self.target_hidden_dim,
+                   target_last_hidden_dim=self.hidden_size)
+        return out
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def parse(cls, data: Any, where: str = MANIFEST) -> Manifest:
+        """A manifest from its JSON value, after :func:`manifest_problems` found nothing; else CacheFormatError."""
+        problems = manifest_problems(data)
+        if problems:
+            raise CacheFormatError(listing(f"{where} is invalid", problems,
+                                           "The manifest was altered or is damaged: re-create the cache (re-run the "
+                                           "precompute command with overwrite=true)."))
+        kw = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+        kw["layout"] = ManifestLayout(**{k: int(data["layout"][k]) for k in
+                                         ("chunk_tokens", "unit_tokens", "num_units", "total_token_slots")})
+        c = data["counts"]
+        kw["counts"] = Counts(**{k: int(c[k]) for k in ("rows_in", "samples", "rejected", "tokens",
+                                                        "supervised_tokens", "truncated_samples")},
+                              rejected_by_reason={str(k): int(v) for k, v in c.get("rejected_by_reason", {}).items()})
+        kw["layer_ids"] = [int(i) for i in data["layer_ids"]]
+        return cls(**kw)
+
+    @classmethod
+    def read(cls, store: CacheStore) -> Manifest:
+        """The store's manifest, checked; CacheFormatError when absent, unreadable or invalid."""
+        m = cls.read_if_present(store)
+        if m is None:
+            raise CacheFormatError(
+                f"{store.path}: no {MANIFEST}; this is not a dspark-precompute cache (or its run never "
+                "started). Point it at the storage.path of a precompute run.")
+        return m
+
+    @classmethod
+    def read_if_present(cls, store: CacheStore) -> Manifest | None:
+        if not store.exists(MANIFEST):
+            return None
+        try:
+            data = json.loads(store.read_bytes(MANIFEST))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CacheFormatError(f"{store.path}/{MANIFEST} is not valid JSON ({exc}); re-create the cache "
+                                   "(re-run the precompute command with overwrite=true)") from None
+        return cls.parse(data, f"{store.path}: {MANIFEST}")
+
+    def write(self, store: CacheStore) -> None:
+        """Atomically (the store writes a temporary and renames it)."""
+        self.updated_at = now()
+        store.write_bytes(MANIFEST, self.to_bytes())
+
+    def differences(self, identity: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+        """The identity fields ``identity`` would change, as (dotted key, recorded, requested)."""
+        return identity_differences(self.identity, identity)
+
+    def mark_incomplete(self) -> None:
+        """So the next precompute run resumes it (and rewrites every unit without a commit record)."""
+        self.complete = False
+        self.completed_at = None
+
+    def mark_complete(self, timing: dict[str, float] | None = None, weights_sha256: str | None = None,
+                      provenance: dict[str, Any] | None = None) -> None:
+        self.complete = True
+        self.completed_at = now()
+        self.timing, self.weights_sha256, self.provenance = timing, weights_sha256, provenance
+
+    def run_independent_json(self) -> dict[str, Any]:
+        """The JSON without the fields that record when and by which command it was written."""
+        out = self.to_json()
+        for k in RUN_RECORD_FIELDS:
+            out.pop(k, None)
+        return out
+
+
+def listing(head: str, problems: list[str], tail: str) -> str:
+    if len(problems) == 1:
+        return f"{head}: {problems[0]}. {tail}"
+    return f"{head} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems) + f"\n{tail}"
+
+
+# -- checks of the raw JSON ------------------------------------------------------------------------
+def _kind(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", str: "a string", float: "a float", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _int_problem(where: str, v: Any, lo: int, hi: int, what: str) -> str | None:
+    if not is_int(v):
+        return f"manifest {where} = {v!r} ({_kind(v)}) must be an integer in [{lo}, {hi}] ({what})"
+    if not lo <= int(v) <= hi:
+        return f"manifest {where} = {int(v)} is outside [{lo}, {hi}] ({what})"
+    return None
+
+
+def manifest_problems(manifest: Any) -> list[str]:
+    """Every problem with a manifest's structure, field types and ranges (not just the first).
+
+    Everything a reader takes from the manifest is checked here: types (an int is an int,
+    not a bool, float or string), ranges (the bounds above), the array names against the
+    naming rule (:func:`hidden_arrays`), and the counts and layout against each other.
+    An empty list means the values are safe to compute with; the tables and arrays are
+    checked against them by :func:`table_problems` and :func:`array_meta_problems`.
+    """
+    if not isinstance(manifest, dict):
+        return [f"manifest.json is not a JSON object (it holds {_kind(manifest)}); it is damaged or not a "
+                "dspark-precompute manifest"]
+    problems = []
+    if manifest.get("format") != FORMAT_NAME:
+        problems.append(f"manifest format is {manifest.get('format')!r}, expected {FORMAT_NAME!r}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        problems.append(
+            f"format_version {manifest.get('format_version')!r} is not supported (this reader reads "
+            f"{FORMAT_VERSION}); upgrade dspark-precompute or re-create the cache"
+        )
+    for key in ("config_hash", "identity", "layer_ids", "hidden_size", "storage_dtype", "arrays", "layout",
+                "counts", "complete", "seq_length", "num_hidden_layers", "target_model", "target_model_type",
+                "target_vocab_size", "chat_template"):
+        if key not in manifest:
+            problems.append(f"manifest lacks {key!r}")
+    if manifest.get("storage_dtype") not in (None, *STORAGE_DTYPES):
+        problems.append(f"manifest storage_dtype {manifest.get('storage_dtype')!r} is unknown "
+                        f"(one of {sorted(STORAGE_DTYPES)})")
+
+    def check_int(where: str, v: Any, lo: int, hi: int, what: str) -> bool:
+        p = _int_problem(where, v, lo, hi, what)
+        if p:
+            problems.append(p)
+        return p is None
+
+    def typed(where: str, v: Any, types: type | tuple[type, ...], what: str) -> bool:
+        if not isinstance(v, types):
+            problems.append(f"manifest {where} = {v!r:.80} ({_kind(v)}) must be {what}")
+            return False
+        return True
+
+    if "config_hash" in manifest:
+        typed("config_hash", manifest["config_hash"], str, "a string (the sha256 of the identity)")
+    if "complete" in manifest:
+        typed("complete", manifest["complete"], bool, "true or false")
+    identity = manifest.get("identity")
+    if "identity" in manifest and typed("identity", identity, dict, "an object"):
+        target = identity.get("target")
+        if typed("identity.target", target, dict, "an object"):
+            typed("identity.target.path", target.get("path"), str, "a string (the target's path or name)")
+        data = identity.get("data")
+        if typed("identity.data", data, dict, "an object"):
+            for k in ("path", "split", "shuffle_seed", "mask_reasoning_content"):
+                if k not in data:
+                    problems.append(f"manifest identity.data lacks {k!r}")
+    for key in ("target_model", "target_model_type", "chat_template"):
+        if key in manifest:
+            typed(key, manifest[key], str, "a string")
+    if "tied_embeddings" in manifest:
+        typed("tied_embeddings", manifest["tied_embeddings"], bool, "true or false")
+    if "target_vocab_size" in manifest:
+        check_int("target_vocab_size", manifest["target_vocab_size"], 1, MAX_VOCAB_SIZE, "the target's vocabulary")
+    for key in ("pad_token_id", "eos_token_id"):
+        if manifest.get(key) is not None:
+            check_int(key, manifest[key], 0, MAX_VOCAB_SIZE, "a token id, or null")
+    sha = manifest.get("weights_sha256")
+    if "weights_sha256" in manifest and not (isinstance(sha, str) and len(sha) == 64 and set(sha) <= _HEX):
+        problems.append(f"manifest weights_sha256 = {sha!r:.80} must be 64 lowercase hex digits (the sha256 of "
+                        f"{WEIGHTS})")
+
+    hidden_ok = "hidden_size" in manifest and check_int("hidden_size", manifest["hidden_size"], 1, MAX_HIDDEN_SIZE,
+                                                        "width of every hidden-state array")
+    layers_ok = "num_hidden_layers" in manifest and check_int(
+        "num_hidden_layers", manifest["num_hidden_layers"], 1, MAX_NUM_LAYERS, "decoder layers of the target")
+    seq_ok = "seq_length" in manifest and check_int("seq_length", manifest["seq_length"], 1, MAX_SEQ_LENGTH,
+                                                    "longest sample, in tokens")
+    dtype_ok = manifest.get("storage_dtype") in STORAGE_DTYPES
+
+    ids = manifest.get("layer_ids")
+    ids_ok = False
+    if "layer_ids" in manifest and typed("layer_ids", ids, list, "a list of layer ids"):
+        if not ids:
+            problems.append("manifest layer_ids is empty: a cache captures at least one layer")
+        elif not all(is_int(i) for i in ids):
+            problems.append(f"manifest layer_ids = {ids!r:.80} must be integers")
+        elif any(b <= a for a, b in zip(ids, ids[1:])):
+            problems.append(f"manifest layer_ids = {ids} must be strictly increasing")
+        elif layers_ok and not all(-1 <= i < int(manifest["num_hidden_layers"]) for i in ids):
+            problems.append(f"manifest layer_ids = {ids} must lie in [-1, num_hidden_layers - 1 = "
+                            f"{int(manifest['num_hidden_layers']) - 1}]")
+        else:
+            ids_ok = layers_ok
+
+    arrays = manifest.get("arrays")
+    arrays_ok = False
+    if "arrays" in manifest and typed("arrays", arrays, dict, "an object of layer id -> array name"):
+        for k, v in arrays.items():
+            if not isinstance(v, str) or not v.startswith(f"{HIDDEN_GROUP}/") or ".." in v or "\\" in v \
+                    or v.count("/") != 1:
+                problems.append(f"manifest arrays[{k!r}] = {v!r:.80} is not an array under {HIDDEN_GROUP}/ (names "
+                                f"are {HIDDEN_GROUP}/layer_<i>, {HIDDEN_GROUP}/embeddings or "
+                                f"{HIDDEN_GROUP}/{FINAL_NORM}); the manifest was altered")
+        if ids_ok and not problems:
+            want = hidden_arrays([int(i) for i in ids], int(manifest["num_hidden_layers"]))
+            for k in sorted(want.keys() | arrays.keys()):
+                if arrays.get(k) != want.get(k):
+                    problems.append(
+                        f"manifest arrays[{k!r}] = {arrays.get(k)!r}, but the naming rule gives {want.get(k)!r} "
+                        f"for layer_ids {list(ids)} of {manifest['num_hidden_layers']} layers: the manifest was "
+                        "altered (layers would be read under the wrong id). Re-create the cache")
+            arrays_ok = not any(arrays.get(k) != want.get(k) for k in want.keys() | arrays.keys())
+
+    layout = manifest.get("layout")
+    layout_ok = False
+    if "layout" in manifest and typed("layout", layout, dict, "an object"):
+        ok = True
+        for k, lo, hi, what in (("chunk_tokens", 1, MAX_CHUNK_TOKENS, "tokens per chunk"),
+                                ("unit_tokens", 1, MAX_TOKEN_SLOTS, "tokens per commit unit"),
+                                ("num_units", 0, MAX_TOKEN_SLOTS, "commit units"),
+                                ("total_token_slots", 0, MAX_TOKEN_SLOTS, "length of the token axis")):
+            if k not in layout:
+                problems.append(f"manifest lacks layout.{k}")
+                ok = False
+            else:
+                ok = check_int(f"layout.{k}", layout[k], lo, hi, what) and ok
+        if ok:
+            ct, total, nu = int(layout["chunk_tokens"]), int(layout["total_token_slots"]), int(layout["num_units"])
+            layout_ok = True
+            if total % ct:
+                problems.append(f"manifest layout.total_token_slots = {total} is not a multiple of "
+                                f"layout.chunk_tokens = {ct} (units own whole chunks)")
+                layout_ok = False
+            if (nu == 0) != (total == 0) or nu > total:
+                problems.append(f"manifest layout.num_units = {nu} cannot fill layout.total_token_slots = {total}")
+                layout_ok = False
+            if hidden_ok and dtype_ok:
+                itemsize = np.dtype(STORAGE_DTYPES[manifest["storage_dtype"]][0]).itemsize
+                chunk_bytes = ct * int(manifest["hidden_size"]) * itemsize
+                if chunk_bytes > MAX_CHUNK_BYTES:
+                    problems.append(
+                        f"manifest layout.chunk_tokens = {ct} x hidden_size = {manifest['hidden_size']} x {itemsize} "
+                        f"bytes makes {chunk_bytes:,}-byte chunks, more than a reader decodes at once "
+                        f"({MAX_CHUNK_BYTES:,}); the manifest is damaged or the cache was not written by this tool")
+                    layout_ok = False
+
+    if hidden_ok and dtype_ok and seq_ok and isinstance(ids, list):
+        itemsize = np.dtype(STORAGE_DTYPES[manifest["storage_dtype"]][0]).itemsize
+        per_sample = int(manifest["seq_length"]) * bytes_per_token(int(manifest["hidden_size"]), itemsize,
+                                                                   len(ids) + 1)
+        if per_sample > MAX_SAMPLE_BYTES:
+            problems.append(
+                f"manifest seq_length = {manifest['seq_length']} x hidden_size = {manifest['hidden_size']} makes one "
+                f"padded sample {per_sample:,} bytes, more than a reader allocates for one sample "
+                f"({MAX_SAMPLE_BYTES:,}); the manifest is damaged")
+    if hidden_ok and dtype_ok and arrays_ok and "bytes_per_token" in manifest:
+        itemsize = np.dtype(STORAGE_DTYPES[manifest["storage_dtype"]][0]).itemsize
+        want_bpt = bytes_per_token(int(manifest["hidden_size"]), itemsize, len(set(arrays.values())))
+        if manifest["bytes_per_token"] != want_bpt:
+            problems.append(f"manifest bytes_per_token = {manifest['bytes_per_token']!r}, the arrays it names store "
+                            f"{want_bpt} bytes per token")
+    if hidden_ok and isinstance(ids, list):
+        for key, want in (("target_hidden_dim", int(manifest["hidden_size"]) * len(ids)),
+                          ("target_last_hidden_dim", int(manifest["hidden_size"]))):
+            if key in manifest and manifest[key] != want:
+                problems.append(f"manifest {key} = {manifest[key]!r}, hidden_size x layers gives {want}")
+
+    counts = manifest.get("counts")
+    if "counts" in manifest and typed("counts", counts, dict, "an object"):
+        got = {}
+        for k in ("rows_in", "samples", "rejected", "tokens", "supervised_tokens", "truncated_samples"):
+            if k not in counts:
+                problems.append(f"manifest lacks counts.{k}")
+            elif check_int(f"counts.{k}", counts[k], 0, MAX_TOKEN_SLOTS, "a count"):
+                got[k] = int(counts[k])
+        by = counts.get("rejected_by_reason", {})
+        if typed("counts.rejected_by_reason", by, dict, "an object of reason -> rows"):
+            if all(_int_problem("", v, 0, MAX_TOKEN_SLOTS, "") is None for v in by.values()):
+                if "rejected" in got and sum(int(v) for v in by.values()) != got["rejected"] and by:
+                    problems.append(f"manifest counts.rejected_by_reason sums to {sum(int(v) for v in by.values())}, "
+                                    f"counts.rejected is {got['rejected']}")
+            else:
+                problems.append(f"manifest counts.rejected_by_reason = {by!r:.120} must map reasons to row counts")
+        if {"rows_in", "samples", "rejected"} <= got.keys() and got["rows_in"] != got["samples"] + got["rejected"]:
+            problems.append(f"manifest counts.rows_in = {got['rows_in']}, but samples + rejected = "
+                            f"{got['samples'] + got['rejected']} (every input row is a sample or a reject)")
+        if {"tokens", "samples"} <= got.keys() and not got["samples"] <= got["tokens"]:
+            problems.append(f"manifest counts.tokens = {got['tokens']} is below counts.samples = {got['samples']} "
+                            "(every sample has a token)")
+        if {"tokens", "samples"} <= got.keys() and seq_ok and got["tokens"] > got["samples"] * int(
+                manifest["seq_length"]):
+            problems.append(f"manifest counts.tokens = {got['tokens']} exceeds samples x seq_length")
+        if {"tokens", "supervised_tokens"} <= got.keys() and got["supervised_tokens"] > got["tokens"]:
+            problems.append(f"manifest counts.supervised_tokens = {got['supervised_tokens']} exceeds counts.tokens = "
+                            f"{got['tokens']}")
+        if {"truncated_samples", "samples"} <= got.keys() and got["truncated_samples"] > got["samples"]:
+            problems.append(f"manifest counts.truncated_samples = {got['truncated_samples']} exceeds counts.samples")
+        if layout_ok and "samples" in got:
+            nu, total = int(layout["num_units"]), int(layout["total_token_slots"])
+            if not nu <= got["samples"] <= total or (got["samples"] == 0) != (nu == 0):
+                problems.append(f"manifest counts.samples = {got['samples']} does not fit layout.num_units = {nu} "
+                                f"and layout.total_token_slots = {total}")
+            if "tokens" in got and got["tokens"] > total:
+                problems.append(f"manifest counts.tokens = {got['tokens']} exceeds layout.total_token_slots = {total}")
+    return problems
+
+
+
+
+def weights_problems(shapes: dict[str, tuple[int, ...]], m: Manifest,
+                     metadata: dict[str, str] | None = None) -> list[str]:
+    """What is wrong with the weights file's tensors (names and shapes) for this manifest."""
+    problems = []
+    want = (m.target_vocab_size, m.hidden_size)
+    if "embed_tokens.weight" not in shapes:
+        problems.append(f"{WEIGHTS} has no embed_tokens.weight (keys {sorted(shapes)})")
+    for k, shape in shapes.items():
+        if k in ("embed_tokens.weight", "lm_head.weight") and tuple(shape) != want:
+            problems.append(f"{WEIGHTS}: {k} has shape {list(shape)}, expected [target_vocab_size, hidden_size] "
+                            f"= {list(want)}")
+    tied = (metadata or {}).get("tied")
+    if tied is not None and (tied == "true") != ("lm_head.weight" not in shapes):
+        problems.append(f"{WEIGHTS}: metadata tied={tied} but lm_head.weight is "
+                        f"{'absent' if 'lm_head.weight' not in shapes else 'present'}")
+    return problems

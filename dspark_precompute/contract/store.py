@@ -1,0 +1,231 @@
+"""Where a cache's files live: a local directory (or, through fsspec, an object store).
+
+Small files (manifest, commits, rejects, weights) go through :class:`CacheStore`, which
+writes each one atomically (temporary name, fsync, rename) so a kill never leaves half a
+file; zarr arrays go through the zarr store it hands out.
+
+A URL (``s3://bucket/prefix``, ``gs://...``) goes through fsspec (``pip install
+'dspark-precompute[s3]'`` for S3). Its options come from the environment so that the
+spawned writer process, which opens the store from the URL alone, gets the same ones:
+``DSPARK_STORAGE_OPTIONS`` (a JSON object of fsspec options, e.g. ``{"anon": false}``),
+then, for S3, the endpoint in ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (MinIO,
+Ceph, a local test server); credentials are left to botocore's usual chain
+(``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, instance roles). No
+option is ever logged or put in a ``repr``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dspark_precompute.faults import fault_point
+
+STORAGE_OPTIONS_ENV = "DSPARK_STORAGE_OPTIONS"
+_S3_PROTOCOLS = ("s3", "s3a")
+
+
+@functools.cache
+def _umask() -> int:
+    """The process umask, read once when first needed (reading it means setting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def is_url(path: str) -> bool:
+    return "://" in str(path)
+
+
+def storage_options(path: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """fsspec options for ``path``: ``$DSPARK_STORAGE_OPTIONS``, then ``options``, then S3's endpoint.
+
+    Listing caches are off: the writer process adds commit records behind this process's
+    back, and a cached listing would hide them.
+    """
+    opts: dict[str, Any] = {}
+    raw = os.environ.get(STORAGE_OPTIONS_ENV, "").strip()
+    if raw:
+        try:
+            env_opts = json.loads(raw)
+        except json.JSONDecodeError as exc:  # never echo the value: it may hold a secret
+            raise ValueError(f"${STORAGE_OPTIONS_ENV} is not valid JSON ({exc.msg} at char {exc.pos})") from None
+        if not isinstance(env_opts, dict):
+            raise ValueError(f"${STORAGE_OPTIONS_ENV} must be a JSON object of fsspec storage options")
+        opts.update(env_opts)
+    opts.update(options or {})
+    protocol = str(path).split("://", 1)[0].lower()
+    if protocol in _S3_PROTOCOLS:
+        client_kwargs = opts.get("client_kwargs") or {}
+        if not opts.get("endpoint_url") and not client_kwargs.get("endpoint_url"):
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            if endpoint:
+                opts["endpoint_url"] = endpoint
+    opts.setdefault("use_listings_cache", False)
+    return opts
+
+
+class CacheStore:
+    """Byte-level access to one cache directory."""
+
+    def __init__(self, path: str | Path, options: dict[str, Any] | None = None):
+        self.path = str(path).rstrip("/") if is_url(path) else str(path)
+        self.url = is_url(self.path)
+        if self.url:
+            import fsspec
+
+            self._options = storage_options(self.path, options)
+            try:
+                self.fs, root = fsspec.core.url_to_fs(self.path, **self._options)
+            except ImportError as exc:
+                raise ImportError(f"storage.path={self.path!r} needs an fsspec backend that is not installed "
+                                  f"({exc}); for s3:// run: pip install 'dspark-precompute[s3]'") from None
+            self.root = root.rstrip("/")
+        else:
+            self.root = str(Path(self.path).expanduser().resolve())
+
+    def __repr__(self) -> str:
+        return f"CacheStore({self.path!r})"
+
+    def _local(self, key: str) -> Path:
+        return Path(self.root) / key
+
+    def _remote(self, key: str = "") -> str:
+        return f"{self.root}/{key.strip('/')}".rstrip("/")
+
+    def exists(self, key: str = "") -> bool:
+        if self.url:
+            return bool(self.fs.exists(self._remote(key)))
+        return self._local(key).exists()
+
+    def read_bytes(self, key: str) -> bytes:
+        if self.url:
+            return bytes(self.fs.cat_file(self._remote(key)))
+        return self._local(key).read_bytes()
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Atomic: readers see the old file or the whole new one, never a part."""
+        if self.url:  # an object store puts a whole object (or multipart upload) atomically
+            fault_point("atomic_write")
+            self.fs.pipe_file(self._remote(key), bytes(data))
+            return
+        target = self._local(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; readers may be other users
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            fault_point("atomic_write")
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        dfd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def list_keys(self, prefix: str) -> list[str]:
+        if self.url:
+            names = self._children(self._remote(prefix))
+            return sorted(f"{prefix.strip('/')}/{n}" if prefix.strip("/") else n for n in names)
+        d = self._local(prefix)
+        if not d.is_dir():
+            return []
+        return sorted(f"{prefix}/{p.name}" for p in d.iterdir() if not p.name.startswith("."))
+
+    def _children(self, base: str) -> list[str]:
+        """Names directly under ``base`` in the object store (no dotfiles, like the local branch)."""
+        try:
+            entries = self.fs.ls(base, detail=False)
+        except FileNotFoundError:
+            return []
+        base = base.rstrip("/")
+        names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in entries if str(p).rstrip("/") != base}
+        return [n for n in names if n and not n.startswith(".")]
+
+    def _files(self) -> dict[str, int]:
+        """Every object under the cache with its size."""
+        try:
+            found = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {p: int(info.get("size") or 0) for p, info in found.items() if info.get("type", "file") == "file"}
+
+    def delete(self, key: str) -> None:
+        if self.url:
+            target = self._remote(key)
+            if not key.strip("/"):
+                raise ValueError("delete('') would delete the whole cache; use remove_all()")
+            try:
+                self.fs.rm(target, recursive=True)
+            except FileNotFoundError:
+                pass
+            return
+        p = self._local(key)
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+    def remove_all(self) -> None:
+        if self.url:  # the objects only: a cache at a bucket's top level must not take the bucket along
+            files = sorted(self._files())
+            if files:
+                self.fs.rm(files)
+            return
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def top_level_names(self) -> list[str]:
+        """Every entry directly under the cache (dotfiles included), sorted; [] when it does not exist."""
+        if self.url:
+            try:
+                entries = self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                return []
+            base = self.root.rstrip("/")
+            return sorted({str(p).rstrip("/").rsplit("/", 1)[-1] for p in entries if str(p).rstrip("/") != base})
+        p = Path(self.root)
+        return sorted(c.name for c in p.iterdir()) if p.is_dir() else []
+
+    def is_empty(self) -> bool:
+        if self.url:
+            return not self._children(self.root)
+        p = Path(self.root)  # dotfiles (the writer lock, temporaries) do not make a cache
+        return not p.exists() or not any(not c.name.startswith(".") for c in p.iterdir())
+
+    def nbytes(self) -> int:
+        """Bytes on disk (or in the bucket) under the cache."""
+        if self.url:
+            return sum(self._files().values())
+        return sum(f.stat().st_size for f in Path(self.root).rglob("*") if f.is_file())
+
+    def sha256(self, key: str) -> str:
+        """sha256 of one stored file, streamed for a local cache (the weights of a large target are GBs)."""
+        h = hashlib.sha256()
+        if self.url:
+            h.update(self.read_bytes(key))
+        else:
+            with open(self._local(key), "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(block)
+        return h.hexdigest()
+
+    def zarr_store(self, read_only: bool = False) -> Any:
+        import zarr.storage
+
+        if self.url:  # zarr wants an asynchronous filesystem instance: from_url asks fsspec for one
+            return zarr.storage.FsspecStore.from_url(self.path, storage_options=dict(self._options),
+                                                     read_only=read_only)
+        Path(self.root).mkdir(parents=True, exist_ok=True) if not read_only else None
+        return zarr.storage.LocalStore(self.root, read_only=read_only)

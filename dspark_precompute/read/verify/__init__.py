@@ -1,0 +1,62 @@
+"""``verify_cache(path)``: prove a cache is whole and consistent, reporting every problem.
+
+Checks, in order (``checks.py``, one function each):
+
+* manifest: present, parseable, a supported format version, every field of the right
+  type and range (the reader's own check), complete;
+* structure: every array's zarr.json matches the manifest (dtype, shape, chunks, layer id,
+  the writer's codec chain), every table chunk reads;
+* offsets: the sample and unit tables are exactly the layout the recorded lengths imply,
+  every sample inside its unit, none overlapping;
+* commits: one record per committed unit, agreeing with the unit table;
+* chunks: every chunk a committed unit owns exists (a deleted chunk would read back as
+  zeros) and decodes with a matching crc32c; ids in the vocabulary, masks 0/1, states finite;
+* counts: samples, tokens, supervised tokens, rejects and truncations match the manifest;
+* weights: the recorded sha256 (a note when none was recorded) and the manifest's shapes.
+
+Recomputing samples with the target (``dspark-cache verify --recompute N``) is the write
+side's (``dspark_precompute.write.recompute``); ``repair`` marks damaged units for the next run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.read.verify import checks
+from dspark_precompute.read.verify.repair import mark_for_recompute
+from dspark_precompute.read.verify.report import Collector, Problem, VerifyReport
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Problem", "VerifyReport", "mark_for_recompute", "verify_cache"]
+
+
+def verify_cache(path: str | Path, *, allow_incomplete: bool = False, max_problems_per_check: int = 20
+                 ) -> VerifyReport:
+    """Check the cache at ``path``; ``report.ok`` is true only if nothing is wrong.
+
+    A malformed cache is reported as problems, never raised.
+    """
+    t0 = time.perf_counter()
+    report = VerifyReport(str(path))
+    bad = Collector(report, max_problems_per_check)
+    try:
+        ctx = checks.Context(CacheStore(str(path)), report, bad, allow_incomplete)
+        if checks.check_manifest(ctx) and checks.check_structure(ctx):
+            checks.check_offsets(ctx)
+            checks.check_commits(ctx)
+            checks.check_chunks(ctx)
+            checks.check_counts(ctx)
+        if ctx.m is not None:
+            checks.check_weights(ctx)
+    except Exception as exc:  # noqa: BLE001 - a crafted cache must end in a report, not a traceback
+        log.debug("verify stopped", exc_info=True)
+        bad.add("verify", f"verify stopped at {type(exc).__name__}: {exc}; the cache is malformed in a way the "
+                          "checks before did not name. Re-create it (re-run the precompute command with "
+                          "overwrite=true)")
+    finally:
+        report.seconds = time.perf_counter() - t0
+    return report

@@ -1,0 +1,415 @@
+"""The checks ``verify`` runs, one function each, in order; each adds what it finds to the report.
+
+Every function takes the :class:`Context` the earlier checks filled in (the manifest, the
+arrays' metadata, the tables, the committed units) and stops short of what it cannot
+check because an earlier check found the ground under it broken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dspark_precompute.contract.arrays import ArrayMeta
+from dspark_precompute.contract.chunks import decode_chunk, get_many, read_array_metas
+from dspark_precompute.contract.commits import CommitRecord, commit_key, parse_commit_key
+from dspark_precompute.contract.layout import SampleIndex, build_layout, table_problems
+from dspark_precompute.contract.manifest import Manifest, manifest_problems, weights_problems
+from dspark_precompute.contract.spec import (
+    COMMITS,
+    INPUT_IDS,
+    LOSS_MASK,
+    MANIFEST,
+    REJECTS,
+    SAMPLE_ARRAYS,
+    UNIT_ARRAYS,
+    WEIGHTS,
+)
+from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.errors import CacheFormatError, ChecksumError
+from dspark_precompute.read.verify.report import Collector, VerifyReport
+
+TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS)
+
+
+@dataclass
+class Context:
+    """What the checks learn about one cache, passed from each check to the next."""
+
+    store: CacheStore
+    report: VerifyReport
+    bad: Collector
+    allow_incomplete: bool = False
+    m: Manifest | None = None
+    zstore: Any = None
+    metas: dict[str, ArrayMeta] = field(default_factory=dict)
+    tables: dict[str, np.ndarray] = field(default_factory=dict)
+    missing_tables: dict[str, list[str]] = field(default_factory=dict)
+    committed: set[int] = field(default_factory=set)
+    offsets_ok: bool = False
+    supervised: np.ndarray | None = None
+    mask_ok: bool = True
+
+    @property
+    def arrays(self) -> dict[str, ArrayMeta]:
+        """The token arrays (ids, mask, hidden states) whose metadata passed."""
+        return {k: v for k, v in self.metas.items() if k not in TABLES}
+
+    def table(self, name: str) -> np.ndarray:
+        return self.tables[name].astype(np.int64)
+
+    @property
+    def readable_units(self) -> list[int]:
+        assert self.m is not None
+        return list(range(self.m.layout.num_units)) if self.m.complete else sorted(self.committed)
+
+
+def list_chunk_keys(store: CacheStore, name: str) -> set[str]:
+    """Chunk keys (relative to the array, e.g. ``c/3/0``) that exist under ``name``."""
+    if store.url:
+        base = f"{store.root}/{name}"
+        if not store.fs.exists(f"{base}/c"):
+            return set()
+        return {p[len(base) + 1:] for p in store.fs.find(f"{base}/c")}
+    base = Path(store.root) / name
+    out = set()
+    for dirpath, _dirs, files in os.walk(base / "c"):
+        for f in files:
+            if not f.startswith("."):
+                out.add((Path(dirpath) / f).relative_to(base).as_posix())
+    return out
+
+
+def fmt_ids(ids: np.ndarray, limit: int = 8) -> str:
+    ids = [int(x) for x in ids]
+    return ("samples " + ", ".join(map(str, ids[:limit])) + (f" (+{len(ids) - limit} more)" if len(ids) > limit else "")
+            ) if ids else "no samples"
+
+
+def check_manifest(ctx: Context) -> bool:
+    """Present, parseable, every field of the right type and range, complete (or allowed not to be)."""
+    store, bad, path = ctx.store, ctx.bad, ctx.store.path
+    if not store.exists(MANIFEST):
+        bad.add("manifest", f"{path} has no {MANIFEST}: not a dspark-precompute cache, or its run never started")
+        return False
+    try:
+        data = json.loads(store.read_bytes(MANIFEST))
+    except (ValueError, UnicodeDecodeError) as exc:
+        bad.add("manifest", f"{path}/{MANIFEST} is not valid JSON ({exc}); re-create the cache "
+                            "(re-run the precompute command with overwrite=true)")
+        return False
+    problems = manifest_problems(data)
+    for p in problems:
+        bad.add("manifest", p)
+    if problems:
+        return False
+    ctx.m = Manifest.parse(data)
+    if not ctx.m.complete and not ctx.allow_incomplete:
+        bad.add("manifest", f"{path} is incomplete (complete=false): its run has not finished. Re-run the "
+                            "precompute command to finish it, or pass --allow-incomplete to check the committed part")
+    ctx.zstore = store.zarr_store(read_only=True) if store.url else None
+    return True
+
+
+def check_structure(ctx: Context) -> bool:
+    """Every array's zarr.json matches the manifest; every table chunk reads. False when a table is unreadable."""
+    assert ctx.m is not None
+    store, bad = ctx.store, ctx.bad
+    metas, problems = read_array_metas(store, ctx.m, ctx.zstore)
+    for name, p in problems:
+        bad.add("structure", p, array=name)
+    ctx.metas = metas
+    for name in TABLES:
+        meta = metas.get(name)
+        if meta is None:
+            continue
+        keys = list_chunk_keys(store, name)
+        parts = []
+        for c in range(meta.num_chunks):
+            idx = meta.chunk_index(c)
+            key = meta.chunk_key(idx)
+            if key not in keys:
+                ctx.missing_tables.setdefault(name, []).append(key)
+                parts.append(np.zeros(meta.chunks, dtype=meta.dtype))
+                continue
+            try:
+                (raw,) = get_many(store, ctx.zstore, [f"{name}/{key}"], [meta.max_stored_bytes()])
+                if raw is None:
+                    raise FileNotFoundError(key)
+                parts.append(decode_chunk(meta, idx, raw))
+            except ChecksumError:
+                bad.add("checksum", f"table {name!r} chunk {idx} (file {name}/{key}) fails its crc32c checksum: the "
+                                    "stored bytes are corrupt; re-create the cache", array=name, chunk=idx)
+                break
+            except (CacheFormatError, FileNotFoundError) as exc:
+                bad.add("checksum", f"table {name!r} chunk {idx} (file {name}/{key}) cannot be read ({exc}); "
+                                    "re-create the cache", array=name, chunk=idx)
+                break
+            ctx.report.chunks_checked += 1
+        else:
+            ctx.tables[name] = (np.concatenate(parts) if parts else np.zeros(0, meta.dtype))[:meta.shape[0]]
+    return len(ctx.tables) == len(TABLES)  # offsets cannot be checked without every table
+
+
+def check_offsets(ctx: Context) -> None:
+    """The tables are exactly the layout the recorded lengths imply; every sample inside its unit."""
+    assert ctx.m is not None
+    m, bad = ctx.m, ctx.bad
+    layout = m.layout
+    ct, num_units, total_slots = layout.chunk_tokens, layout.num_units, layout.total_token_slots
+    start, length, unit = ctx.table("samples/start"), ctx.table("samples/length"), ctx.table("samples/unit")
+    untrunc = ctx.table("samples/untruncated_length")
+    u_start, u_stop = ctx.table("units/token_start"), ctx.table("units/token_stop")
+    n = len(start)
+    # the reader's own checks on open; counts are reported by check_counts (complete caches) in verify's words
+    for p in table_problems(m, ctx.tables):
+        if not (m.complete and p.startswith("manifest counts.")):
+            bad.add("offsets", p)
+    seq = m.seq_length
+    for i in np.flatnonzero((length < 1) | (length > seq)):
+        bad.add("offsets", f"samples/length[{i}] = {length[i]} is outside [1, seq_length={seq}]",
+                array="samples/length", sample=int(i))
+    for i in np.flatnonzero(untrunc < length):
+        bad.add("offsets", f"samples/untruncated_length[{i}] = {untrunc[i]} is below its stored length {length[i]}",
+                array="samples/untruncated_length", sample=int(i))
+    for i in np.flatnonzero((unit < 0) | (unit >= num_units)):
+        bad.add("offsets", f"samples/unit[{i}] = {unit[i]} is not a unit id in [0, {num_units})", array="samples/unit",
+                sample=int(i))
+    plan = build_layout(np.clip(length, 1, seq), ct, layout.unit_tokens)
+    for i in np.flatnonzero(plan.start != start):
+        bad.add("offsets", f"samples/start[{i}] = {start[i]}, but the layout of the recorded lengths puts sample "
+                           f"{i} at token {plan.start[i]}: the offset table was altered, so sample {i} would read "
+                           "another sample's tokens. Re-create the cache", array="samples/start", sample=int(i),
+                unit=int(plan.unit[i]))
+    for i in np.flatnonzero(plan.unit != unit):
+        bad.add("offsets", f"samples/unit[{i}] = {unit[i]}, the layout puts sample {i} in unit {plan.unit[i]}",
+                array="samples/unit", sample=int(i))
+    if plan.num_units != num_units:
+        bad.add("offsets", f"the recorded lengths give {plan.num_units} units, layout.num_units is {num_units}")
+    else:
+        for u in np.flatnonzero((plan.unit_start != u_start) | (plan.unit_stop != u_stop)):
+            bad.add("offsets", f"unit {u} spans tokens [{u_start[u]}, {u_stop[u]}), the layout gives "
+                               f"[{plan.unit_start[u]}, {plan.unit_stop[u]})", array="units/token_start", unit=int(u))
+        if plan.total_slots != total_slots:
+            bad.add("offsets", f"layout.total_token_slots is {total_slots}, the lengths need {plan.total_slots}")
+    ok_unit = (unit >= 0) & (unit < num_units)
+    su = np.where(ok_unit, unit, 0)
+    if num_units:
+        for i in np.flatnonzero(ok_unit & ((start < u_start[su]) | (start + length > u_stop[su]))):
+            bad.add("offsets", f"sample {i} spans tokens [{start[i]}, {start[i] + length[i]}) outside its unit "
+                               f"{unit[i]} [{u_start[unit[i]]}, {u_stop[unit[i]]})", array="samples/start",
+                    sample=int(i), unit=int(unit[i]))
+    order = np.argsort(start, kind="stable")
+    ends = start[order] + length[order]
+    for k in np.flatnonzero(start[order][1:] < ends[:-1]):
+        a, b = int(order[k]), int(order[k + 1])
+        bad.add("offsets", f"samples {a} and {b} overlap on the token axis ([{start[a]}, {start[a] + length[a]}) and "
+                           f"[{start[b]}, ...))", array="samples/start", sample=b)
+    # every table chunk is written since 0.2; before, all-zero ones were not
+    legacy = m.tool_version in ("", "0.1.0")
+    may_be_zero = {"samples/start": not plan.start.any(), "samples/unit": not plan.unit.any(),
+                   "units/token_start": not plan.unit_start.any(), "samples/source_row": n <= 1}
+    for name, keys in ctx.missing_tables.items():
+        if not (legacy and may_be_zero.get(name, False)):
+            for key in keys:
+                bad.add("missing-chunk", f"table {name!r} chunk file {name}/{key} is missing: the table reads back "
+                                         "as zeros; re-create the cache", array=name)
+    if n > 1 and (np.diff(ctx.table("samples/source_row")) <= 0).any():
+        bad.add("offsets", "samples/source_row is not strictly increasing: samples are stored in input order, "
+                           "so the table was altered", array="samples/source_row")
+    ctx.offsets_ok = bad.per_check.get("offsets", 0) == 0
+    ctx.report.samples, ctx.report.tokens = n, int(length.sum())
+
+
+def check_commits(ctx: Context) -> None:
+    """One record per committed unit, agreeing with the unit table; all of them when complete."""
+    assert ctx.m is not None
+    store, bad, num_units = ctx.store, ctx.bad, ctx.m.layout.num_units
+    unit = ctx.table("samples/unit")
+    u_start, u_stop = ctx.table("units/token_start"), ctx.table("units/token_stop")
+    for key in store.list_keys(COMMITS):
+        u = parse_commit_key(key)
+        if u is None:
+            continue
+        if u >= num_units:
+            bad.add("commits", f"commit record {key} names unit {u}, but the cache has {num_units} units", unit=u)
+            continue
+        try:
+            data = json.loads(store.read_bytes(key))
+        except (ValueError, UnicodeDecodeError) as exc:
+            bad.add("commits", f"commit record {key} is not valid JSON ({exc})", unit=u)
+            continue
+        ctx.committed.add(u)
+        rec = CommitRecord.parse(data)
+        want = {"token_start": int(u_start[u]), "token_stop": int(u_stop[u]), "samples": int((unit == u).sum())}
+        for k2, v in want.items():
+            got = getattr(rec, k2) if rec is not None else (data.get(k2) if isinstance(data, dict) else data)
+            if got != v:
+                bad.add("commits", f"commit record {key} has {k2}={got!r:.80}, the tables give {v}", unit=u)
+    if ctx.m.complete:
+        for u in sorted(set(range(num_units)) - ctx.committed):
+            bad.add("commits", f"unit {u} has no commit record {commit_key(u)} although the cache is complete",
+                    unit=u)
+
+
+def _holds_whole(holds: np.ndarray, start: np.ndarray, length: np.ndarray, lo: int, hi: int) -> bool:
+    """Whether some sample lies wholly inside ``[lo, hi)`` (its mask there cannot be all zero)."""
+    return bool(len(holds)) and bool(((start[holds] >= lo) & (start[holds] + length[holds] <= hi)).any())
+
+
+def check_chunks(ctx: Context) -> None:
+    """Every chunk a readable unit owns exists and decodes (crc32c); ids, masks and states are plausible."""
+    assert ctx.m is not None
+    m, store, bad = ctx.m, ctx.store, ctx.bad
+    ct, total_slots = m.layout.chunk_tokens, m.layout.total_token_slots
+    start, length = ctx.table("samples/start"), ctx.table("samples/length")
+    u_start, u_stop = ctx.table("units/token_start"), ctx.table("units/token_stop")
+    where = SampleIndex(start, length) if ctx.offsets_ok else None
+    ctx.supervised = np.zeros(len(start), dtype=np.int64)
+    ctx.mask_ok = LOSS_MASK in ctx.arrays
+    maybe_empty: list[tuple[tuple[int, ...], str, int, int, int, np.ndarray]] = []
+    for name, meta in ctx.arrays.items():
+        existing = list_chunk_keys(store, name)
+        for u in ctx.readable_units:
+            a0, a1 = (int(np.clip(x, 0, total_slots)) for x in (u_start[u], u_stop[u]))  # never past the array
+            for c in range(a0 // ct, -(-a1 // ct)):
+                idx = meta.chunk_index(c)
+                key = meta.chunk_key(idx)
+                lo, hi = c * ct, min((c + 1) * ct, total_slots)
+                holds = where.in_range(lo, hi) if where is not None else np.zeros(0, dtype=np.int64)
+                if key not in existing and name == LOSS_MASK and where is not None and not _holds_whole(
+                        holds, start, length, lo, hi):
+                    maybe_empty.append((idx, key, lo, hi, u, holds))  # before 0.1's write_empty_chunks: judged later
+                    continue
+                first = int(holds[0]) if len(holds) else None
+                if key not in existing:
+                    bad.add("missing-chunk", f"array {name!r} chunk {idx} is missing (file {name}/{key}): token "
+                                             f"slots [{lo}, {hi}) of unit {u}, {fmt_ids(holds)}. A missing chunk "
+                                             "reads back as zeros, so these samples are silently wrong",
+                            array=name, chunk=idx, unit=u, sample=first)
+                    ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
+                    continue
+                try:
+                    (raw,) = get_many(store, ctx.zstore, [f"{name}/{key}"], [meta.max_stored_bytes()])
+                    if raw is None:
+                        raise CacheFormatError("it vanished while verify ran")
+                    data = decode_chunk(meta, idx, raw)[:hi - lo]
+                except ChecksumError:
+                    bad.add("checksum", f"array {name!r} chunk {idx} (file {name}/{key}) fails its crc32c checksum: "
+                                        f"the stored bytes are corrupt; token slots [{lo}, {hi}) of unit {u}, "
+                                        f"{fmt_ids(holds)}", array=name, chunk=idx, unit=u, sample=first)
+                    ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
+                    continue
+                except CacheFormatError as exc:  # a chunk whose size or codec header is wrong: never decoded
+                    bad.add("checksum", f"array {name!r} chunk {idx} (file {name}/{key}) cannot be decoded "
+                                        f"({exc}); {fmt_ids(holds)}", array=name, chunk=idx, unit=u)
+                    ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
+                    continue
+                ctx.report.chunks_checked += 1
+                if where is not None:
+                    _check_values(ctx, name, idx, data, lo, holds, u)
+    if m.complete and ctx.mask_ok and where is not None and m.counts.supervised_tokens != int(ctx.supervised.sum()):
+        for idx, key, lo, hi, u, holds in maybe_empty:
+            bad.add("missing-chunk", f"array {LOSS_MASK!r} chunk {idx} is missing (file {LOSS_MASK}/{key}) and the "
+                                     f"supervised-token count is short: token slots [{lo}, {hi}) of unit {u}, "
+                                     f"{fmt_ids(holds)}", array=LOSS_MASK, chunk=idx, unit=u,
+                    sample=int(holds[0]) if len(holds) else None)
+
+
+def _check_values(ctx: Context, name: str, idx: tuple[int, ...], data: np.ndarray, lo: int, holds: np.ndarray,
+                  u: int) -> None:
+    """Per-sample value checks on one decoded chunk (only over real tokens)."""
+    assert ctx.m is not None and ctx.supervised is not None
+    start, length = ctx.table("samples/start"), ctx.table("samples/length")
+    vocab, bf16, bad = ctx.m.target_vocab_size, ctx.m.logical_dtype == "bfloat16", ctx.bad
+    for s in holds:
+        a = max(int(start[s]), lo) - lo
+        b = min(int(start[s] + length[s]), lo + len(data)) - lo
+        if b <= a:
+            continue
+        part = data[a:b]
+        if name == INPUT_IDS:
+            badpos = np.flatnonzero((part < 0) | (part >= vocab))
+            if len(badpos):
+                bad.add("values", f"array {name!r} chunk {idx}: sample {s} has token id {int(part[badpos[0]])} "
+                                  f"outside the vocabulary [0, {vocab})", array=name, chunk=idx, sample=int(s), unit=u)
+        elif name == LOSS_MASK:
+            if ((part != 0) & (part != 1)).any():
+                bad.add("values", f"array {name!r} chunk {idx}: sample {s} has loss_mask values other than 0/1",
+                        array=name, chunk=idx, sample=int(s), unit=u)
+            ctx.supervised[s] += int(part.sum())
+        else:
+            nonfinite = ((part & 0x7F80) == 0x7F80) if bf16 else ~np.isfinite(part)
+            if nonfinite.any():
+                bad.add("values", f"array {name!r} chunk {idx}: sample {s} has {int(nonfinite.sum())} non-finite "
+                                  "hidden values", array=name, chunk=idx, sample=int(s), unit=u)
+
+
+def check_counts(ctx: Context) -> None:
+    """Samples, tokens, supervised tokens, truncations and rejects match the manifest (complete caches)."""
+    assert ctx.m is not None
+    m, store, bad = ctx.m, ctx.store, ctx.bad
+    if not m.complete:
+        return
+    length, untrunc = ctx.table("samples/length"), ctx.table("samples/untruncated_length")
+    n = len(length)
+    counts = m.counts
+    checks = {"samples": n, "tokens": int(length.sum()), "truncated_samples": int((untrunc > length).sum())}
+    if ctx.mask_ok and ctx.offsets_ok and ctx.supervised is not None:
+        checks["supervised_tokens"] = int(ctx.supervised.sum())
+    for k, v in checks.items():
+        if getattr(counts, k) != v:
+            bad.add("counts", f"manifest counts.{k} = {getattr(counts, k)!r}, the cache holds {v}")
+    if store.exists(REJECTS):
+        lines = [ln for ln in store.read_bytes(REJECTS).decode("utf-8", "replace").splitlines() if ln.strip()]
+        if counts.rejected != len(lines):
+            bad.add("counts", f"manifest counts.rejected = {counts.rejected!r}, {REJECTS} has {len(lines)} lines")
+    else:
+        bad.add("structure", f"{REJECTS} is missing")
+    if counts.rows_in != n + counts.rejected:
+        bad.add("counts", f"manifest counts.rows_in = {counts.rows_in!r}, but samples + rejected = "
+                          f"{n + counts.rejected}")
+
+
+def check_weights(ctx: Context) -> None:
+    """The weights file has the recorded sha256 (a note when none was recorded) and the manifest's shapes."""
+    assert ctx.m is not None
+    m, store, bad = ctx.m, ctx.store, ctx.bad
+    if not store.exists(WEIGHTS):
+        bad.add("weights", f"{WEIGHTS} is missing: training cannot initialise the draft's embedding and head. "
+                           "Re-run the precompute command to rewrite it")
+        return
+    if m.weights_sha256 is None:
+        ctx.report.notes.append(f"no weights checksum recorded (weights_sha256: the cache predates it or is "
+                                f"incomplete); the bytes of {WEIGHTS} were not checked, only its tensors' names "
+                                "and shapes")
+    else:
+        got = store.sha256(WEIGHTS)
+        if got != m.weights_sha256:
+            bad.add("weights", f"{WEIGHTS} has sha256 {got}, the manifest records {m.weights_sha256}: the file is "
+                               "corrupt or was replaced. Re-run the precompute command to rewrite it, or re-create "
+                               "the cache")
+            return
+    from safetensors import safe_open
+
+    try:
+        if store.url:
+            from safetensors.torch import load
+
+            tensors = load(store.read_bytes(WEIGHTS))
+            shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+            meta: dict[str, str] = {}
+        else:
+            with safe_open(str(Path(store.root) / WEIGHTS), framework="pt") as f:
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+                meta = f.metadata() or {}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        bad.add("weights", f"{WEIGHTS} cannot be read ({exc}); re-run the precompute command to rewrite it")
+        return
+    for p in weights_problems(shapes, m, meta):
+        bad.add("weights", p)

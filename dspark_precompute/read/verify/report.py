@@ -1,0 +1,70 @@
+"""What ``verify`` found: problems (each naming array, chunk, sample and unit where it can) and notes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Problem:
+    """One thing wrong, with the array, chunk and sample it concerns when there is one."""
+
+    check: str
+    message: str
+    array: str | None = None
+    chunk: tuple[int, ...] | None = None
+    sample: int | None = None
+    unit: int | None = None
+
+    def __str__(self) -> str:
+        return f"[{self.check}] {self.message}"
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    problems: list[Problem] = field(default_factory=list)
+    samples: int = 0
+    tokens: int = 0
+    chunks_checked: int = 0
+    recomputed: int = 0
+    recompute_exact: int = 0
+    recompute_max_steps: float = 0.0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # worth knowing, not a problem
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def damaged_units(self) -> list[int]:
+        return sorted({p.unit for p in self.problems if p.unit is not None})
+
+    def format(self) -> str:
+        head = (f"{'OK' if self.ok else 'FAILED'}: {self.path}: {self.samples} samples, {self.tokens} tokens, "
+                f"{self.chunks_checked} chunks checked")
+        if self.recomputed:
+            head += (f", {self.recomputed} samples recomputed ({self.recompute_exact} bit-exact, worst "
+                     f"{self.recompute_max_steps:.2f} storage steps)")
+        head += f" in {self.seconds:.1f}s"
+        lines = [head] + [f"  note: {n}" for n in self.notes] + [f"  {p}" for p in self.problems]
+        if self.problems:
+            lines.append(f"{len(self.problems)} problem(s).")
+        return "\n".join(lines)
+
+
+class Collector:
+    """Adds problems to a report, at most ``limit`` per check (the rest are counted in one line)."""
+
+    def __init__(self, report: VerifyReport, limit: int):
+        self.report, self.limit = report, limit
+        self.per_check: dict[str, int] = {}
+
+    def add(self, check: str, message: str, **where: Any) -> None:
+        k = self.per_check.get(check, 0) + 1
+        self.per_check[check] = k
+        if k <= self.limit:
+            self.report.problems.append(Problem(check, message, **where))
+        elif k == self.limit + 1:
+            self.report.problems.append(Problem(check, f"... more {check} problems not listed (limit {self.limit})"))

@@ -1,0 +1,74 @@
+"""Capture: run the decoder stack once per batch and keep the chosen layers' hidden states.
+
+Never the vocabulary projection. Forward hooks collect id ``-1`` from the embedding
+output and ``0..N-2`` from decoder layer outputs; ``N-1`` is the decoder's own post-norm
+output (HF ``output_hidden_states[-1]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dspark_precompute.errors import TargetError
+
+
+def decoder_of(model: Any) -> Any:
+    """The base decoder (embeddings, layers, final norm) under a CausalLM."""
+    for cand in (getattr(model, "model", None), model.get_decoder() if hasattr(model, "get_decoder") else None):
+        if cand is not None and hasattr(cand, "layers") and hasattr(cand, "embed_tokens"):
+            return cand
+    raise TargetError(f"{type(model).__name__} has no decoder with .layers and .embed_tokens to capture from")
+
+
+class HiddenStateCapture:
+    """Runs the decoder once per batch and returns the chosen layers' hidden states."""
+
+    def __init__(self, model: Any, layer_ids: list[int]):
+        self.model = model
+        self.decoder = decoder_of(model)
+        self.num_layers = len(self.decoder.layers)
+        self.layer_ids = list(layer_ids)
+        self._store: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for lid in self.layer_ids:
+            if lid == self.num_layers - 1:
+                continue  # the post-norm output of the decoder itself
+            module = self.decoder.embed_tokens if lid == -1 else self.decoder.layers[lid]
+            self._handles.append(module.register_forward_hook(self._hook(lid)))
+
+    def _hook(self, lid: int):
+        def fn(_module, _inputs, output):
+            self._store[lid] = output[0] if isinstance(output, tuple) else output
+        return fn
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+                 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        self._store = {}
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        last = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        # Under device_map the layers (so their outputs) sit on several devices: bring every
+        # state to the device of input_ids, where the caller's masks and buffers live.
+        device = input_ids.device
+        last = last.to(device)
+        states = {lid: (last if lid == self.num_layers - 1 else self._store[lid].to(device))
+                  for lid in self.layer_ids}
+        self._store = {}
+        return states, last
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def export_weights(model: Any) -> dict[str, torch.Tensor]:
+    """``embed_tokens.weight`` and ``lm_head.weight`` (the latter omitted when tied)."""
+    emb = model.get_input_embeddings().weight.detach()
+    out = {"embed_tokens.weight": emb}
+    head = model.get_output_embeddings()
+    if head is not None and head.weight.data_ptr() != emb.data_ptr():
+        out["lm_head.weight"] = head.weight.detach()
+    return out

@@ -1,0 +1,292 @@
+"""Conversations -> token ids and loss masks, with NeMo AutoModel's supervision rules.
+
+Loss mask (``1`` = the draft is trained on this token):
+
+* template with ``{% generation %}`` blocks: the template's own assistant mask;
+* otherwise NeMo's prefix rule: assistant message ``i`` covers tokens
+  ``[len(tok(render(m[:i]))), len(tok(render(m[:i+1]))))`` (role header and end-of-turn
+  included), checked exactly as NeMo checks it;
+* where that rule cannot work because the template rewrites earlier turns (Qwen3 drops
+  ``<think>`` from assistant turns before the last user turn), the turn is located in
+  the single full render instead, by aligning the turn rendered last against the full
+  text. NeMo aborts the whole run there.
+
+``mask_reasoning_content`` removes reasoning tokens the way NeMo does (diff against a
+render with that message's reasoning cleared); ``mask_generation_prompt`` removes the
+assistant header (the template's generation prompt). Truncation keeps the first
+``seq_length`` tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dspark_precompute.write.data import Conversation, Reason, Reject
+
+GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str:
+    """The template text: inline Jinja, a file (``.jinja`` or a tokenizer_config.json), or the tokenizer's."""
+    if chat_template is None:
+        tpl = getattr(tokenizer, "chat_template", None)
+        if isinstance(tpl, dict):
+            tpl = tpl.get("default", next(iter(tpl.values())))
+        if not tpl:
+            raise ValueError(
+                "the tokenizer has no chat template; set data.chat_template to inline Jinja or a template file"
+            )
+        return tpl
+    if "{%" in chat_template or "{{" in chat_template:
+        return chat_template
+    p = Path(chat_template).expanduser()
+    if not p.is_file():
+        raise ValueError(f"data.chat_template={chat_template!r} is neither Jinja nor an existing file")
+    text = p.read_text(encoding="utf-8")
+    if p.suffix == ".json":
+        text = json.loads(text)["chat_template"]
+    return text
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class Encoded:
+    """One tokenized sample, truncated to seq_length."""
+
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+    untruncated_length: int
+
+    @property
+    def truncated(self) -> bool:
+        return self.untruncated_length > len(self.input_ids)
+
+
+class _Unmaskable(Exception):
+    pass
+
+
+class ChatEncoder:
+    """Renders conversations with one template and builds NeMo-compatible loss masks."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str,
+        seq_length: int,
+        mask_reasoning_content: bool = False,
+        mask_generation_prompt: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.template = chat_template
+        self.seq_length = int(seq_length)
+        self.mask_reasoning_content = mask_reasoning_content
+        self.mask_generation_prompt = mask_generation_prompt
+        self.has_generation = bool(GENERATION_RE.search(chat_template))
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.added_ids = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
+
+    # -- primitives -------------------------------------------------------------------
+    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=self.template, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+    # -- public -----------------------------------------------------------------------
+    def encode(self, conv: Conversation, row: int = -1) -> Encoded | Reject:
+        try:
+            full = self.render(conv.messages, conv.tools)
+        except Exception as exc:  # jinja raises many types; the row is what is wrong
+            return Reject(row, Reason.TEMPLATE_ERROR, f"chat template failed: {type(exc).__name__}: {exc}")
+        if not full:
+            return Reject(row, Reason.TEMPLATE_ERROR, "chat template rendered an empty string")
+        try:
+            ids, offsets = self.tokenize(full)
+            if self.has_generation:
+                mask = self._generation_mask(conv, ids)
+            else:
+                mask = self._assistant_mask(conv, full, ids, offsets)
+            if self.mask_generation_prompt:
+                self._remove_generation_prompts(conv, full, offsets, mask)
+            if self.mask_reasoning_content:
+                self._remove_reasoning(conv, full, ids, mask)
+        except _Unmaskable as exc:
+            return Reject(row, Reason.UNMASKABLE, str(exc))
+        except Exception as exc:
+            return Reject(row, Reason.TEMPLATE_ERROR, f"rendering a part of the conversation failed: {exc}")
+        n = len(ids)
+        ids_arr = np.asarray(ids[: self.seq_length], dtype=np.int32)
+        mask_arr = np.asarray(mask[: self.seq_length], dtype=np.uint8)
+        if not mask_arr.any():
+            return Reject(
+                row, Reason.NO_SUPERVISED_TOKENS,
+                f"no supervised token within the first {self.seq_length} of {n} tokens",
+            )
+        return Encoded(ids_arr, mask_arr, n)
+
+    # -- masks ------------------------------------------------------------------------
+    def _generation_mask(self, conv: Conversation, ids: list[int]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            conv.messages, tools=conv.tools, chat_template=self.template, tokenize=True,
+            return_dict=True, return_assistant_tokens_mask=True,
+        )
+        if list(out["input_ids"]) != ids:
+            raise _Unmaskable("the template's tokenization differs from a plain tokenization of its render")
+        return [int(bool(m)) for m in out["assistant_masks"]]
+
+    def _assistant_mask(self, conv: Conversation, full: str, ids: list[int], offsets) -> list[int]:
+        msgs, tools = conv.messages, conv.tools
+        starts = [o[0] for o in offsets]
+        added_starts = {o[0] for o, t in zip(offsets, ids) if t in self.added_ids}
+        cache: dict[int, int | None] = {len(msgs): len(ids)}
+        S = self.seq_length
+
+        def boundary(k: int) -> int | None:
+            """NeMo's prefix length of messages[:k] in tokens, or None where the rule breaks."""
+            if k in cache:
+                return cache[k]
+            try:
+                prefix = self.render(msgs[:k], tools)
+            except Exception:
+                cache[k] = None
+                return None
+            if full.startswith(prefix) and (len(prefix) == len(full) or len(prefix) in added_starts):
+                # Added tokens split the text before BPE runs, so tokenizing the prefix alone
+                # gives exactly the full tokenization's first tokens.
+                cache[k] = bisect.bisect_left(starts, len(prefix))
+                return cache[k]
+            pids, _ = self.tokenize(prefix)
+            ref = ids[:S]
+            p = pids[:S]
+            ok = len(p) <= len(ref) and (
+                p == ref[: len(p)]
+                or (len(p) > 1 and self.eos_token_id is not None and p[-1] == self.eos_token_id
+                    and p[:-1] == ref[: len(p) - 1])
+            )
+            cache[k] = len(pids) if ok else None
+            return cache[k]
+
+        mask = [0] * len(ids)
+        char_cache: dict[int, int] = {}
+
+        def char_boundary(k: int, lo: int) -> int:
+            """Where messages[:k] ends inside the full render, without the prefix rule."""
+            if k not in char_cache:
+                t = boundary(k)
+                char_cache[k] = (starts[t] if t < len(ids) else len(full)) if t is not None else \
+                    self._align_end(msgs, tools, full, k, lo)
+            return char_cache[k]
+
+        prev_end = 0
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            if prev_end and bisect.bisect_left(starts, prev_end) >= S:
+                # Turns follow each other in the render (the char search below relies on it as
+                # well), so this turn and every later one lie past seq_length: their masks are
+                # cut off anyway, and rendering their prefixes would cost O(messages^2).
+                break
+            s, e = boundary(i), boundary(i + 1)
+            if s is not None and e is not None:
+                for t in range(s, min(e, len(ids))):
+                    mask[t] = 1
+                prev_end = starts[e] if e < len(ids) else len(full)
+                continue
+            cs = 0 if i == 0 else char_boundary(i, prev_end)
+            ce = char_boundary(i + 1, cs)
+            lo, hi = bisect.bisect_left(starts, cs), bisect.bisect_left(starts, ce)
+            for t in range(lo, hi):
+                mask[t] = 1
+            prev_end = ce
+        return mask
+
+    def _align_end(self, msgs, tools, full: str, k: int, lo: int) -> int:
+        """End of ``messages[:k]`` in ``full`` when rendering the prefix alone rewrites some turns.
+
+        The prefix render ends with the same text as the full render at the true boundary
+        (the last turn's content and end-of-turn marker); look for the end position with the
+        longest shared tail, at or after ``lo`` and no later than the next prefix that does
+        render consistently. Ties go to the earliest position.
+        """
+        prefix = self.render(msgs[:k], tools)
+        hi = len(full)
+        for j in range(k + 1, len(msgs)):
+            try:
+                nxt = self.render(msgs[:j], tools)
+            except Exception:
+                continue
+            if full.startswith(nxt):
+                hi = len(nxt)
+                break
+        tail = prefix[-min(len(prefix), 8):]
+        best_end, best_len = None, 0
+        pos = full.find(tail, lo, hi)
+        while pos != -1:
+            end = pos + len(tail)
+            n = 0
+            while n < len(prefix) and n < end and full[end - 1 - n] == prefix[-1 - n]:
+                n += 1
+            if n > best_len:
+                best_end, best_len = end, n
+            pos = full.find(tail, pos + 1, hi)
+        if best_end is None:
+            raise _Unmaskable(f"the end of message {k - 1} cannot be located in the full render")
+        return best_end
+
+    def _remove_generation_prompts(self, conv: Conversation, full: str, offsets, mask: list[int]) -> None:
+        starts = [o[0] for o in offsets]
+        for i, m in enumerate(conv.messages):
+            if m["role"] != "assistant" or i == 0:
+                continue
+            try:
+                plain = self.render(conv.messages[:i], conv.tools)
+                if full.startswith(plain) and bisect.bisect_left(starts, len(plain)) >= self.seq_length:
+                    break  # this header and every later one lie past seq_length
+                prompted = self.render(conv.messages[:i], conv.tools, add_generation_prompt=True)
+            except Exception:
+                continue
+            if not prompted.startswith(plain) or len(prompted) == len(plain):
+                continue
+            header = prompted[len(plain):]
+            # The header sits right where the render of the earlier messages ends.
+            pos = len(plain)
+            if not (full.startswith(plain) and full.startswith(header, pos)):
+                continue
+            lo, hi = bisect.bisect_left(starts, pos), bisect.bisect_left(starts, pos + len(header))
+            for t in range(lo, hi):
+                mask[t] = 0
+
+    def _remove_reasoning(self, conv: Conversation, full: str, ids: list[int], mask: list[int]) -> None:
+        for i, m in enumerate(conv.messages):
+            if m["role"] != "assistant" or not m.get("reasoning_content"):
+                continue
+            cleared = list(conv.messages)
+            cleared[i] = {**m, "reasoning_content": ""}
+            text = self.render(cleared, conv.tools)
+            if text == full:  # the template does not render this reasoning (Qwen3: turns before the last query)
+                continue
+            other, _ = self.tokenize(text)
+            p = 0
+            while p < min(len(ids), len(other)) and ids[p] == other[p]:
+                p += 1
+            q = 0
+            while q < min(len(ids), len(other)) - p and ids[-1 - q] == other[-1 - q]:
+                q += 1
+            for t in range(p, len(ids) - q):
+                mask[t] = 0

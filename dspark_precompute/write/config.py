@@ -1,0 +1,497 @@
+"""Typed run configuration, validated before anything heavy happens.
+
+Hydra composes ``conf/`` into a DictConfig; :func:`from_dictconfig` turns it into these
+dataclasses. Every dataclass lists its own problems; :class:`PrecomputeConfig` gathers
+them in ``__post_init__`` and raises one :class:`~dspark_precompute.errors.ConfigError`
+naming every bad key, its value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dspark_precompute.contract.spec import MAX_CHUNK_TOKENS, MAX_SEQ_LENGTH
+from dspark_precompute.errors import ConfigError
+from dspark_precompute.write.layers import layer_id_problems
+
+EMBEDDED = "embedded"  # data.path value: the chat set shipped inside the package
+TINY = "tiny"  # model.path value: a random-weight Qwen3 built from model.random
+
+STORAGE_DTYPES = ("bf16", "fp16", "fp32")
+COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+COMPRESSORS = ("none", "zstd", "blosc_zstd", "blosc_lz4")
+SHUFFLES = ("none", "byte", "bit")
+DATA_FORMATS = ("auto", "messages", "sharegpt")
+ON_INVALID = ("skip", "error")
+_SPLIT_RE = re.compile(r"^(\w+)(?:\[(-?\d*):(-?\d*)\])?$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+def _device_problems(device: str) -> list[str]:
+    """A CUDA device asked for on a machine that has none (or fewer) is a config error, not a late crash."""
+    if not str(device).startswith("cuda"):
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        return [f"model.device={device!r} but this machine has no usable CUDA device (torch {torch.__version__}); "
+                "use model.device=cpu, or model.device=auto to take a GPU when there is one"]
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        return [f"model.device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible "
+                f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"]
+    return []
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    parts = value.split("/")
+    return len(parts) == 2 and all(parts) and not value.startswith((".", "/", "~"))
+
+
+@dataclass
+class RandomTargetConfig:
+    """Shape of the random-weight Qwen3 built when ``model.path=tiny`` (tests, demo, benchmarks)."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    vocab_size: int | None = None  # null: the tokenizer's size
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size"):
+            if getattr(self, name) < 1:
+                out.append(f"model.random.{name}={getattr(self, name)} must be >= 1")
+        if self.num_hidden_layers < 2:
+            out.append(f"model.random.num_hidden_layers={self.num_hidden_layers}: a target needs >= 2 layers")
+        if self.num_key_value_heads >= 1 and self.num_attention_heads % self.num_key_value_heads:
+            out.append(
+                f"model.random.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        return out
+
+
+@dataclass
+class ModelConfig:
+    """The frozen target: where it comes from, how it runs, which layers are captured."""
+
+    path: str = TINY
+    tokenizer: str | None = None  # null: the tokenizer that ships with model.path
+    revision: str | None = None
+    dtype: str = "auto"  # compute dtype; auto = bf16 on CUDA, fp32 on CPU
+    device: str = "auto"
+    device_map: str | None = None  # "auto" spreads a large target over the node's GPUs
+    layer_ids: list[int] | None = None  # null: NeMo's default for draft_num_hidden_layers
+    draft_num_hidden_layers: int = 5
+    attn_implementation: str | None = "sdpa"
+    trust_remote_code: bool = False
+    fingerprint: str = "full"  # full | sampled: how much of each weight file is hashed (full: every byte)
+    random: RandomTargetConfig = field(default_factory=RandomTargetConfig)
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.dtype not in COMPUTE_DTYPES:
+            out.append(f"model.dtype={self.dtype!r} is not one of {list(COMPUTE_DTYPES)}")
+        if not _DEVICE_RE.match(str(self.device)):
+            out.append(f"model.device={self.device!r} must be auto, cpu, cuda or cuda:N")
+        if self.device_map not in (None, "auto"):
+            out.append(f"model.device_map={self.device_map!r} must be null or 'auto'")
+        if self.draft_num_hidden_layers < 1:
+            out.append(f"model.draft_num_hidden_layers={self.draft_num_hidden_layers} must be >= 1")
+        if self.layer_ids is not None:
+            out += layer_id_problems(self.layer_ids)
+        if self.fingerprint not in ("sampled", "full"):
+            out.append(f"model.fingerprint={self.fingerprint!r} must be 'full' or 'sampled'")
+        out += _device_problems(self.device)
+        if self.path != TINY:
+            p = Path(self.path).expanduser()
+            if not p.exists() and not _looks_like_hub_id(self.path):
+                out.append(
+                    f"model.path={self.path!r} is neither an existing directory nor a hub id like "
+                    "'Qwen/Qwen3-0.6B'; fix the path, or use model=tiny for the built-in random target"
+                )
+            elif p.exists() and not p.is_dir():
+                out.append(f"model.path={self.path!r} is a file; point it at the model directory")
+            if self.random != RandomTargetConfig():
+                out.append(
+                    f"model.random.* is set but model.path={self.path!r}: the random shape applies only to the "
+                    "built-in target (model.path=tiny); drop the model.random overrides"
+                )
+        else:
+            out += self.random.problems()
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists() \
+                and not _looks_like_hub_id(self.tokenizer):
+            out.append(f"model.tokenizer={self.tokenizer!r} does not exist and is not a hub id")
+        return out
+
+
+@dataclass
+class DataConfig:
+    """The chat dataset and how its conversations become tokens and loss masks."""
+
+    path: str = EMBEDDED
+    format: str = "auto"
+    split: str = "train"
+    shuffle_seed: int | None = None
+    chat_template: str | None = None  # inline Jinja or a path (a .jinja file or tokenizer_config.json)
+    mask_reasoning_content: bool = False
+    mask_generation_prompt: bool = False
+    max_samples: int | None = None
+    on_invalid: str = "skip"
+    max_invalid_fraction: float = 0.01
+    max_row_bytes: int = 1 << 20  # a larger row is a row_too_large reject, never parsed or tokenized
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.format not in DATA_FORMATS:
+            out.append(f"data.format={self.format!r} is not one of {list(DATA_FORMATS)}")
+        if not _SPLIT_RE.match(str(self.split)):
+            out.append(f"data.split={self.split!r} must look like 'train' or 'train[100:200]'")
+        if self.max_samples is not None and self.max_samples < 1:
+            out.append(f"data.max_samples={self.max_samples} must be >= 1 or null")
+        if self.on_invalid not in ON_INVALID:
+            out.append(f"data.on_invalid={self.on_invalid!r} must be 'skip' or 'error'")
+        if not 0.0 <= float(self.max_invalid_fraction) <= 1.0:
+            out.append(f"data.max_invalid_fraction={self.max_invalid_fraction} must be in [0, 1]")
+        if isinstance(self.max_row_bytes, bool) or not isinstance(self.max_row_bytes, int) or self.max_row_bytes < 1:
+            out.append(f"data.max_row_bytes={self.max_row_bytes!r} must be a positive number of bytes "
+                       "(memory per row grows with it: about 400 bytes per byte in the worst case)")
+        if self.path != EMBEDDED:
+            p = Path(self.path).expanduser()
+            if not p.exists() and not _looks_like_hub_id(self.path):
+                out.append(
+                    f"data.path={self.path!r} does not exist (and is not a hub dataset id); "
+                    "give a .jsonl/.json/.parquet file or a dataset directory"
+                )
+        return out
+
+    def split_slice(self) -> tuple[str, slice]:
+        m = _SPLIT_RE.match(self.split)
+        assert m, self.split
+        start, stop = m.group(2), m.group(3)
+        return m.group(1), slice(int(start) if start else None, int(stop) if stop else None)
+
+
+@dataclass
+class StorageConfig:
+    """Where the cache goes and how its arrays are laid out and compressed."""
+
+    path: str | None = None  # null: derived from model, data and seq_length under root
+    root: str = "caches"
+    dtype: str = "bf16"
+    compressor: str = "blosc_zstd"
+    compression_level: int = 1
+    shuffle: str = "byte"
+    chunk_tokens: int | None = None  # null: about 1 MiB per chunk of the widest array (>= 512 tokens)
+    unit_tokens: int | None = None  # null: as many chunks as fit in unit_mib
+    unit_mib: int = 256
+    writer_slots: int = 2  # unit buffers in flight between the forward loop and the writer
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.dtype not in STORAGE_DTYPES:
+            out.append(f"storage.dtype={self.dtype!r} is not one of {list(STORAGE_DTYPES)}")
+        if self.compressor not in COMPRESSORS:
+            out.append(f"storage.compressor={self.compressor!r} is not one of {list(COMPRESSORS)}")
+        if self.shuffle not in SHUFFLES:
+            out.append(f"storage.shuffle={self.shuffle!r} is not one of {list(SHUFFLES)}")
+        if self.compressor == "zstd" and not -7 <= self.compression_level <= 22:
+            out.append(f"storage.compression_level={self.compression_level} must be in [-7, 22] for zstd")
+        if self.compressor.startswith("blosc") and not 0 <= self.compression_level <= 9:
+            out.append(f"storage.compression_level={self.compression_level} must be in [0, 9] for blosc")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            out.append(f"storage.chunk_tokens={self.chunk_tokens} must be >= 1 or null")
+        if self.unit_tokens is not None:
+            if self.unit_tokens < 1:
+                out.append(f"storage.unit_tokens={self.unit_tokens} must be >= 1 or null")
+            elif self.chunk_tokens is not None and self.unit_tokens % self.chunk_tokens:
+                out.append(
+                    f"storage.unit_tokens={self.unit_tokens} must be a multiple of "
+                    f"storage.chunk_tokens={self.chunk_tokens} so units own whole chunks"
+                )
+        if self.chunk_tokens is not None and self.chunk_tokens > MAX_CHUNK_TOKENS:
+            out.append(f"storage.chunk_tokens={self.chunk_tokens} is above {MAX_CHUNK_TOKENS}: readers decode whole "
+                       "chunks, so random access would decompress that much per sample")
+        if self.unit_mib < 1:
+            out.append(f"storage.unit_mib={self.unit_mib} must be >= 1")
+        if self.writer_slots < 1:
+            out.append(f"storage.writer_slots={self.writer_slots} must be >= 1")
+        if not str(self.root).strip():
+            out.append("storage.root='' is empty; give a directory (or s3:// prefix) under which caches are derived")
+        if self.path is not None:
+            out += _storage_path_problems(self.path)
+        return out
+
+
+def _storage_path_problems(path: str) -> list[str]:
+    if not str(path).strip():
+        return ["storage.path='' is empty; give a directory for the cache, or leave storage.path null to derive "
+                "one under storage.root"]
+    if "://" in str(path):
+        return []
+    p = Path(path).expanduser()
+    try:
+        p.resolve(strict=False)
+    except (RuntimeError, OSError) as exc:  # a symlink loop (3.11 raises RuntimeError), a too-long name
+        return [f"storage.path={path!r} cannot be resolved ({exc}); give a real directory"]
+    if p.exists() and not p.is_dir():
+        return [f"storage.path={path!r} is a file; give a directory for the cache"]
+    return []
+
+
+@dataclass
+class BatchConfig:
+    """How samples are grouped for each forward pass (not part of the cache identity)."""
+
+    max_tokens: int = 16384  # padded tokens per forward (batch rows x longest row)
+    max_samples: int | None = None  # cap on rows per forward; 1 = no padding at all
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.max_tokens < 1:
+            out.append(f"batch.max_tokens={self.max_tokens} must be >= 1")
+        if self.max_samples is not None and self.max_samples < 1:
+            out.append(f"batch.max_samples={self.max_samples} must be >= 1 or null")
+        return out
+
+
+@dataclass
+class PrecomputeConfig:
+    """One precompute run. Constructing it validates everything that needs no weights."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    seq_length: int = 2048
+    overwrite: bool = False
+    log_level: str = "INFO"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if self.seq_length <= 0:
+            out.append(f"seq_length={self.seq_length} must be a positive number of tokens")
+        elif self.seq_length > MAX_SEQ_LENGTH:
+            out.append(f"seq_length={self.seq_length} is above {MAX_SEQ_LENGTH}, the longest sample a cache may hold")
+        elif self.batch.max_tokens >= 1 and self.batch.max_tokens < self.seq_length:
+            out.append(
+                f"batch.max_tokens={self.batch.max_tokens} is smaller than seq_length={self.seq_length}: "
+                f"a sample of seq_length tokens would not fit in one forward; set batch.max_tokens "
+                f">= {self.seq_length}"
+            )
+        if str(self.log_level).upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            out.append(f"log_level={self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
+        for part in (self.model, self.data, self.storage, self.batch):
+            out += part.problems()
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _leaves(values: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Dotted ``(key, value)`` pairs of a nested dict; lists and scalars are leaves."""
+    if isinstance(values, dict) and (values or not prefix):
+        out: list[tuple[str, Any]] = []
+        for k, v in values.items():
+            out += _leaves(v, f"{prefix}{k}.")
+        return out
+    return [(prefix[:-1], values)]
+
+
+def _schema_keys() -> list[str]:
+    """Every dotted key the schema knows (for "did you mean" suggestions)."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.structured(PrecomputeConfig)
+    return [k for k, _ in _leaves(OmegaConf.to_container(base))]
+
+
+def describe_key_problem(key: str, value: Any, exc: Exception) -> str:
+    """One line for a value OmegaConf refused: the key, the value, why, and a suggestion."""
+    import difflib
+
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)):
+        known = _schema_keys()
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        group = key.rsplit(".", 1)[0] if "." in key else ""
+        depth = key.count(".")
+        siblings = sorted({k.split(".")[depth] for k in known
+                           if k.count(".") >= depth and (not group or k.startswith(group + "."))})
+        return f"unknown key {key}{hint} (keys here: {', '.join(siblings)})"
+    return f"{key}={value!r} is not valid: {plain_reason(exc)}"
+
+
+_TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+
+
+def plain_reason(exc: BaseException) -> str:
+    """OmegaConf's first line, said the way a user needs it (what the key must be)."""
+    text = str(exc).splitlines()[0].strip()
+    m = re.match(r"Value '.*' of type '(\w+)' could not be converted to (\w+)", text)
+    if m:
+        return f"it must be {_TYPE_WORDS.get(m.group(2), m.group(2))}, not a {m.group(1)}"
+    if "is not Optional" in text:
+        return "it must have a value, not null"
+    if "is not a ListConfig, list or tuple" in text:
+        return "it must be a list, e.g. [1,14,27]"
+    return text
+
+
+def _typed(values: dict[str, Any]) -> tuple[Any, list[str], set[str]]:
+    """Merge plain values into the structured schema one key at a time, keeping every failure."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    base = OmegaConf.structured(PrecomputeConfig)
+    problems: list[str] = []
+    failed: set[str] = set()
+    for key, value in _leaves({k: v for k, v in values.items() if k != "hydra"}):
+        try:
+            OmegaConf.update(base, key, value, merge=True, force_add=False)
+        except OmegaConfBaseException as exc:
+            problems.append(describe_key_problem(key, value, exc))
+            failed.add(key)
+    for key in sorted(OmegaConf.missing_keys(base)):
+        problems.append(f"{key} is required and has no value (???): set it on the command line, e.g. {key}=...")
+        failed.add(key)
+    return base, problems, failed
+
+
+def from_dict(values: dict[str, Any]) -> PrecomputeConfig:
+    """Build and validate a config from a plain (resolved) dict: types first, then values.
+
+    Every problem is reported at once: a value of the wrong type, an unknown key (with
+    the closest known one), a required value left out, and every value check of the
+    dataclasses whose key was well typed.
+    """
+    from omegaconf import OmegaConf
+
+    base, problems, failed = _typed(values)
+    if problems:
+        # the keys that failed keep their defaults: check the rest, drop what the defaults would trip
+        try:
+            cfg = OmegaConf.to_object(base)
+        except ConfigError as exc:
+            problems += [p for p in exc.problems if not any(p.startswith(k) for k in failed)]
+        except Exception:  # noqa: BLE001 - the type problems above already explain it
+            pass
+        raise ConfigError(problems)
+    cfg = OmegaConf.to_object(base)  # runs PrecomputeConfig.__post_init__: the value checks
+    assert isinstance(cfg, PrecomputeConfig)
+    return cfg
+
+
+def from_dictconfig(cfg: Any) -> PrecomputeConfig:
+    """Resolve an OmegaConf/Hydra config (interpolations included) into a typed config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError([f"{k} is required and has no value (???): set it on the command line, e.g. {k}=..."
+                           for k in missing if not k.startswith("hydra.")])
+    try:
+        values = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:  # an interpolation that cannot resolve (e.g. an unset env var)
+        raise ConfigError([f"the configuration cannot be resolved: {str(exc).splitlines()[0]}"]) from None
+    return from_dict(values)
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def composition_problem(overrides: list[str], check_values: bool = True) -> str | None:
+    """Why ``overrides`` do not compose against the schema (a line per problem), or None.
+
+    ``check_values`` also runs the typed value checks; those only mean something for a
+    whole command line (``batch.max_tokens=1024`` alone is below the default seq_length).
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    from dspark_precompute.errors import StoppedBySignal
+
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    except StoppedBySignal:
+        raise
+    except Exception as exc:  # noqa: BLE001 - Hydra raises several types; each becomes one line
+        cause = exc.__cause__ or exc
+        if isinstance(cause, StoppedBySignal):
+            raise cause from None
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and len(overrides) == 1 and "=" in overrides[0]:
+            key, value = overrides[0].split("=", 1)
+            return describe_key_problem(key.lstrip("+~"), value, cause)
+        text = plain_reason(cause) if cause is not exc else " ".join(str(exc).split())
+        text = text.split(" Config search path:")[0]
+        return f"{' '.join(overrides)}: {text}" if overrides else text
+    if not check_values:
+        return None
+    try:
+        from_dictconfig(cfg)
+    except ConfigError as exc:
+        return "\n".join(exc.problems)
+    return None
+
+
+def compose(overrides: list[str] | None = None) -> PrecomputeConfig:
+    """The typed config the command line builds for ``overrides``; ConfigError lists every problem.
+
+    For notebooks, tests and scripts: the same schema, defaults and checks as
+    ``python -m dspark_precompute``, without Hydra's run directory or logging.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    register_configs()
+    overrides = list(overrides or [])
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        try:
+            dcfg = hydra_compose(config_name="config", overrides=overrides)
+        except HydraException:
+            problems = [p for o in overrides if (p := composition_problem([o], check_values=False))]
+            raise ConfigError(problems or [composition_problem(overrides) or "the overrides do not compose"]) from None
+    return from_dictconfig(dcfg)
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ConfigStore as ``precompute_schema``.
+
+    ``conf/config.yaml`` lists it first in its defaults, so every YAML file and every
+    command-line override is checked against these dataclasses' types as Hydra composes.
+    """
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import MISSING, OmegaConf
+
+    schema = OmegaConf.structured(PrecomputeConfig)
+    # A `???` in a group file cannot make a key required once the schema gave it a value
+    # (merging MISSING keeps the old value): the paths start missing here, and each group
+    # option sets its own (model/tiny.yaml: tiny; model/hf.yaml leaves it required).
+    schema.model.path = MISSING
+    schema.data.path = MISSING
+    ConfigStore.instance().store(name="precompute_schema", node=schema)

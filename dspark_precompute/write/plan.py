@@ -1,0 +1,221 @@
+"""The run plan: everything decided before any weights load.
+
+``prepare(cfg)`` resolves the storage path, the tokenizer and chat template, the target's
+identity (config, weight fingerprint, layer ids, whether it fits the device), the array
+specs, chunk and unit sizes, and the identity hashed into ``config_hash``; every problem
+is reported together as one ConfigError. ``Plan.manifest`` builds the cache's manifest.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark_precompute import __version__
+from dspark_precompute.contract.layout import Layout
+from dspark_precompute.contract.manifest import Counts, Manifest, ManifestLayout, config_hash, now
+from dspark_precompute.contract.spec import (
+    FORMAT_VERSION,
+    MAX_CHUNK_BYTES,
+    auto_chunk_tokens,
+    bytes_per_token,
+    disk_dtype,
+    hidden_arrays,
+)
+from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.errors import ConfigError, DataError, TargetError
+from dspark_precompute.write.chat import resolve_chat_template, sha256_text
+from dspark_precompute.write.config import EMBEDDED, DataConfig, PrecomputeConfig
+from dspark_precompute.write.data import resolve_source
+from dspark_precompute.write.layers import layer_id_problems, resolve_layer_ids
+from dspark_precompute.write.target import (
+    TargetInfo,
+    fit_problem,
+    inspect_target,
+    load_tokenizer,
+    resolve_compute_dtype,
+    resolve_device,
+    tokenizer_sha256,
+)
+from dspark_precompute.write.writer import ArraySpec, token_array_specs
+
+# storage settings that change what is stored (the rest: where, and how fast it is written)
+STORED_STORAGE_KEYS = ("dtype", "compressor", "compression_level", "shuffle")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[:64] or "x"
+
+
+def default_storage_path(cfg: PrecomputeConfig) -> str:
+    """``<root>/<model>/<data>/seq<S>-<hash>``: swept values give separate caches, same values the same one.
+
+    The short hash covers the settings that change stored values (layers, masks, dtype,
+    split, template, chunking) but not file contents, so a changed data file under the
+    same settings maps to the same path and is refused rather than silently forked.
+    """
+    m, d, s = cfg.model, cfg.data, cfg.storage
+    model = "tiny" if m.path == "tiny" else Path(m.path.rstrip("/")).name
+    if m.path == "tiny":
+        r = m.random
+        model = f"tiny-h{r.hidden_size}-l{r.num_hidden_layers}"
+    data = "embedded" if d.path == EMBEDDED else Path(d.path.rstrip("/")).stem
+    knobs = {
+        "model": {k: v for k, v in cfg.to_dict()["model"].items()
+                  if k in ("path", "tokenizer", "revision", "dtype", "layer_ids", "draft_num_hidden_layers", "random")},
+        "data": {k: v for k, v in cfg.to_dict()["data"].items()
+                 if k in ("path", "format", "split", "shuffle_seed", "chat_template", "mask_reasoning_content",
+                          "mask_generation_prompt", "max_samples")
+                 or (k == "max_row_bytes" and v != DataConfig.max_row_bytes)},
+        "storage": {k: getattr(s, k) for k in (*STORED_STORAGE_KEYS, "chunk_tokens", "unit_tokens", "unit_mib")},
+        "seq_length": cfg.seq_length,
+    }
+    tag = config_hash(knobs)[:8]
+    root = s.root.rstrip("/")
+    return f"{root}/{_slug(model)}/{_slug(data)}/seq{cfg.seq_length}-{tag}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything known before the target's weights load (fixed from then on)."""
+
+    cfg: PrecomputeConfig
+    path: str
+    store: CacheStore
+    tokenizer: Any
+    template: str
+    target: TargetInfo
+    layer_ids: list[int]
+    device: torch.device
+    compute_dtype: torch.dtype
+    identity: dict[str, Any]
+    config_hash: str
+    specs: list[ArraySpec]
+    names: dict[str, str]
+    chunk_tokens: int
+    unit_tokens: int
+    data_sha256: str
+
+
+
+    def manifest(self, layout: Layout, counts: Counts, created_at: str = "") -> Manifest:
+        """The cache's manifest for this plan (incomplete until the run marks it complete)."""
+        t = self.target
+        return Manifest(
+            config_hash=self.config_hash, identity=self.identity, config=self.cfg.to_dict(),
+            target_model=t.path, target_model_type=t.model_type, target_vocab_size=t.vocab_size,
+            num_hidden_layers=t.num_hidden_layers, hidden_size=t.hidden_size, layer_ids=list(self.layer_ids),
+            seq_length=self.cfg.seq_length, storage_dtype=self.cfg.storage.dtype, chat_template=self.template,
+            arrays=dict(self.names),
+            layout=ManifestLayout(layout.chunk_tokens, layout.unit_tokens, layout.num_units, layout.total_slots),
+            counts=counts, complete=False, tied_embeddings=t.tied,
+            pad_token_id=getattr(self.tokenizer, "pad_token_id", None),
+            eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
+            tool_version=__version__, created_at=created_at or now(),
+        )
+
+    @property
+    def pad_id(self) -> int:
+        """The id right-padded batches use (the tokenizer's pad, else eos, else 0; never seen by real tokens)."""
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return int(pad if pad is not None else (getattr(self.tokenizer, "eos_token_id", None) or 0))
+
+
+def prepare(cfg: PrecomputeConfig) -> Plan:
+    """Resolve paths, tokenizer, template and target identity; validate it all together."""
+    path = cfg.storage.path or default_storage_path(cfg)
+    store = CacheStore(path)
+    problems: list[str] = []
+    try:
+        source = resolve_source(cfg.data.path, cfg.data.split_slice()[0])
+        data_sha = source.content_sha256()
+    except DataError as exc:
+        problems.append(str(exc))
+        source, data_sha = None, ""
+    tokenizer = template = target = None
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+        template = resolve_chat_template(tokenizer, cfg.data.chat_template)
+    except (TargetError, ValueError, OSError) as exc:
+        problems.append(str(exc))
+    if tokenizer is not None:
+        try:
+            target = inspect_target(cfg.model, tokenizer)
+        except TargetError as exc:
+            problems.append(str(exc))
+    layer_ids: list[int] = []
+    if target is not None:
+        if cfg.model.layer_ids is not None:
+            problems += layer_id_problems(cfg.model.layer_ids, target.num_hidden_layers)
+        if not problems:
+            try:
+                layer_ids = resolve_layer_ids(cfg.model.layer_ids, target.num_hidden_layers,
+                                              cfg.model.draft_num_hidden_layers)
+            except (ConfigError, ValueError) as exc:
+                problems.append(str(exc))
+        if len(tokenizer) > target.vocab_size:
+            what = "model.random.vocab_size" if cfg.model.path == "tiny" else "the target's vocab_size (config.json)"
+            problems.append(
+                f"{what} is {target.vocab_size} but the tokenizer has {len(tokenizer)} tokens: ids from "
+                f"{target.vocab_size} up would index past the embedding. "
+                + ("Raise model.random.vocab_size or leave it null (the tokenizer's size)" if cfg.model.path == "tiny"
+                   else "Point model.tokenizer at the target's own tokenizer")
+            )
+    device = resolve_device(cfg.model.device)
+    compute_dtype = resolve_compute_dtype(cfg.model.dtype, device)
+    if target is not None and not problems:
+        try:
+            problem = fit_problem(cfg.model, target, device, compute_dtype)
+        except TargetError as exc:
+            problem = str(exc)
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise ConfigError(problems)
+    hidden = target.hidden_size
+    specs = token_array_specs(layer_ids, target.num_hidden_layers, hidden, cfg.storage.dtype)
+    names = hidden_arrays(layer_ids, target.num_hidden_layers)
+    itemsize = disk_dtype(cfg.storage.dtype).itemsize
+    chunk = cfg.storage.chunk_tokens or auto_chunk_tokens(hidden, itemsize)
+    if chunk * hidden * itemsize > MAX_CHUNK_BYTES:
+        raise ConfigError([f"storage.chunk_tokens={chunk} makes {chunk * hidden * itemsize / 2**30:.1f} GiB chunks "
+                           f"at hidden size {hidden}; readers refuse chunks over {MAX_CHUNK_BYTES >> 30} GiB. "
+                           f"Use at most {MAX_CHUNK_BYTES // (hidden * itemsize)} (or null: about 1 MiB)"])
+    n_hidden = sum(1 for s in specs if s.width)
+    per_token = bytes_per_token(hidden, itemsize, n_hidden)
+    unit = cfg.storage.unit_tokens or max(chunk, (cfg.storage.unit_mib << 20) // per_token // chunk * chunk)
+    unit = max(unit, -(-cfg.seq_length // chunk) * chunk)
+    storage_knobs = {k: getattr(cfg.storage, k) for k in STORED_STORAGE_KEYS}
+    storage_knobs.update(chunk_tokens=chunk, unit_tokens=unit)
+    identity = {
+        "format_version": FORMAT_VERSION,
+        "target": {
+            "path": target.path, "model_type": target.model_type, "config_sha256": target.config_sha256,
+            "weights_fingerprint": target.weights_fingerprint, "fingerprint_kind": cfg.model.fingerprint,
+            "revision": cfg.model.revision,
+            # eager / sdpa / flash attention round differently: part of what the values are
+            "attn_implementation": cfg.model.attn_implementation,
+        },
+        "compute_dtype": str(compute_dtype).replace("torch.", ""),
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "chat_template_sha256": sha256_text(template),
+        "data": {
+            "path": str(cfg.data.path), "content_sha256": data_sha, "format": cfg.data.format,
+            "split": cfg.data.split, "shuffle_seed": cfg.data.shuffle_seed, "max_samples": cfg.data.max_samples,
+            "mask_reasoning_content": cfg.data.mask_reasoning_content,
+            "mask_generation_prompt": cfg.data.mask_generation_prompt,
+            # which rows are rejected as too large; recorded only when not the default, so caches
+            # written before the limit existed keep their hash
+            **({"max_row_bytes": cfg.data.max_row_bytes}
+               if cfg.data.max_row_bytes != DataConfig.max_row_bytes else {}),
+        },
+        "seq_length": cfg.seq_length,
+        "layer_ids": layer_ids,
+        "storage": storage_knobs,
+    }
+    return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,
+                config_hash(identity), specs, names, chunk, unit, data_sha)

@@ -1,0 +1,206 @@
+"""``dspark-cache verify --recompute N``: rebuild the run from the manifest and rerun N samples.
+
+Each picked sample is re-tokenized from its source row (ids and masks must match
+exactly) and rerun in the very forward batch the pipeline wrote it in (rebuilt from the
+layout with the pipeline's own batching), so hidden states must match within
+``tolerance`` steps of the storage dtype (bit-exact for the built-in tiny target).
+
+Nothing read from the cache turns on remote code or points a loader at code: the
+recorded ``model.trust_remote_code`` is replaced by the caller's own flag, and paths that
+lie inside the cache are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark_precompute.contract.chunks import read_array_metas, read_slots
+from dspark_precompute.contract.commits import committed_units
+from dspark_precompute.contract.layout import build_layout
+from dspark_precompute.contract.manifest import Manifest, identity_differences
+from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS
+from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.errors import CacheFormatError, DsparkError
+from dspark_precompute.write.batching import batch_inputs, make_batches
+from dspark_precompute.write.capture import HiddenStateCapture
+from dspark_precompute.write.chat import ChatEncoder
+from dspark_precompute.write.config import from_dict
+from dspark_precompute.write.data import Reject, normalize, read_rows, resolve_source
+from dspark_precompute.write.plan import prepare
+from dspark_precompute.write.target import load_target
+
+# one step (unit in the last place, relative) of each storage dtype, and its smallest normal
+STEP = {"bf16": (2.0 ** -7, 2.0 ** -126), "fp16": (2.0 ** -10, 2.0 ** -14), "fp32": (2.0 ** -23, 2.0 ** -126)}
+_COMPUTE_NAME = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class RecomputeResult:
+    """Problems as dicts with ``check, message, array, chunk, sample, unit`` (the verify report's fields)."""
+
+    problems: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    recomputed: int = 0
+    exact: int = 0
+    max_steps: float = 0.0
+
+    def add(self, message: str, **where: Any) -> None:
+        self.problems.append({"check": "recompute", "message": message, **where})
+
+
+def paths_inside(cfgd: dict[str, Any], root: str) -> list[str]:
+    """Config keys whose path lies inside the cache: a cache never holds the target, data or template."""
+    inside = []
+    base = Path(root).resolve()
+    for section, key in (("model", "path"), ("model", "tokenizer"), ("data", "path"), ("data", "chat_template")):
+        value = (cfgd.get(section) or {}).get(key)
+        if not isinstance(value, str) or "{" in value or "://" in value:
+            continue
+        try:
+            p = Path(value).expanduser().resolve()
+        except (OSError, RuntimeError):
+            continue
+        if p == base or base in p.parents:
+            inside.append(f"{section}.{key}={value!r}")
+    return inside
+
+
+def _as_torch(a: np.ndarray, storage_dtype: str) -> torch.Tensor:
+    a = np.ascontiguousarray(a)
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if storage_dtype == "bf16" else torch.from_numpy(a)
+
+
+def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0, device: str | None = None,
+              model: str | None = None, trust_remote_code: bool = False) -> RecomputeResult:
+    """Rerun ``n`` random readable samples (chosen with ``seed``) of the cache at ``path``; compare."""
+    out = RecomputeResult()
+    store = CacheStore(str(path))
+    try:
+        m = Manifest.read(store)
+    except CacheFormatError as exc:
+        out.add(f"skipped: {exc}")
+        return out
+    cfgd = copy.deepcopy(m.config)
+    if not isinstance(cfgd.get("storage"), dict) or not isinstance(cfgd.get("model"), dict):
+        out.add("the manifest holds no resolved config (config.model, config.storage): the run cannot be rebuilt")
+        return out
+    cfgd["storage"]["path"] = store.path
+    cfgd.update(overwrite=False, progress=False)
+    if cfgd["model"].get("trust_remote_code") and not trust_remote_code:
+        out.notes.append("the cache was written with model.trust_remote_code=true; recompute loads without it "
+                         "(pass --trust-remote-code to verify if you trust that code)")
+    cfgd["model"]["trust_remote_code"] = bool(trust_remote_code)  # only the user's own flag
+    if model:
+        cfgd["model"]["path"] = model
+    if not store.url:
+        inside = paths_inside(cfgd, store.root)
+        if inside:
+            out.add(f"the manifest points {', '.join(inside)} inside the cache itself; a cache never holds the "
+                    "target, its tokenizer, data or template, so nothing there is loaded. Pass --model PATH for the "
+                    "target, or recompute from the original run's files")
+            return out
+    recorded = _COMPUTE_NAME.get(str(m.identity.get("compute_dtype", "")))
+    if recorded:
+        cfgd["model"]["dtype"] = recorded  # same arithmetic as the run, whatever this machine's default
+    if device:
+        cfgd["model"]["device"] = device
+    try:
+        cfg = from_dict(cfgd)
+        plan = prepare(cfg)
+    except DsparkError as exc:
+        out.add(f"cannot rebuild the run from the manifest's config: {exc}")
+        return out
+    if plan.config_hash != m.config_hash:
+        diffs = identity_differences(m.identity, plan.identity)
+        listed = "; ".join(f"{k}: recorded {a!r}, now {b!r}" for k, a, b in diffs[:6])
+        out.add(f"the target, tokenizer or data named in the manifest changed since the cache was written "
+                f"({listed}); recomputing would compare against a different run")
+        return out
+    zstore = store.zarr_store(read_only=True) if store.url else None
+    metas, problems = read_array_metas(store, m, zstore)
+    if problems:
+        out.add(f"skipped: the arrays disagree with the manifest ({problems[0][1]})")
+        return out
+    tables = {name: read_slots(store, metas, [name], 0, metas[name].shape[0], zstore)[name].astype(np.int64)
+              for name in SAMPLE_ARRAYS}
+    lengths, start = tables["samples/length"], tables["samples/start"]
+    layout = build_layout(lengths, m.layout.chunk_tokens, m.layout.unit_tokens)
+    readable = np.arange(len(lengths)) if m.complete else np.flatnonzero(
+        np.isin(tables["samples/unit"], sorted(committed_units(store, m.layout.num_units))))
+    pick = np.sort(np.random.default_rng(seed).choice(readable, size=min(int(n), len(readable)), replace=False))
+    rows = read_rows(resolve_source(cfg.data.path, cfg.data.split_slice()[0]), cfg.data)
+    encoder = ChatEncoder(plan.tokenizer, plan.template, cfg.seq_length, cfg.data.mask_reasoning_content,
+                          cfg.data.mask_generation_prompt)
+    target = load_target(cfg.model, plan.target, len(plan.tokenizer), plan.device, plan.compute_dtype)
+    capture = HiddenStateCapture(target, plan.layer_ids)
+    sdtype, ct = m.storage_dtype, m.layout.chunk_tokens
+    step, floor = STEP[sdtype]
+    names = {int(k): v for k, v in m.arrays.items() if k != "last"}
+
+    def stored(names_: list[str], a: int, b: int) -> dict[str, np.ndarray]:
+        return read_slots(store, metas, names_, a, b, zstore)
+
+    try:
+        for s in (int(x) for x in pick):
+            a, length = int(start[s]), int(lengths[s])
+            try:
+                got_all = stored([INPUT_IDS, LOSS_MASK, *m.hidden_array_names], a, a + length)
+            except CacheFormatError as exc:  # a corrupt or missing chunk
+                out.add(f"sample {s}: cannot read it ({exc})", sample=s, array=getattr(exc, "array", None))
+                continue
+            raw = rows[int(tables["samples/source_row"][s])]
+            conv = normalize(raw, cfg.data.format)
+            enc = conv if isinstance(conv, Reject) else encoder.encode(conv, raw.row)
+            if isinstance(enc, Reject):
+                out.add(f"sample {s}: its source row {raw.row} no longer encodes ({enc.reason}: {enc.message})",
+                        sample=s)
+                continue
+            u = int(layout.unit[s])
+            for key, want in ((INPUT_IDS, enc.input_ids), (LOSS_MASK, enc.loss_mask)):
+                got = got_all[key]
+                if len(got) != len(want) or not np.array_equal(got, want):
+                    diff = got[:len(want)] != want[:len(got)]
+                    pos = int(np.flatnonzero(diff)[0]) if diff.any() else min(len(got), len(want))
+                    out.add(f"sample {s}: stored {key} differs from re-tokenizing source row {raw.row} (first at "
+                            f"token {pos}, chunk {(a + pos) // ct})", sample=s, array=key, chunk=((a + pos) // ct,),
+                            unit=u)
+            # the forward batch the pipeline ran this sample in, rebuilt from the layout
+            batch = next(b for b in make_batches(layout.unit_order[u], lengths, cfg.batch.max_tokens,
+                                                 cfg.batch.max_samples) if s in set(b.tolist()))
+            members = {int(t): SimpleNamespace(input_ids=stored([INPUT_IDS], int(start[t]),
+                                                                int(start[t] + lengths[t]))[INPUT_IDS])
+                       for t in batch}
+            ids, _ = batch_inputs(members, batch, lengths, plan.pad_id, plan.device)  # the pipeline's own inputs
+            states, last = capture(ids)
+            r = int(np.flatnonzero(batch == s)[0])
+            worst, exact = 0.0, True
+            checks = [(f"layer {lid}", names[lid], states[lid]) for lid in plan.layer_ids]
+            checks.append(("last (post-norm)", m.last_array, last))
+            for label, arr_name, t in checks:
+                want_t = t[r, :length].detach().cpu()
+                got_t = _as_torch(got_all[arr_name], sdtype)
+                exact = exact and torch.equal(got_t, want_t.to(_TORCH[sdtype]))
+                wf = want_t.float()
+                steps = (got_t.float() - wf).abs() / (wf.abs().clamp_min(floor) * step)
+                ms = float(steps.max()) if steps.numel() else 0.0
+                worst = max(worst, ms)
+                if ms > tolerance:
+                    pos = int(steps.amax(dim=-1).argmax())
+                    out.add(f"sample {s}, {label} (array {arr_name!r}): stored hidden states differ from the "
+                            f"recomputation by {ms:.1f} {sdtype} steps (> tolerance {tolerance}), worst at token "
+                            f"{pos} in chunk {((a + pos) // ct, 0)}", sample=s, array=arr_name,
+                            chunk=((a + pos) // ct, 0), unit=u)
+            out.recomputed += 1
+            out.exact += int(exact)
+            out.max_steps = max(out.max_steps, worst)
+    finally:
+        capture.close()
+    return out

@@ -1,0 +1,356 @@
+"""``run(cfg)``: config -> target & tokenizer -> samples -> batches -> capture -> writer -> store.
+
+Everything cheap happens first (config checks, fingerprints, the resume decision, the
+tokenization of every row) so a wrong run fails in seconds, before weights load. Then
+the layout is allocated, the target loads, and each unit's batches are forwarded into a
+unit buffer the writer compresses and commits while the next unit runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark_precompute.contract.commits import CommitRecord, committed_units
+from dspark_precompute.contract.layout import Layout, build_layout
+from dspark_precompute.contract.lock import WriterLock
+from dspark_precompute.contract.manifest import Counts, Manifest
+from dspark_precompute.contract.spec import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HYDRA_RECORD,
+    INPUT_IDS,
+    LOCK,
+    LOSS_MASK,
+    MANIFEST,
+    REJECTS,
+    WEIGHTS,
+)
+from dspark_precompute.contract.store import CacheStore, is_url
+from dspark_precompute.errors import (
+    CacheFormatError,
+    ForeignDirectoryError,
+    InterruptedRunError,
+    StoppedBySignal,
+    StorageWriteError,
+)
+from dspark_precompute.faults import fault_point
+from dspark_precompute.humanize import human_bytes
+from dspark_precompute.write import resume, signals
+from dspark_precompute.write.batching import batch_inputs, make_batches
+from dspark_precompute.write.capture import HiddenStateCapture, export_weights
+from dspark_precompute.write.chat import Encoded
+from dspark_precompute.write.config import PrecomputeConfig
+from dspark_precompute.write.distributed import Coordinator, RankFailedError, Ranks, assign_units, init_ranks
+from dspark_precompute.write.plan import Plan, prepare
+from dspark_precompute.write.progress import Progress
+from dspark_precompute.write.target import load_target
+from dspark_precompute.write.tokenize import Tokenized, ensure_encoded, reason_counts, tokenize, warn_about_rejects
+from dspark_precompute.write.writer import UnitWriter, allocate
+
+log = logging.getLogger(__name__)
+TORCH_STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class RunResult:
+    path: str
+    samples: int
+    tokens: int
+    supervised_tokens: int
+    truncated_samples: int
+    rejected: int
+    bytes_on_disk: int
+    wall_seconds: float
+    units_written: int
+    resumed_units: int
+    complete: bool = True
+    timing: dict[str, float] = field(default_factory=dict)
+    finalized: bool = False  # this run wrote the final manifest (a no-op run on a complete cache did not)
+
+
+def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunResult:
+    """Precompute the cache described by ``cfg`` (resuming a compatible partial cache).
+
+    Under torchrun / SLURM every rank calls this with the same config; they split the
+    units between them and rank 0 finishes the manifest. ``provenance`` (the entry point's
+    command line, Hydra overrides and composed config) is recorded in the cache this run
+    finishes; Hydra's own files are never read back, so the record is always this run's.
+    """
+    ranks = init_ranks()
+    logging.getLogger("dspark_precompute").setLevel(cfg.log_level.upper() if ranks.main else "WARNING")
+    clean = False
+    try:
+        with signals.handled():
+            result = _run(cfg, ranks, provenance or {})
+        clean = True
+        return result
+    finally:
+        ranks.close(clean)
+
+
+def _run(cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]) -> RunResult:
+    t_start = time.perf_counter()
+    timing: dict[str, float] = {}
+    plan = prepare(cfg)
+    store = plan.store
+    if ranks.main:  # before anything is created: never leave even a lock file in a foreign directory
+        problem = resume.directory_problem(store, plan.path, deleting=cfg.overwrite)
+        if problem:
+            raise ForeignDirectoryError(problem)
+    lock = WriterLock(store.root) if ranks.main and not is_url(plan.path) else None
+
+    def decide() -> Manifest | None:
+        if lock:
+            try:
+                lock.acquire()
+            except OSError as exc:
+                raise StorageWriteError(f"cannot create the writer lock in {plan.path}: {exc}. Check the path's "
+                                        "permissions and free space.") from exc
+        return resume.existing_manifest(plan) if ranks.main else None
+
+    try:
+        manifest = ranks.broadcast(ranks.together(decide))
+        if manifest is not None and manifest.complete:
+            c = manifest.counts
+            log.info("cache %s is complete (%d samples): nothing to do", plan.path, c.samples)
+            return RunResult(plan.path, c.samples, c.tokens, c.supervised_tokens, c.truncated_samples, c.rejected,
+                             store.nbytes(), time.perf_counter() - t_start, 0, manifest.layout.num_units)
+
+        t0 = time.perf_counter()
+        tok = tokenize(plan, ranks)
+        timing["tokenize_s"] = time.perf_counter() - t0
+        if ranks.main:
+            warn_about_rejects(tok)
+        layout = build_layout(tok.lengths, plan.chunk_tokens, plan.unit_tokens)
+        counts = _counts(tok)
+        tables = {
+            "samples/start": layout.start, "samples/length": layout.length,
+            "samples/source_row": tok.sample_rows, "samples/unit": layout.unit,
+            "samples/untruncated_length": tok.untruncated.astype(np.int32),
+        }
+        run_id = ranks.broadcast(Coordinator.new_run_id() if ranks.main else None)
+        coord = Coordinator(store, ranks, run_id)
+
+        def setup() -> tuple[str, set[int]]:
+            if not ranks.main:
+                return "", set()
+            if manifest is None:
+                if set(store.top_level_names()) - {LOCK}:
+                    # ours (checked above): an overwrite, or an allocation a kill interrupted
+                    log.warning("%s: deleting the existing cache in %s", "overwrite=true" if cfg.overwrite
+                                else "restarting an allocation that was interrupted", plan.path)
+                    resume.clear(store)
+                fresh = plan.manifest(layout, counts)
+                attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "manifest": MANIFEST}
+                try:
+                    allocate(store, plan.specs, layout, plan.cfg.storage, tables, attrs)
+                except OSError as exc:
+                    raise StorageWriteError(
+                        f"allocating the cache in {plan.path} failed: {exc}. Free space or fix the storage, then "
+                        "re-run the same command: an interrupted allocation is started again.") from exc
+                _put(store, REJECTS, "".join(json.dumps(r.to_json(), sort_keys=True) + "\n"
+                                                  for r in tok.rejects).encode())
+                _write_manifest(store, fresh)
+                return fresh.created_at, set()
+            resume.check_same_layout(store, layout, tables, manifest)
+            done = committed_units(store, layout.num_units)
+            log.info("resuming %s: %d of %d units already committed", plan.path, len(done), layout.num_units)
+            return manifest.created_at, done
+
+        created, done = ranks.broadcast(ranks.together(setup))
+        todo_all = [u for u in range(layout.num_units) if u not in done]
+        unit_tok = (layout.unit_stop - layout.unit_start)[todo_all]
+        mine = [todo_all[i] for i in assign_units(unit_tok, ranks.world)[ranks.rank]]
+        ensure_encoded(plan, tok, {int(s) for u in mine for s in layout.unit_order[u]})
+
+        t0 = time.perf_counter()
+        device = plan.device
+        if device.type == "cuda" and ranks.world > 1 and plan.cfg.model.device == "auto":
+            device = torch.device("cuda", ranks.local_rank)
+        model = ranks.together(lambda: load_target(cfg.model, plan.target, len(plan.tokenizer), device,
+                                                   plan.compute_dtype))
+        timing["load_target_s"] = time.perf_counter() - t0
+        if ranks.main and not store.exists(WEIGHTS):
+            _write_weights(plan, model)
+        t0 = time.perf_counter()
+        try:
+            written = _forward_units(plan, model, tok.encoded, layout, mine, timing, coord, device) if mine else 0
+        except StoppedBySignal as exc:
+            coord.fail(f"{type(exc).__name__}: {exc}")
+            committed = len(committed_units(store, layout.num_units)) if ranks.main else 0
+            raise InterruptedRunError(exc.signum, plan.path, committed, layout.num_units) from None
+        except BaseException as exc:
+            coord.fail(f"{type(exc).__name__}: {exc}")
+            raise
+        timing["forward_write_s"] = time.perf_counter() - t0
+        try:  # the end barrier: a peer that died (any way) closes its sockets and gloo raises here
+            ranks.gather(None)
+        except RuntimeError as exc:
+            raise RankFailedError(f"a peer rank ended before finishing its units: {exc}") from exc
+        coord.check()
+        if not ranks.main:
+            return RunResult(plan.path, counts.samples, counts.tokens, counts.supervised_tokens,
+                             counts.truncated_samples, counts.rejected, 0, time.perf_counter() - t_start,
+                             written, len(done), False, timing)
+        missing = sorted(set(range(layout.num_units)) - committed_units(store, layout.num_units))
+        if missing:
+            raise CacheFormatError(f"units {missing[:10]} have no commit record after every rank finished; "
+                                   "re-run the same command to write them")
+        coord.cleanup()
+        _write_provenance(store, provenance)
+        timing["wall_s"] = time.perf_counter() - t_start
+        final = plan.manifest(layout, counts, created)
+        final.mark_complete(timing, store.sha256(WEIGHTS), {k: v for k, v in provenance.items() if k != "files"})
+        _write_manifest(store, final)
+        nbytes = store.nbytes()
+        result = RunResult(plan.path, counts.samples, counts.tokens, counts.supervised_tokens,
+                           counts.truncated_samples, counts.rejected, nbytes, timing["wall_s"], written,
+                           len(done), True, timing, finalized=True)
+        _log_summary(result)
+        return result
+    finally:
+        if lock:
+            lock.release()
+
+
+def _counts(tok: Tokenized) -> Counts:
+    return Counts(rows_in=tok.rows_in, samples=len(tok.lengths), rejected=len(tok.rejects),
+                  tokens=int(tok.lengths.sum()), supervised_tokens=int(tok.supervised.sum()),
+                  truncated_samples=int((tok.untruncated > tok.lengths).sum()),
+                  rejected_by_reason=reason_counts(tok.rejects))
+
+
+def _put(store: CacheStore, key: str, data: bytes) -> None:
+    try:
+        store.write_bytes(key, data)
+    except OSError as exc:
+        raise StorageWriteError(
+            f"writing {store.path}/{key} ({len(data) / 1e6:,.1f} MB) failed: {exc}. Free space or fix the "
+            "storage, then re-run the same command: the cache resumes."
+        ) from exc
+
+
+def _write_manifest(store: CacheStore, manifest: Manifest) -> None:
+    fault_point("manifest")
+    try:
+        manifest.write(store)
+    except OSError as exc:
+        raise StorageWriteError(f"writing {store.path}/{MANIFEST} failed: {exc}. Free space or fix the "
+                                "storage, then re-run the same command: the cache resumes.") from exc
+
+
+def _write_weights(plan: Plan, model: Any) -> None:
+    from safetensors.torch import save
+
+    dtype = TORCH_STORAGE[plan.cfg.storage.dtype]
+    tensors = {k: v.to("cpu", dtype).contiguous() for k, v in export_weights(model).items()}
+    fault_point("weights")
+    # One metadata key only: safetensors orders several keys differently from run to run,
+    # and the file must be byte-identical across resumes. Tying is recorded in the manifest.
+    _put(plan.store, WEIGHTS, save(tensors, metadata={"format": "pt"}))
+
+
+def _write_provenance(store: CacheStore, provenance: dict[str, Any]) -> None:
+    """This run's Hydra record (built in memory by the entry point) into ``.hydra/``."""
+    files = provenance.get("files") or {}
+    if files:
+        store.delete(HYDRA_RECORD)
+    for name, text in sorted(files.items()):
+        _put(store, f"{HYDRA_RECORD}/{name}", text.encode())
+
+
+def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: Layout, todo: list[int],
+                   timing: dict[str, float], coord: Coordinator, device: torch.device) -> int:
+    """Forward every unit in ``todo`` and hand it to the writer; fills ``timing`` per stage.
+
+    A first SIGINT/SIGTERM drops the unit in flight, lets the writer finish the units it
+    already holds, and raises :class:`StoppedBySignal`; a second one raises at once.
+    """
+    cfg = plan.cfg
+    capture = HiddenStateCapture(model, plan.layer_ids)
+    storage_dtype = TORCH_STORAGE[cfg.storage.dtype]
+    lengths = layout.length.astype(np.int64)
+    pad_id = plan.pad_id
+    total_tok = int(sum(layout.unit_stop[u] - layout.unit_start[u] for u in todo))
+    total_smp = int(sum(len(layout.unit_order[u]) for u in todo))
+    progress = Progress(total_smp, total_tok, enabled=cfg.progress)
+    writer = UnitWriter(plan.store, plan.specs, layout, cfg.storage.writer_slots, todo)
+    hidden_specs = [s for s in plan.specs if s.width]
+    t_batch = t_forward = t_copy = 0.0
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    stop = signals.STATE
+    try:
+        with signals.graceful():
+            for u in todo:
+                if stop.signum is not None:
+                    break
+                coord.check()
+                slot = writer.acquire()
+                bufs = writer.buffers(slot)
+                base = int(layout.unit_start[u])
+                order = layout.unit_order[u]
+                views = {s.name: torch.from_numpy(bufs[s.name].view(np.int16) if s.dtype == "uint16"
+                                                  else bufs[s.name]) for s in hidden_specs}
+                for s in order:
+                    a = int(layout.start[s]) - base
+                    bufs[INPUT_IDS][a:a + lengths[s]] = samples[s].input_ids
+                    bufs[LOSS_MASK][a:a + lengths[s]] = samples[s].loss_mask
+                for batch in make_batches(order, lengths, cfg.batch.max_tokens, cfg.batch.max_samples):
+                    if stop.signum is not None:
+                        break
+                    c0 = time.perf_counter()
+                    blens = lengths[batch]
+                    ids, rows = batch_inputs(samples, batch, lengths, pad_id, device)
+                    c1 = time.perf_counter()
+                    states, last = capture(ids)
+                    sync()
+                    c2 = time.perf_counter()
+                    a = int(layout.start[batch[0]]) - base
+                    n = int(blens.sum())
+                    for spec in hidden_specs:
+                        t = states[spec.layer_id] if spec.layer_id in states else last
+                        flat = (t[rows] if rows is not None else t.reshape(-1, t.shape[-1])).to(storage_dtype)
+                        if spec.dtype == "uint16":
+                            flat = flat.view(torch.int16)
+                        views[spec.name][a:a + n].copy_(flat)
+                    c3 = time.perf_counter()
+                    t_batch, t_forward, t_copy = t_batch + (c1 - c0), t_forward + (c2 - c1), t_copy + (c3 - c2)
+                    progress.update(samples=len(batch), tokens=n, bytes_written=writer.raw_bytes)
+                    writer.poll()
+                if stop.signum is not None:  # drop the unit in flight, keep the ones the writer holds
+                    writer.release(slot)
+                    break
+                n_tok = int(layout.unit_stop[u] - layout.unit_start[u])
+                record = CommitRecord(u, base, base + n_tok, len(order), socket.gethostname())
+                writer.submit(u, slot, n_tok, record)
+                fault_point("unit_submitted")
+            writer.drain()
+        if stop.signum is not None and len(writer.committed) < len(todo):
+            raise StoppedBySignal(stop.signum)
+        progress.update(bytes_written=writer.raw_bytes)
+        progress.close()
+        timing.update(batch_s=t_batch, forward_s=t_forward, copy_s=t_copy, writer_wait_s=writer.wait_s,
+                      writer_busy_s=writer.busy_s)
+    finally:
+        writer.close()
+        capture.close()
+    return len(todo)
+
+
+def _log_summary(r: RunResult) -> None:
+    log.info(
+        "done: %d samples, %d tokens (%d supervised, %.1f%%), %d truncated, %d rejected; %s on disk "
+        "(%.1f B/token) in %.1fs -> %s",
+        r.samples, r.tokens, r.supervised_tokens, 100.0 * r.supervised_tokens / max(1, r.tokens),
+        r.truncated_samples, r.rejected, human_bytes(r.bytes_on_disk), r.bytes_on_disk / max(1, r.tokens),
+        r.wall_seconds, r.path,
+    )
+    log.info("open it with: from dspark_precompute import open_cache; c = open_cache(%r); c[0]", r.path)

@@ -1,0 +1,167 @@
+"""Rows -> samples: tokenize the selection with NeMo's masks and account for every row.
+
+Rank r of a data-parallel job tokenizes rows r, r+W, ...; all ranks then agree on the
+sample tables (lengths, source rows) from which the layout is planned. Every row becomes a
+sample or a typed reject; too many invalid rows stop the run, and many rejects warn.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dspark_precompute.errors import CacheFormatError, DataError, InvalidRowError
+from dspark_precompute.faults import fault_point
+from dspark_precompute.write.chat import ChatEncoder, Encoded
+from dspark_precompute.write.data import Reason, Reject, iter_rows, normalize, resolve_source
+from dspark_precompute.write.distributed import Ranks
+from dspark_precompute.write.plan import Plan
+
+log = logging.getLogger(__name__)
+
+# Rows that are well-formed but leave nothing to train on at this seq_length: recorded in
+# the rejects file, never counted as invalid data.
+FILTERED_REASONS = {Reason.NO_SUPERVISED_TOKENS}
+REJECT_WARN_FRACTION = 0.10  # above this share of rejected rows the run warns, with the likely fixes
+REJECT_FIXES = {
+    Reason.NO_SUPERVISED_TOKENS: "raise seq_length (the assistant turns start after the first seq_length tokens)",
+    Reason.MALFORMED_JSON: "fix the listed lines of the data file (each must be one JSON object)",
+    Reason.INVALID_UTF8: "re-encode the data file as UTF-8",
+    Reason.MISSING_MESSAGES: "set data.format (messages or sharegpt) or fix the rows' keys",
+    Reason.UNKNOWN_ROLE: "map the roles to system/user/assistant/tool, or use data.format=sharegpt",
+    Reason.NON_TEXT_CONTENT: "drop image/audio parts; this tool captures text targets only",
+    Reason.NO_ASSISTANT_TURN: "the rows have nothing to supervise; check the role names",
+    Reason.TEMPLATE_ERROR: "check data.chat_template against these rows",
+    Reason.UNMASKABLE: "use a chat template with {% generation %} blocks (data.chat_template)",
+}
+
+
+@dataclass
+class Tokenized:
+    """The selection after tokenization: per-sample tables (global) and this rank's encodings."""
+
+    rows_in: int
+    sample_rows: np.ndarray  # selection index of each sample
+    lengths: np.ndarray
+    untruncated: np.ndarray
+    supervised: np.ndarray
+    rejects: list[Reject]
+    encoded: dict[int, Encoded]  # sample id -> tokens, for the samples this rank tokenized
+
+
+def _encoder(plan: Plan) -> ChatEncoder:
+    d = plan.cfg.data
+    return ChatEncoder(plan.tokenizer, plan.template, plan.cfg.seq_length, d.mask_reasoning_content,
+                       d.mask_generation_prompt)
+
+
+def _encode_row(plan: Plan, encoder: ChatEncoder, raw: Any, sel: int) -> Encoded | Reject:
+    item = normalize(raw, plan.cfg.data.format)
+    if not isinstance(item, Reject):
+        item = encoder.encode(item, raw.row)
+    if isinstance(item, Reject):
+        # row: index in the selection (what samples/source_row counts); file/file_row/line: the source
+        item.row, item.line, item.file = sel, raw.line, raw.file
+        item.file_row = raw.row if raw.file_row is None else raw.file_row
+        if plan.cfg.data.on_invalid == "error" and item.reason not in FILTERED_REASONS:
+            where = ", ".join(x for x in (f"file {raw.file}" if raw.file else "",
+                                          f"line {raw.line}" if raw.line else "") if x)
+            raise InvalidRowError(str(plan.cfg.data.path), raw.row, item.reason,
+                                  item.message + (f" ({where})" if where else ""))
+    return item
+
+
+def tokenize(plan: Plan, ranks: Ranks | None = None) -> Tokenized:
+    """Tokenize the selection (rank r takes rows r, r+W, ...) and agree on the sample tables."""
+    ranks = ranks or Ranks()
+    cfg = plan.cfg
+    encoder = _encoder(plan)
+
+    def mine() -> tuple[int, list[tuple[int, Any]], dict[int, Encoded]]:
+        info: list[tuple[int, Any]] = []
+        own: dict[int, Encoded] = {}
+        n = 0
+        for sel, raw in enumerate(iter_rows(resolve_source(cfg.data.path), cfg.data)):
+            n += 1
+            if sel % ranks.world != ranks.rank:
+                continue
+            fault_point("tokenize_row")
+            item = _encode_row(plan, encoder, raw, sel)
+            if isinstance(item, Reject):
+                info.append((sel, item))
+            else:
+                own[sel] = item
+                info.append((sel, (len(item.input_ids), item.untruncated_length, int(item.loss_mask.sum()))))
+        return n, info, own
+
+    n, info, own = ranks.together(mine)
+    merged = sorted((x for part in ranks.gather(info) for x in part), key=lambda x: x[0])
+    rejects = [r for _, r in merged if isinstance(r, Reject)]
+    kept = [(sel, r) for sel, r in merged if not isinstance(r, Reject)]
+    if n == 0:
+        raise DataError(f"data.path={cfg.data.path!r} with split={cfg.data.split!r} selects no rows")
+    invalid = [r for r in rejects if r.reason not in FILTERED_REASONS]
+    if invalid and len(invalid) / n > cfg.data.max_invalid_fraction:
+        by = reason_counts(invalid)
+        raise DataError(
+            f"{len(invalid)} of {n} rows ({len(invalid) / n:.1%}) are invalid, above "
+            f"data.max_invalid_fraction={cfg.data.max_invalid_fraction}: "
+            + ", ".join(f"{k}={v}" for k, v in sorted(by.items()))
+            + f". First: row {invalid[0].row}{_where(invalid[0])}: {invalid[0].message}. Fix the data or raise "
+            "the threshold."
+        )
+    if not kept:
+        raise DataError(f"no row of data.path={cfg.data.path!r} became a sample")
+    sample_rows = np.asarray([sel for sel, _ in kept], dtype=np.int64)
+    stats = np.asarray([r for _, r in kept], dtype=np.int64).reshape(-1, 3)
+    sample_of = {int(sel): i for i, sel in enumerate(sample_rows)}
+    encoded = {sample_of[sel]: e for sel, e in own.items()}
+    return Tokenized(n, sample_rows, stats[:, 0], stats[:, 1], stats[:, 2], rejects, encoded)
+
+
+def ensure_encoded(plan: Plan, tok: Tokenized, sample_ids: set[int]) -> None:
+    """Tokenize the samples this rank will forward but another rank tokenized."""
+    missing = {int(tok.sample_rows[s]): s for s in sample_ids if s not in tok.encoded}
+    if not missing:
+        return
+    encoder = _encoder(plan)
+    for sel, raw in enumerate(iter_rows(resolve_source(plan.cfg.data.path), plan.cfg.data)):
+        if sel in missing:
+            item = _encode_row(plan, encoder, raw, sel)
+            assert isinstance(item, Encoded), (sel, item)
+            tok.encoded[missing.pop(sel)] = item
+            if not missing:
+                return
+    raise CacheFormatError(f"rows {sorted(missing)[:5]} vanished from data.path between two reads")
+
+
+def _where(r: Reject) -> str:
+    parts = [f"file {r.file}" if r.file else "", f"line {r.line}" if r.line else ""]
+    return f" ({', '.join(x for x in parts if x)})" if any(parts) else ""
+
+
+def reason_counts(rejects: list[Reject]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rejects:
+        out[r.reason] = out.get(r.reason, 0) + 1
+    return out
+
+
+def warn_about_rejects(tok: Tokenized) -> None:
+    """Many rejects deserve more than an INFO line: counts per reason and the likely fix."""
+    if not tok.rejects:
+        return
+    share = len(tok.rejects) / max(1, tok.rows_in)
+    by = reason_counts(tok.rejects)
+    listed = ", ".join(f"{k}={v}" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
+    if share <= REJECT_WARN_FRACTION:
+        log.info("%d of %d rows rejected (%.1f%%): %s (see rejects.jsonl)", len(tok.rejects), tok.rows_in,
+                 100 * share, listed)
+        return
+    fixes = [f"{k}: {REJECT_FIXES[k]}" for k in sorted(by, key=lambda k: -by[k]) if k in REJECT_FIXES]
+    log.warning("%d of %d rows (%.1f%%) were rejected and will not be in the cache: %s. %s Each row is listed "
+                "in rejects.jsonl.", len(tok.rejects), tok.rows_in, 100 * share, listed,
+                " ".join(f"Likely fix for {f}." for f in fixes))

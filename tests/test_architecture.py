@@ -1,0 +1,125 @@
+"""The package's plan, enforced: the contract stands alone, the write and read sides depend on it only.
+
+Every ``import`` in the package (at module level and inside functions alike) is checked
+against the layer rules below, and the package's import graph must have no cycle, so the
+reader-plot circle and verify's reach into the write side cannot come back.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PKG = REPO / "dspark_precompute"
+SHARED = {"dspark_precompute.errors", "dspark_precompute.faults", "dspark_precompute.humanize"}
+# side -> the sides (package prefixes) it may import, besides the shared leaf modules
+ALLOWED = {
+    "contract": ("dspark_precompute.contract",),
+    "write": ("dspark_precompute.contract", "dspark_precompute.write"),
+    "read": ("dspark_precompute.contract", "dspark_precompute.read"),
+    "cli": ("dspark_precompute",),
+}
+NEVER = {"contract": ("torch", "transformers"), "read": ("transformers",)}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports, resolved to absolute names (relative imports included)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    me = module_name(path).split(".")
+    package = me if path.name == "__init__.py" else me[:-1]
+    out = set()
+    type_only = {id(n) for node in ast.walk(tree)  # `if TYPE_CHECKING:` imports: annotations, no runtime dependency
+                 if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                 for child in node.body for n in ast.walk(child)}
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
+    return out
+
+
+def package_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def own_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    return {m for m in imports_of(path) if m in modules and m != module_name(path)}
+
+
+def side_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in ALLOWED else None
+
+
+def test_every_side_imports_only_what_the_layer_rules_allow():
+    modules = package_modules()
+    assert {"contract", "write", "read", "cli"} <= {side_of(m) for m in modules}
+    broken = []
+    for name, path in modules.items():
+        side = side_of(name)
+        imported = imports_of(path)
+        for target in own_imports(path, modules):
+            if target in SHARED or target == "dspark_precompute":
+                continue
+            if name in SHARED:
+                broken.append(f"{name} (a shared leaf module) imports {target}")
+            elif side is not None and not target.startswith(ALLOWED[side]):
+                broken.append(f"{name} ({side} side) imports {target}")
+        for lib in NEVER.get(side or "", ()):
+            if any(m == lib or m.startswith(lib + ".") for m in imported):
+                broken.append(f"{name} ({side} side) imports {lib}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_package_import_graph_has_no_cycle():
+    modules = package_modules()
+    graph = {name: own_imports(path, modules) - {"dspark_precompute"} for name, path in modules.items()}
+    seen: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        seen[node] = 1
+        for nxt in sorted(graph[node]):
+            if seen.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in seen:
+                visit(nxt, stack + [nxt])
+        seen[node] = 2
+
+    for name in sorted(graph):
+        if name not in seen:
+            visit(name, [name])
+    # a package's __init__ importing its own children (lazily, for a short public name) is not a cycle
+    cycles = [c for c in cycles if not all(p.startswith(c.split(" -> ")[0]) for p in c.split(" -> "))]
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_write_side_flows_one_way():
+    """config -> target & tokenizer -> samples -> batches -> capture -> writers -> store: nothing downstream is
+    imported upstream (run and recompute, which drive the flow, import the stages, never the reverse)."""
+    modules = package_modules()
+    order = ["layers", "config", "tiny", "signals", "progress", "data", "chat", "target", "capture", "writer",
+             "distributed", "plan", "resume", "tokenize", "batching", "run", "recompute"]
+    rank = {f"dspark_precompute.write.{m}": i for i, m in enumerate(order)}
+    assert set(rank) >= {m for m in modules if side_of(m) == "write" and not m.endswith(".write")}, \
+        "a new write-side module needs its place in this order"
+    upstream = [f"{a} imports {b}" for a in rank for b in own_imports(modules[a], modules)
+                if b in rank and rank[b] > rank[a]]
+    assert not upstream, "\n".join(upstream)
