@@ -53,7 +53,7 @@ class ChecksumError(CacheFormatError):
 
     def __init__(self, array: str, chunk: tuple[int, ...] | str | None = None, detail: str = "", *,
                  file: str | None = None):
-        self.array = array
+        self.array: str | None = array
         self.chunk = chunk
         self.file = file
         if file is not None:
@@ -105,6 +105,14 @@ class TargetError(DsparkError):
 
 class LockedError(DsparkError):
     """Another live run holds the cache's writer lock."""
+
+
+class RankFailedError(DsparkError):
+    """Another rank of the same torchrun/SLURM job failed; this one stops too."""
+
+
+class MissingDependencyError(DsparkError, ImportError):
+    """An optional extra needed for this feature is not installed (the message names the pip extra)."""
 
 
 class StorageWriteError(DsparkError):

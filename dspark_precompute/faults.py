@@ -38,6 +38,13 @@ def _schedule() -> dict[str, tuple[int, str]]:
 _PLAN = _schedule()
 
 
+def reload() -> None:
+    """Read ``$DSPARK_FAULT`` again: a process forked from a server started before it was set."""
+    global _PLAN
+    _PLAN = _schedule()
+    _counts.clear()
+
+
 def fault_point(name: str) -> None:
     if not _PLAN or name not in _PLAN:
         return

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import REPO
+from helpers import REPO
 
 PKG = REPO / "dspark_precompute"
 SHARED = {"dspark_precompute.errors", "dspark_precompute.faults", "dspark_precompute.humanize"}

@@ -39,8 +39,8 @@ def codec_chain(compressor: str, level: int, shuffle: str, typesize: int) -> lis
     if compressor == "zstd":
         chain.append(ZstdCodec(level=int(level)))
     elif compressor.startswith("blosc"):
-        chain.append(BloscCodec(cname=compressor.split("_", 1)[1], clevel=int(level), shuffle=SHUFFLES[shuffle],
-                                typesize=typesize, blocksize=1 << 20))
+        chain.append(BloscCodec(cname=compressor.split("_", 1)[1], clevel=int(level),  # type: ignore[arg-type]
+                                shuffle=SHUFFLES[shuffle], typesize=typesize, blocksize=1 << 20))  # type: ignore[arg-type]
     chain.append(Crc32cCodec())
     return chain
 
@@ -143,7 +143,8 @@ def array_meta_problems(name: str, meta: Any, want: ExpectedArray) -> tuple[Arra
     elif chunks is None and not 1 <= int(got_chunks[0]) <= MAX_TABLE_CHUNK_ROWS:
         problems.append(f"{where} has chunk shape {got_chunks}, outside [1, {MAX_TABLE_CHUNK_ROWS}] rows")
     enc = meta.get("chunk_key_encoding")
-    sep, v2 = "/", False
+    sep: Any = "/"
+    v2 = False
     if isinstance(enc, dict) and enc.get("name") in ("default", "v2"):
         v2 = enc["name"] == "v2"
         conf = enc.get("configuration") or {}
@@ -169,6 +170,7 @@ def array_meta_problems(name: str, meta: Any, want: ExpectedArray) -> tuple[Arra
                                    else ""))
     if problems:
         return None, problems
+    assert got_chunks is not None  # a grid problem would have returned above
     parsed = ArrayMeta(name, dtype.newbyteorder("<"), shape, tuple(int(x) for x in got_chunks), compressor, sep, v2)
     if parsed.chunk_nbytes > MAX_CHUNK_BYTES:
         return None, [f"{where} has {parsed.chunk_nbytes:,}-byte chunks, more than a reader decodes at once "
@@ -178,7 +180,8 @@ def array_meta_problems(name: str, meta: Any, want: ExpectedArray) -> tuple[Arra
 
 def _codec_chain(codecs: Any, dtype: np.dtype) -> tuple[str | None, str | None]:
     """(compressor, None) for a chain the writer writes, else (None, why not)."""
-    names = [c.get("name") if isinstance(c, dict) else repr(c) for c in codecs] if isinstance(codecs, list) else None
+    names = [str(c.get("name")) if isinstance(c, dict) else repr(c) for c in codecs] if isinstance(codecs, list) \
+        else None
     writes = "bytes (little-endian) -> blosc|zstd|none -> crc32c"
     if names is None:
         return None, f"has codecs {codecs!r:.80}, expected a list ({writes})"

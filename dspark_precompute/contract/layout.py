@@ -67,11 +67,13 @@ def build_layout(lengths: np.ndarray, chunk_tokens: int, unit_tokens: int) -> La
     order = np.lexsort((np.arange(n), -lengths))
     start = np.zeros(n, dtype=np.int64)
     unit = np.zeros(n, dtype=np.int32)
-    unit_start, unit_stop, unit_order = [], [], []
+    unit_start: list[int] = []
+    unit_stop: list[int] = []
+    unit_order: list[np.ndarray] = []
     cursor = 0
     i = 0
     while i < n:
-        members = []
+        members: list[int] = []
         used = 0
         while i < n and (not members or used + lengths[order[i]] <= unit_tokens):
             s = order[i]

@@ -175,7 +175,7 @@ class Manifest:
             v = getattr(self, f.name)
             if f.name in ("completed_at", "timing", "weights_sha256", "provenance") and v is None:
                 continue
-            out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+            out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
         # derived, written for other tools (NeMo-style readers) and for people reading the file
         out.update(bytes_per_token=self.bytes_per_token, target_hidden_dim=self.target_hidden_dim,
                    target_last_hidden_dim=self.hidden_size)
@@ -316,12 +316,12 @@ def manifest_problems(manifest: Any) -> list[str]:
         typed("config_hash", manifest["config_hash"], str, "a string (the sha256 of the identity)")
     if "complete" in manifest:
         typed("complete", manifest["complete"], bool, "true or false")
-    identity = manifest.get("identity")
+    identity: Any = manifest.get("identity")
     if "identity" in manifest and typed("identity", identity, dict, "an object"):
-        target = identity.get("target")
+        target: Any = identity.get("target")
         if typed("identity.target", target, dict, "an object"):
             typed("identity.target.path", target.get("path"), str, "a string (the target's path or name)")
-        data = identity.get("data")
+        data: Any = identity.get("data")
         if typed("identity.data", data, dict, "an object"):
             for k in ("path", "split", "shuffle_seed", "mask_reasoning_content"):
                 if k not in data:
@@ -336,7 +336,7 @@ def manifest_problems(manifest: Any) -> list[str]:
     for key in ("pad_token_id", "eos_token_id"):
         if manifest.get(key) is not None:
             check_int(key, manifest[key], 0, MAX_VOCAB_SIZE, "a token id, or null")
-    sha = manifest.get("weights_sha256")
+    sha: Any = manifest.get("weights_sha256")
     if "weights_sha256" in manifest and not (isinstance(sha, str) and len(sha) == 64 and set(sha) <= _HEX):
         problems.append(f"manifest weights_sha256 = {sha!r:.80} must be 64 lowercase hex digits (the sha256 of "
                         f"{WEIGHTS})")
@@ -349,7 +349,7 @@ def manifest_problems(manifest: Any) -> list[str]:
                                                     "longest sample, in tokens")
     dtype_ok = manifest.get("storage_dtype") in STORAGE_DTYPES
 
-    ids = manifest.get("layer_ids")
+    ids: Any = manifest.get("layer_ids")
     ids_ok = False
     if "layer_ids" in manifest and typed("layer_ids", ids, list, "a list of layer ids"):
         if not ids:
@@ -364,7 +364,7 @@ def manifest_problems(manifest: Any) -> list[str]:
         else:
             ids_ok = layers_ok
 
-    arrays = manifest.get("arrays")
+    arrays: Any = manifest.get("arrays")
     arrays_ok = False
     if "arrays" in manifest and typed("arrays", arrays, dict, "an object of layer id -> array name"):
         for k, v in arrays.items():
@@ -383,7 +383,7 @@ def manifest_problems(manifest: Any) -> list[str]:
                         "altered (layers would be read under the wrong id). Re-create the cache")
             arrays_ok = not any(arrays.get(k) != want.get(k) for k in want.keys() | arrays.keys())
 
-    layout = manifest.get("layout")
+    layout: Any = manifest.get("layout")
     layout_ok = False
     if "layout" in manifest and typed("layout", layout, dict, "an object"):
         ok = True
@@ -432,12 +432,12 @@ def manifest_problems(manifest: Any) -> list[str]:
             problems.append(f"manifest bytes_per_token = {manifest['bytes_per_token']!r}, the arrays it names store "
                             f"{want_bpt} bytes per token")
     if hidden_ok and isinstance(ids, list):
-        for key, want in (("target_hidden_dim", int(manifest["hidden_size"]) * len(ids)),
-                          ("target_last_hidden_dim", int(manifest["hidden_size"]))):
-            if key in manifest and manifest[key] != want:
-                problems.append(f"manifest {key} = {manifest[key]!r}, hidden_size x layers gives {want}")
+        for key, want_dim in (("target_hidden_dim", int(manifest["hidden_size"]) * len(ids)),
+                              ("target_last_hidden_dim", int(manifest["hidden_size"]))):
+            if key in manifest and manifest[key] != want_dim:
+                problems.append(f"manifest {key} = {manifest[key]!r}, hidden_size x layers gives {want_dim}")
 
-    counts = manifest.get("counts")
+    counts: Any = manifest.get("counts")
     if "counts" in manifest and typed("counts", counts, dict, "an object"):
         got = {}
         for k in ("rows_in", "samples", "rejected", "tokens", "supervised_tokens", "truncated_samples"):
@@ -445,7 +445,7 @@ def manifest_problems(manifest: Any) -> list[str]:
                 problems.append(f"manifest lacks counts.{k}")
             elif check_int(f"counts.{k}", counts[k], 0, MAX_TOKEN_SLOTS, "a count"):
                 got[k] = int(counts[k])
-        by = counts.get("rejected_by_reason", {})
+        by: Any = counts.get("rejected_by_reason", {})
         if typed("counts.rejected_by_reason", by, dict, "an object of reason -> rows"):
             if all(_int_problem("", v, 0, MAX_TOKEN_SLOTS, "") is None for v in by.values()):
                 if "rejected" in got and sum(int(v) for v in by.values()) != got["rejected"] and by:

@@ -75,7 +75,7 @@ class CacheStore:
     """Byte-level access to one cache directory."""
 
     def __init__(self, path: str | Path, options: dict[str, Any] | None = None):
-        self.path = str(path).rstrip("/") if is_url(path) else str(path)
+        self.path = str(path).rstrip("/") if is_url(str(path)) else str(path)
         self.url = is_url(self.path)
         if self.url:
             import fsspec

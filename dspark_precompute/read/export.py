@@ -104,7 +104,7 @@ class SafetensorsStreamWriter:
         off, row_bytes, rows = self._layout[name]
         data = np.ascontiguousarray(data)
         k = int(data.shape[0]) if data.ndim else 0
-        buf = memoryview(data).cast("B")
+        buf = data.data.cast("B")
         if buf.nbytes != k * row_bytes or not (0 <= first and first + k <= rows):
             raise ValueError(f"{self.path.name}: rows {first}..{first + k} of {name!r} must be {row_bytes} bytes "
                              f"each within [0, {rows}), got {buf.nbytes} bytes")

@@ -12,15 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from dspark_precompute.errors import DsparkError
+from dspark_precompute.errors import DsparkError, MissingDependencyError
 from dspark_precompute.read import summary
 from dspark_precompute.read.reader import CacheReader, open_cache
 
 log = logging.getLogger(__name__)
-
-
-class MissingDependencyError(DsparkError, ImportError):
-    """An optional extra needed for this feature is not installed."""
 
 
 def _figure_class() -> Any:

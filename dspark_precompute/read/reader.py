@@ -172,9 +172,9 @@ class CacheReader:
                                             "cache (re-run the precompute command with overwrite=true)."))
         self._metas = metas
         tables = self._read_tables()
-        problems = table_problems(self.manifest, tables)
-        if problems:
-            raise CacheFormatError(listing(f"{self.path}: the sample/unit tables disagree with the layout", problems,
+        table_found = table_problems(self.manifest, tables)
+        if table_found:
+            raise CacheFormatError(listing(f"{self.path}: the sample/unit tables disagree with the layout", table_found,
                                             "Samples would be read from the wrong tokens, so the cache is refused. "
                                             f"Run `dspark-cache verify {self.path}` for a full report; re-create the "
                                             "cache (re-run the precompute command with overwrite=true)."))
@@ -283,8 +283,10 @@ class CacheReader:
                 raise self._missing(job[0], idx)
             return decode_chunk(meta, idx, raw, where)
 
-        fast = [self._fast_spec(name) for name, _ in jobs]
-        if all(f is not None for f in fast):
+        maybe_fast = [self._fast_spec(name) for name, _ in jobs]
+        if all(f is not None for f in maybe_fast):
+            fast = [f for f in maybe_fast if f is not None]
+
             def one(k: int) -> np.ndarray:
                 spec, c = fast[k], jobs[k][1]
                 meta = spec.meta
@@ -423,7 +425,8 @@ class CacheReader:
         raw = self.read_raw(i, layers, last)
         ids = raw["input_ids"].astype(np.int64)
         mask = raw["loss_mask"].astype(np.int64)
-        floats = {k: raw[k] for k in ("target_hidden_states", "target_last_hidden_states") if k in raw}
+        floats: dict[str, np.ndarray] = {k: raw[k] for k in ("target_hidden_states", "target_last_hidden_states")
+                                         if k in raw}
         if as_numpy:
             if self.logical_dtype == "bfloat16":
                 floats = {k: bf16_bits_to_float32(v) for k, v in floats.items()}

@@ -286,7 +286,7 @@ def build_dataloader(cache: str | Path | CacheReader | CacheDataset, *, batch_si
     if distributed:
         from torch.utils.data.distributed import DistributedSampler
 
-        dsampler = DistributedSampler(ds, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        dsampler: DistributedSampler[int] = DistributedSampler(ds, shuffle=shuffle, seed=seed, drop_last=drop_last)
         return DataLoader(ds, batch_size=batch_size, sampler=dsampler, drop_last=drop_last, **kwargs)
     gen = torch.Generator().manual_seed(seed)
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, generator=gen if shuffle else None,

@@ -415,7 +415,9 @@ def from_dictconfig(cfg: Any) -> PrecomputeConfig:
         values = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as exc:  # an interpolation that cannot resolve (e.g. an unset env var)
         raise ConfigError([f"the configuration cannot be resolved: {str(exc).splitlines()[0]}"]) from None
-    return from_dict(values)
+    if not isinstance(values, dict):
+        raise ConfigError([f"the configuration is a {type(values).__name__}, not a mapping of keys"])
+    return from_dict({str(k): v for k, v in values.items()})
 
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"

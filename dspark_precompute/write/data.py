@@ -339,10 +339,10 @@ def resolve_source(path: str, split: str | None = None) -> DataSource:
             raise DataError(f"data.path={path!r}: cannot read {_few(walk.broken)}; fix or remove them")
         if walk.unknown:
             compressed = [r for r in walk.unknown if Path(r).suffix.lower() in COMPRESSED_SUFFIXES]
-            arrow = [r for r in walk.unknown if r.endswith(".arrow")]
+            arrow_files = [r for r in walk.unknown if r.endswith(".arrow")]
             hint = (" Decompress the compressed ones." if compressed else "") + (
                 " .arrow files are read only as a whole dataset saved with datasets' save_to_disk "
-                "(point data.path at that folder)." if arrow else "")
+                "(point data.path at that folder)." if arrow_files else "")
             raise DataError(
                 f"data.path={path!r} holds {len(walk.unknown)} file(s) that are not data this tool reads: "
                 f"{_few(walk.unknown)}. A data directory is read whole (.jsonl, .ndjson, .json, .parquet, in any "

@@ -21,15 +21,11 @@ from typing import Any, TypeVar
 import numpy as np
 
 from dspark_precompute.contract.store import CacheStore
-from dspark_precompute.errors import DsparkError
+from dspark_precompute.errors import RankFailedError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 from dspark_precompute.contract.spec import COORD  # noqa: E402
-
-
-class RankFailedError(DsparkError):
-    """Another rank of the same job failed; this one stops too."""
 
 
 @dataclass

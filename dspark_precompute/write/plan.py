@@ -148,7 +148,7 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
         except TargetError as exc:
             problems.append(str(exc))
     layer_ids: list[int] = []
-    if target is not None:
+    if target is not None and tokenizer is not None:
         if cfg.model.layer_ids is not None:
             problems += layer_id_problems(cfg.model.layer_ids, target.num_hidden_layers)
         if not problems:
@@ -176,6 +176,7 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
             problems.append(problem)
     if problems:
         raise ConfigError(problems)
+    assert tokenizer is not None and template is not None and target is not None  # else a problem was listed
     hidden = target.hidden_size
     specs = token_array_specs(layer_ids, target.num_hidden_layers, hidden, cfg.storage.dtype)
     names = hidden_arrays(layer_ids, target.num_hidden_layers)

@@ -1,7 +1,7 @@
-"""A progress bar that goes through ``logging``: samples, tokens/s, ETA, bytes written.
+"""Progress of the forward loop: samples, tokens/s, ETA, bytes written.
 
-On a terminal it redraws one line on stderr; elsewhere (SLURM logs, CI) it logs a line
-every ``interval`` seconds so log files stay readable.
+On a terminal it is a tqdm bar on stderr; elsewhere (SLURM logs, CI) it logs one line
+every ``interval`` seconds, so log files stay readable instead of filling with redraws.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import Any
 
 from dspark_precompute.humanize import human_bytes, human_seconds
 
@@ -22,19 +23,29 @@ class Progress:
         self.bytes = 0
         self.t0 = time.perf_counter()
         self.enabled = enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self.interval = interval if not self.tty else 0.2
+        self.interval = interval
         self._last = 0.0
+        self._bar: Any = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, dynamic_ncols=True,
+                             desc="precompute", file=sys.stderr, smoothing=0.1)
 
     def update(self, samples: int = 0, tokens: int = 0, bytes_written: int | None = None) -> None:
         self.samples += samples
         self.tokens += tokens
         if bytes_written is not None:
             self.bytes = bytes_written
+        if self._bar is not None:
+            self._bar.update(tokens)
+            self._bar.set_postfix_str(f"{self.samples}/{self.total_samples} samples, "
+                                      f"{human_bytes(self.bytes)} written", refresh=False)
+            return
         now = time.perf_counter()
         if self.enabled and now - self._last >= self.interval:
             self._last = now
-            self._emit(final=False)
+            log.info(self.line())
 
     def line(self) -> str:
         dt = max(1e-9, time.perf_counter() - self.t0)
@@ -44,13 +55,11 @@ class Progress:
         return (f"{pct:5.1f}% | {self.samples}/{self.total_samples} samples | {rate:,.0f} tok/s | "
                 f"ETA {human_seconds(left)} | {human_bytes(self.bytes)} written")
 
-    def _emit(self, final: bool) -> None:
-        if self.tty:
-            sys.stderr.write("\r" + self.line() + ("\n" if final else ""))
-            sys.stderr.flush()
-        else:
-            log.info(self.line())
-
     def close(self) -> None:
-        if self.enabled:
-            self._emit(final=True)
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"{self.samples}/{self.total_samples} samples, "
+                                      f"{human_bytes(self.bytes)} written")
+            self._bar.close()
+            self._bar = None
+        elif self.enabled:
+            log.info(self.line())

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from dspark_precompute.contract.chunks import read_array_metas, read_slots
 from dspark_precompute.contract.layout import Layout
 from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.spec import (
@@ -111,11 +112,13 @@ def clear(store: CacheStore) -> None:
 
 def check_same_layout(store: CacheStore, layout: Layout, tables: dict[str, np.ndarray], manifest: Manifest) -> None:
     """A resume must lay samples out exactly as the first run did (same tokenization, same tables)."""
-    import zarr
-
-    group = zarr.open_group(store.zarr_store(read_only=True), mode="r")
+    zstore = store.zarr_store(read_only=True) if store.url else None
+    metas, problems = read_array_metas(store, manifest, zstore)
+    if problems:
+        raise CacheFormatError(f"{store.path}: {problems[0][1]}; pass overwrite=true to re-create the cache")
     for name in ("samples/length", "samples/source_row", "samples/start"):
-        if not np.array_equal(np.asarray(group[name][:]), tables[name]):
+        recorded = read_slots(store, metas, [name], 0, metas[name].shape[0], zstore)[name]
+        if not np.array_equal(recorded, tables[name]):
             raise CacheFormatError(
                 f"{store.path}: the recorded {name} differs from this run's tokenization although the "
                 "configuration hash matches (non-deterministic tokenizer?); pass overwrite=true")

@@ -38,6 +38,7 @@ from dspark_precompute.errors import (
     CacheFormatError,
     ForeignDirectoryError,
     InterruptedRunError,
+    RankFailedError,
     StoppedBySignal,
     StorageWriteError,
 )
@@ -48,7 +49,7 @@ from dspark_precompute.write.batching import batch_inputs, make_batches
 from dspark_precompute.write.capture import HiddenStateCapture, export_weights
 from dspark_precompute.write.chat import Encoded
 from dspark_precompute.write.config import PrecomputeConfig
-from dspark_precompute.write.distributed import Coordinator, RankFailedError, Ranks, assign_units, init_ranks
+from dspark_precompute.write.distributed import Coordinator, Ranks, assign_units, init_ranks
 from dspark_precompute.write.plan import Plan, prepare
 from dspark_precompute.write.progress import Progress
 from dspark_precompute.write.target import load_target

@@ -431,7 +431,7 @@ def load_target(cfg: ModelConfig, info: TargetInfo, vocab_size: int, device: tor
     if cfg.device_map:
         kwargs["device_map"] = cfg.device_map
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(info.local_dir or cfg.path), **kwargs)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(info.local_dir or cfg.path), **kwargs)
     except Exception as exc:
         raise TargetError(f"cannot load the target from {cfg.path!r}: {exc}") from exc
     if not cfg.device_map:

@@ -105,4 +105,5 @@ def build_target(rc: RandomTargetConfig, vocab_size: int, dtype: torch.dtype = t
             for name, p in model.named_parameters():
                 if p.dim() >= 2:
                     p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5 if "embed" not in name else 1.0)
-    return model.to(dtype).eval()
+    out: Any = model  # transformers types .to() in a way mypy misreads
+    return out.to(dtype).eval()

@@ -16,7 +16,7 @@ import numpy as np
 from dspark_precompute.errors import CacheFormatError, DataError, InvalidRowError
 from dspark_precompute.faults import fault_point
 from dspark_precompute.write.chat import ChatEncoder, Encoded
-from dspark_precompute.write.data import Reason, Reject, iter_rows, normalize, resolve_source
+from dspark_precompute.write.data import Conversation, Reason, Reject, iter_rows, normalize, resolve_source
 from dspark_precompute.write.distributed import Ranks
 from dspark_precompute.write.plan import Plan
 
@@ -59,8 +59,8 @@ def _encoder(plan: Plan) -> ChatEncoder:
 
 
 def _encode_row(plan: Plan, encoder: ChatEncoder, raw: Any, sel: int) -> Encoded | Reject:
-    item = normalize(raw, plan.cfg.data.format)
-    if not isinstance(item, Reject):
+    item: Conversation | Encoded | Reject = normalize(raw, plan.cfg.data.format)
+    if isinstance(item, Conversation):
         item = encoder.encode(item, raw.row)
     if isinstance(item, Reject):
         # row: index in the selection (what samples/source_row counts); file/file_row/line: the source
@@ -71,6 +71,7 @@ def _encode_row(plan: Plan, encoder: ChatEncoder, raw: Any, sel: int) -> Encoded
                                           f"line {raw.line}" if raw.line else "") if x)
             raise InvalidRowError(str(plan.cfg.data.path), raw.row, item.reason,
                                   item.message + (f" ({where})" if where else ""))
+    assert not isinstance(item, Conversation)
     return item
 
 

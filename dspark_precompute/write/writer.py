@@ -71,7 +71,7 @@ def allocate(store: CacheStore, specs: list[ArraySpec], layout: Layout, storage:
             fault_point("allocate")
         shape = (total,) if s.width is None else (total, s.width)
         chunks = (chunk,) if s.width is None else (chunk, s.width)
-        attrs = {"logical_dtype": s.logical_dtype or s.dtype}
+        attrs: dict[str, Any] = {"logical_dtype": s.logical_dtype or s.dtype}
         if s.layer_id is not None:
             attrs["layer_id"] = s.layer_id
         group.create_array(
@@ -130,6 +130,8 @@ class SharedBuffer:
     def __getstate__(self) -> dict[str, Any]:
         from multiprocessing import reduction
 
+        if self.fd is None:
+            raise RuntimeError("a mapped copy of a unit buffer cannot be handed on (only its creator can)")
         return {"nbytes": self.nbytes, "fd": reduction.DupFd(self.fd)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -176,11 +178,18 @@ class _Slot:
 
 
 def _writer_main(path: str, specs: list[ArraySpec], slot_list: list[_Slot], unit_start: np.ndarray,
-                 chunk: int, tasks: Any, done: Any) -> None:
+                 chunk: int, tasks: Any, done: Any, env: dict[str, str]) -> None:
     """Writer process: one task = one unit buffer to compress, write and commit."""
     import zarr
 
+    from dspark_precompute import faults
     from dspark_precompute.write import signals
+
+    # forked from a server that may predate this run: take the run's environment (storage
+    # credentials and endpoints, fault injection) as the forward loop has it now
+    os.environ.clear()
+    os.environ.update(env)
+    faults.reload()
 
     # Ctrl-C / scancel reach the whole process group: the forward loop decides when to stop,
     # the writer finishes the units it was given (the None sentinel, or orphan detection).
@@ -193,7 +202,8 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_list: list[_Slot], unit
         store = CacheStore(path)
         group = zarr.open_group(store.zarr_store(), mode="r+")
         # write_empty_chunks is a runtime setting, not stored metadata: set it on every handle
-        arrays = {s.name: group[s.name].with_config({"write_empty_chunks": True}) for s in specs}
+        members: dict[str, Any] = {s.name: group[s.name] for s in specs}
+        arrays = {name: arr.with_config({"write_empty_chunks": True}) for name, arr in members.items()}
         slots = [slot.arrays for slot in slot_list]
     except BaseException as exc:
         done.send(("error", -1, -1, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
@@ -256,6 +266,21 @@ def _send_error(done: Any, unit: int, slot: int, exc: BaseException) -> None:
         pass
 
 
+def writer_context() -> Any:
+    """The multiprocessing context writer processes start from: a fork server with this module preloaded.
+
+    The server is a fresh interpreter (never a fork of a process that holds CUDA or torch
+    threads) that imports numpy, zarr and this module once; each writer is then forked from
+    it in milliseconds instead of importing them again (several writers per run, several
+    runs per process in tests and sweeps).
+    """
+    if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - not Linux/macOS
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["numpy", "zarr", "dspark_precompute.write.writer"])
+    return ctx
+
+
 class UnitWriter:
     """Main-process side: hands out free unit buffers and collects finished units."""
 
@@ -269,14 +294,15 @@ class UnitWriter:
         capacity = max([layout.unit_slots(u) for u in range(layout.num_units)] or [layout.chunk_tokens])
         self.slots = [_Slot(specs, capacity) for _ in range(max(1, n_slots))]
         self.free = list(range(len(self.slots)))
-        ctx = mp.get_context("spawn")
+        ctx = writer_context()
         # Pipes, not Queues: a spawn-context Queue carries named semaphores that a SIGKILL of the
         # process group would leave in /dev/shm; pipes are plain file descriptors.
         tasks_out, self.tasks = ctx.Pipe(duplex=False)
         self.done, done_in = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=_writer_main,
-            args=(store.path, specs, self.slots, layout.unit_start, layout.chunk_tokens, tasks_out, done_in),
+            args=(store.path, specs, self.slots, layout.unit_start, layout.chunk_tokens, tasks_out, done_in,
+                  dict(os.environ)),
             daemon=True, name="dspark-writer",
         )
         self.proc.start()
@@ -310,8 +336,9 @@ class UnitWriter:
             if kind == "error":
                 log.debug("writer traceback:\n%s", payload[1])
                 left = sum(self.unit_bytes[u] for u in self.todo if u not in self.committed)
+                what = f"writing unit {unit} of {self.path}" if unit >= 0 else f"opening {self.path} for writing"
                 raise StorageWriteError(
-                    f"writing unit {unit} of {self.path} failed: {payload[0]}. About {left / 1e6:,.1f} MB "
+                    f"{what} failed: {payload[0]}. About {left / 1e6:,.1f} MB "
                     "(uncompressed) are still to be written; free space or fix the storage, then re-run the "
                     "same command: committed units are kept and the cache resumes."
                 )

@@ -76,19 +76,19 @@ def list_chunk_keys(store: CacheStore, name: str) -> set[str]:
         if not store.fs.exists(f"{base}/c"):
             return set()
         return {p[len(base) + 1:] for p in store.fs.find(f"{base}/c")}
-    base = Path(store.root) / name
+    local = Path(store.root) / name
     out = set()
-    for dirpath, _dirs, files in os.walk(base / "c"):
+    for dirpath, _dirs, files in os.walk(local / "c"):
         for f in files:
             if not f.startswith("."):
-                out.add((Path(dirpath) / f).relative_to(base).as_posix())
+                out.add((Path(dirpath) / f).relative_to(local).as_posix())
     return out
 
 
 def fmt_ids(ids: np.ndarray, limit: int = 8) -> str:
-    ids = [int(x) for x in ids]
-    return ("samples " + ", ".join(map(str, ids[:limit])) + (f" (+{len(ids) - limit} more)" if len(ids) > limit else "")
-            ) if ids else "no samples"
+    listed = [int(x) for x in ids]
+    more = f" (+{len(listed) - limit} more)" if len(listed) > limit else ""
+    return ("samples " + ", ".join(map(str, listed[:limit])) + more) if listed else "no samples"
 
 
 def check_manifest(ctx: Context) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_cache, compose, small
+from helpers import assert_same_cache, compose, small
 
 from dspark_precompute.errors import ConfigError, DataError, ForeignDirectoryError, IncompatibleCacheError
 from dspark_precompute.write import tiny
@@ -29,6 +29,8 @@ from dspark_precompute.write.target import (
     safetensors_parameter_bytes,
     weight_bytes,
 )
+
+pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024", "data.max_samples=16")
 

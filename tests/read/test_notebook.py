@@ -5,10 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
-from conftest import REPO
+import pytest
+from helpers import REPO
 from nbclient import NotebookClient
 
 from dspark_precompute import open_cache
+
+pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
 
 NOTEBOOK = REPO / "examples" / "reading_a_cache.ipynb"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import chat_rows
+from helpers import chat_rows
 
 from dspark_precompute.write import tiny
 from dspark_precompute.write.chat import ChatEncoder
@@ -62,6 +62,7 @@ def test_single_turn_masks_equal_nemos_prefix_rule(qwen3_tokenizer):
     assert got.loss_mask.sum() > 0
 
 
+@pytest.mark.e2e
 def test_multi_turn_masks_equal_nemo_where_its_rule_works_and_never_abort(qwen3_tokenizer):
     enc = ChatEncoder(qwen3_tokenizer, qwen3_tokenizer.chat_template, BIG)
     oracle = ChatEncoder(qwen3_tokenizer, generation_wrapped(qwen3_tokenizer.chat_template), BIG)
@@ -186,6 +187,7 @@ def _many_turns(n: int, reasoning: bool) -> Conversation:
     return Conversation(msgs)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("reasoning", [False, True])
 def test_turns_past_seq_length_do_not_change_the_kept_mask(reasoning):
     tok = tiny.build_tokenizer()
@@ -215,6 +217,7 @@ def test_masks_with_every_option_are_unchanged_by_truncation_on_real_reasoning_r
         assert np.array_equal(b.input_ids, a.input_ids[:128]) and np.array_equal(b.loss_mask, a.loss_mask[:128]), i
 
 
+@pytest.mark.e2e
 def test_a_row_with_thousands_of_turns_encodes_in_seconds():
     """The mask loops rendered every turn's prefix and re-tokenized the whole row per reasoning turn:
     O(turns^2), about 40 s for each of these rows (120 KB, 35 KB) before, well under a second or a few now."""

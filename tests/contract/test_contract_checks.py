@@ -301,6 +301,7 @@ def test_codec_headers_must_declare_exactly_the_chunk_size():
     assert fmt.compressed_size_problem("zstd", b"not zstd at all", 10) == "has no zstd frame header with a content size"
 
 
+@pytest.mark.e2e
 def test_the_format_module_imports_no_torch_transformers_reader_or_writer():
     import subprocess
     import sys

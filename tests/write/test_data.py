@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import compose, small
+from helpers import compose, small
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -208,6 +208,7 @@ def _tree_rss(proc) -> int:
         return 0
 
 
+@pytest.mark.e2e
 def test_a_run_over_a_50_mb_row_stays_within_a_few_hundred_mb(tmp_path):
     """Before the limit this run tokenized the whole message and passed 6 GiB; now the row is a reject."""
     pytest.importorskip("psutil")

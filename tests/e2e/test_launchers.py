@@ -6,10 +6,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
-from conftest import assert_same_cache, compose, small
+from helpers import assert_same_cache, compose, small
 
 from dspark_precompute.write.run import run
+
+pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024")
 

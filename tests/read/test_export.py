@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import compose, small
+from helpers import compose, small
 from safetensors import safe_open
 from safetensors.torch import load_file
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import compose, small
+from helpers import compose, small
 
 from dspark_precompute import open_cache
 from dspark_precompute.errors import CacheFormatError, ChecksumError, IncompleteCacheError
@@ -241,6 +241,7 @@ def test_a_directory_without_a_manifest_is_not_a_cache(tmp_path):
         open_cache(tmp_path)
 
 
+@pytest.mark.e2e
 def test_the_reading_side_imports_nothing_from_transformers():
     code = ("import sys, dspark_precompute.read.reader, dspark_precompute.read.training, "
             "dspark_precompute.read.export, "
@@ -280,6 +281,7 @@ def test_the_rejects_line_lists_reasons_most_frequent_first_with_thousands_separ
 
 @pytest.mark.parametrize("extra", [("storage.compressor=none", "storage.dtype=fp32"),
                                    ("storage.compressor=blosc_lz4", "storage.shuffle=bit", "storage.dtype=fp16")])
+@pytest.mark.e2e
 def test_every_codec_chain_the_writer_writes_reads_back_what_zarr_holds(tmp_path, extra):
     result = run(compose(small(tmp_path, "data.max_samples=4", "storage.chunk_tokens=128", *extra)))
     c = open_cache(result.path)

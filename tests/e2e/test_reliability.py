@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_same_cache, compose, small
+from helpers import REPO, assert_same_cache, compose, small
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +26,8 @@ from dspark_precompute.write.data import RawRow, Reject, normalize
 from dspark_precompute.write.plan import prepare
 from dspark_precompute.write.run import run
 from dspark_precompute.write.tokenize import tokenize
+
+pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024", "data.max_samples=16")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, small
+from helpers import compose, small
 
 from dspark_precompute.errors import ConfigError
 from dspark_precompute.write.config import PrecomputeConfig, from_dict
@@ -21,6 +21,7 @@ def cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.e2e
 def test_wrongly_typed_values_are_all_reported_together_with_exit_2_and_nothing_created(tmp_path):
     target = tmp_path / "cache"
     bad = cli(tmp_path, f"storage.path={target}", "seq_length=true", "batch.max_tokens=null", "model.layer_ids=5",
@@ -34,6 +35,7 @@ def test_wrongly_typed_values_are_all_reported_together_with_exit_2_and_nothing_
     assert not target.exists() and not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.e2e
 def test_a_word_where_a_number_belongs_is_one_clear_line(tmp_path):
     bad = cli(tmp_path, "seq_length=abc")
     assert bad.returncode == 2
@@ -41,6 +43,7 @@ def test_a_word_where_a_number_belongs_is_one_clear_line(tmp_path):
     assert len(lines) == 2 and "seq_length=abc" in lines[1] and "integer" in lines[1], lines
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("group,key", [("model=hf", "model.path"), ("data=jsonl", "data.path")])
 def test_a_required_value_left_out_is_an_error_naming_the_key(tmp_path, group, key):
     bad = cli(tmp_path, group, f"storage.path={tmp_path / 'c'}")
@@ -50,6 +53,7 @@ def test_a_required_value_left_out_is_an_error_naming_the_key(tmp_path, group, k
         compose([group])
 
 
+@pytest.mark.e2e
 def test_a_misspelt_key_names_the_closest_valid_one(tmp_path):
     bad = cli(tmp_path, "model.pth=x", "storage.compresor=zstd")
     assert bad.returncode == 2
@@ -58,12 +62,14 @@ def test_a_misspelt_key_names_the_closest_valid_one(tmp_path):
         from_dict({"data": {"max_sample": 3}})
 
 
+@pytest.mark.e2e
 def test_each_value_of_a_sweep_is_checked_before_the_first_job_runs(tmp_path):
     bad = cli(tmp_path, "-m", "seq_length=128,abc", f"storage.root={tmp_path}/caches")
     assert bad.returncode == 2 and "seq_length=abc" in bad.stderr
     assert not (tmp_path / "caches").exists()
 
 
+@pytest.mark.e2e
 def test_an_unknown_group_option_lists_the_available_ones(tmp_path):
     bad = cli(tmp_path, "model=qwen4")
     assert bad.returncode == 2 and "model/qwen4" in bad.stderr and "qwen3_0_6b" in bad.stderr
@@ -86,6 +92,7 @@ def test_bad_paths_are_config_errors(tmp_path):
             compose([override])
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_asking_for_cuda_on_a_machine_without_it_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="no usable CUDA device"):

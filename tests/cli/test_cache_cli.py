@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from conftest import compose, small
+from helpers import compose, small
 
 from dspark_precompute import open_cache
 from dspark_precompute.cli.cache import main

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from conftest import compose  # noqa: E402
+from helpers import compose  # noqa: E402
 
 from dspark_precompute import open_cache
 from dspark_precompute.contract import spec as fmt  # noqa: E402
@@ -141,6 +141,7 @@ def _bf16_bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.int16).astype(np.int32)
 
 
+@pytest.mark.e2e
 def test_a_device_map_auto_run_writes_the_same_cache(saved_target, tmp_path):
     common = [f"model.path={saved_target}", "seq_length=256", "batch.max_tokens=1024", "data.max_samples=8",
               "storage.chunk_tokens=128", "storage.unit_tokens=256", "progress=false", "log_level=WARNING"]

@@ -21,12 +21,14 @@ import pytest
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-from conftest import compose  # noqa: E402
+from helpers import compose  # noqa: E402
 
 from dspark_precompute import open_cache  # noqa: E402
 from dspark_precompute.contract import spec as fmt  # noqa: E402
 from dspark_precompute.contract.store import CacheStore, storage_options  # noqa: E402
 from dspark_precompute.write.run import run  # noqa: E402
+
+pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
 
 SECRET = "s3cr3t-" + uuid.uuid4().hex  # must never show up in a log, a repr or the cache
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 pytestmark = pytest.mark.e2e
 BENCH = REPO / "scripts" / "bench.py"

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from conftest import REPO, assert_same_cache, compose, small
+from helpers import REPO, assert_same_cache, compose, small
 
 from dspark_precompute import open_cache
 from dspark_precompute.contract import spec as fmt
@@ -47,6 +47,7 @@ def test_sample_i_is_row_i_of_the_selection_whatever_order_batches_ran_in(defaul
     assert result.units_written > 1
 
 
+@pytest.mark.e2e
 def test_only_real_tokens_are_stored(tmp_path, default_run):
     cfg, result = default_run
     m = open_cache(result.path).manifest.to_json()
@@ -67,6 +68,7 @@ def test_only_real_tokens_are_stored(tmp_path, default_run):
     assert 0.75 < b / a < 1.33
 
 
+@pytest.mark.e2e
 def test_a_killed_run_resumes_to_a_cache_bit_identical_to_an_uninterrupted_one(tmp_path):
     ref = compose(small(tmp_path, *UNITS, name="ref"))
     run(ref)
@@ -131,6 +133,7 @@ def test_batch_size_and_device_are_not_part_of_the_identity(default_run, no_weig
     assert again.units_written == 0
 
 
+@pytest.mark.e2e
 def test_data_changed_under_the_same_path_is_refused_and_overwrite_replaces(tmp_path, no_weights, monkeypatch):
     data = tmp_path / "chat.jsonl"
     shutil.copy(REPO / "dspark_precompute" / "assets" / "embedded_chat.jsonl", data)

@@ -7,10 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CONF, REPO, compose, small
+from helpers import CONF, REPO, compose, small
 
 from dspark_precompute.write.config import PrecomputeConfig
 from dspark_precompute.write.plan import default_storage_path
+
+pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
 
 
 def group_options(group: str) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import compose, small
+from helpers import compose, small
 
 from dspark_precompute import open_cache
 from dspark_precompute.write import tiny
@@ -70,6 +70,7 @@ def test_batched_padded_forwards_match_unbatched_hf_within_one_bf16_step(tmp_pat
     assert worst <= 1.0
 
 
+@pytest.mark.e2e
 def test_fp16_and_fp32_storage_keep_their_dtype(tmp_path):
     for dtype, torch_dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
         cfg = compose(small(tmp_path, f"storage.dtype={dtype}", "data.max_samples=3", name=dtype))

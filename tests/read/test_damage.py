@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import compose, small
+from helpers import compose, small
 from test_reader import to_memory_fs, zarr_sample
 
 from dspark_precompute import open_cache
@@ -316,6 +316,7 @@ def test_a_crafted_cache_is_a_cache_format_error_from_every_entry_point(cache_co
     capsys.readouterr()
 
 
+@pytest.mark.e2e
 def test_crafted_sizes_are_refused_before_any_large_allocation(cache_copy, tmp_path):
     """Run in a child with 3 GiB of address space: an allocation the crafted values ask for would fail there."""
     big = tmp_path / "big"

@@ -1,0 +1,37 @@
+"""One writer at a time, and a refused or empty run leaves nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_precompute.contract.lock import WriterLock
+from dspark_precompute.errors import LockedError
+
+
+def test_a_second_holder_is_refused_while_the_first_holds_it(tmp_path):
+    with WriterLock(tmp_path / "c"):
+        with pytest.raises(LockedError, match="is being written by pid"):
+            WriterLock(tmp_path / "c").acquire()
+    with WriterLock(tmp_path / "c") as again:  # released: free again
+        assert again.held
+
+
+def test_a_lock_that_made_the_directories_removes_them_when_nothing_else_was_written(tmp_path):
+    lock = WriterLock(tmp_path / "a" / "b" / "c").acquire()
+    assert (tmp_path / "a" / "b" / "c" / ".writer.lock").exists()
+    lock.release()
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_lock_in_a_directory_that_holds_a_cache_stays(tmp_path):
+    (tmp_path / "c").mkdir()
+    with WriterLock(tmp_path / "c"):
+        (tmp_path / "c" / "manifest.json").write_text("{}")
+    assert (tmp_path / "c" / ".writer.lock").exists() and (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_an_existing_empty_directory_is_kept_and_only_the_lock_file_goes(tmp_path):
+    (tmp_path / "c").mkdir()
+    with WriterLock(tmp_path / "c"):
+        pass
+    assert (tmp_path / "c").is_dir() and list((tmp_path / "c").iterdir()) == []

@@ -1,0 +1,109 @@
+"""The typed manifest: what is written is what is read, and every identity change is named."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark_precompute.contract.layout import build_layout
+from dspark_precompute.contract.manifest import (
+    RUN_RECORD_FIELDS,
+    Counts,
+    Manifest,
+    ManifestLayout,
+    config_hash,
+    manifest_problems,
+)
+from dspark_precompute.contract.spec import STORAGE_DTYPES, hidden_arrays
+from dspark_precompute.errors import CacheFormatError
+
+
+@st.composite
+def manifests(draw) -> Manifest:
+    """Manifests a run could write: layout from real lengths, counts that add up."""
+    n_layers = draw(st.integers(2, 40))
+    ids = sorted(draw(st.sets(st.integers(-1, n_layers - 1), min_size=1, max_size=6)))
+    hidden = draw(st.sampled_from([8, 64, 1024, 4096]))
+    seq = draw(st.integers(1, 4096))
+    lengths = np.asarray(draw(st.lists(st.integers(1, seq), min_size=1, max_size=40)), dtype=np.int64)
+    chunk = draw(st.sampled_from([1, 16, 512]))
+    unit_tokens = max(chunk, draw(st.integers(1, 8192)) // chunk * chunk)
+    layout = build_layout(lengths, chunk, unit_tokens)
+    rejected = draw(st.integers(0, 5))
+    supervised = draw(st.integers(0, int(lengths.sum())))
+    truncated = draw(st.integers(0, len(lengths)))
+    return Manifest(
+        config_hash="ab" * 32, identity={"target": {"path": "tiny"}, "data": {
+            "path": "embedded", "split": "train", "shuffle_seed": None, "mask_reasoning_content": False}},
+        target_model="tiny", target_model_type="qwen3", target_vocab_size=draw(st.integers(1, 200_000)),
+        num_hidden_layers=n_layers, hidden_size=hidden, layer_ids=ids, seq_length=seq,
+        storage_dtype=draw(st.sampled_from(sorted(STORAGE_DTYPES))), chat_template="{{ x }}",
+        arrays=hidden_arrays(ids, n_layers),
+        layout=ManifestLayout(layout.chunk_tokens, layout.unit_tokens, layout.num_units, layout.total_slots),
+        counts=Counts(rows_in=len(lengths) + rejected, samples=len(lengths), rejected=rejected,
+                      tokens=int(lengths.sum()), supervised_tokens=supervised, truncated_samples=truncated,
+                      rejected_by_reason={"no_supervised_tokens": rejected} if rejected else {}),
+        complete=draw(st.booleans()), config={"seq_length": seq},
+        weights_sha256=draw(st.one_of(st.none(), st.just("0" * 64))),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(manifests())
+def test_any_manifest_a_run_writes_passes_its_checks_and_reads_back_equal(m):
+    data = json.loads(m.to_bytes())
+    assert manifest_problems(data) == []
+    back = Manifest.parse(data)
+    assert back == m
+    assert back.to_json() == m.to_json()
+    assert data["bytes_per_token"] == m.bytes_per_token and data["target_hidden_dim"] == m.target_hidden_dim
+
+
+def test_every_changed_identity_field_is_named_with_both_values():
+    m = Manifest.parse(json.loads(_one().to_bytes()))
+    changed = json.loads(json.dumps(m.identity))
+    changed["data"]["split"] = "train[:10]"
+    changed["target"]["weights_fingerprint"] = "new"
+    assert m.differences(changed) == [("data.split", "train", "train[:10]"),
+                                      ("target.weights_fingerprint", None, "new")]
+    assert config_hash(m.identity) != config_hash(changed)
+
+
+def test_the_run_record_fields_are_the_only_difference_between_two_runs_of_the_same_cache():
+    a = _one()
+    b = Manifest.parse(json.loads(a.to_bytes()))
+    b.mark_complete(timing={"wall_s": 1.0}, weights_sha256="0" * 64, provenance={"argv": ["x"]})
+    a.mark_complete(timing={"wall_s": 2.0}, weights_sha256="0" * 64, provenance={"argv": ["y"]})
+    assert a.run_independent_json() == b.run_independent_json()
+    assert set(RUN_RECORD_FIELDS) >= {"timing", "provenance", "completed_at"}
+    b.mark_incomplete()
+    assert not b.complete and b.completed_at is None and "completed_at" not in b.to_json()
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda d: d["layout"].update(chunk_tokens=0), "layout.chunk_tokens"),
+    (lambda d: d.update(hidden_size=True), "hidden_size"),
+    (lambda d: d["counts"].update(rows_in=999), "counts.rows_in"),
+    (lambda d: d.__setitem__("arrays", {"1": "../../etc"}), "arrays"),
+])
+def test_parse_refuses_a_bad_field_naming_it(edit, words):
+    data = json.loads(_one().to_bytes())
+    edit(data)
+    with pytest.raises(CacheFormatError, match=words.replace(".", r"\.")):
+        Manifest.parse(data)
+
+
+def _one() -> Manifest:
+    return Manifest(
+        config_hash="cd" * 32, identity={"target": {"path": "tiny"}, "data": {
+            "path": "embedded", "split": "train", "shuffle_seed": None, "mask_reasoning_content": False}},
+        target_model="tiny", target_model_type="qwen3", target_vocab_size=263, num_hidden_layers=4,
+        hidden_size=64, layer_ids=[1, 2, 3], seq_length=256, storage_dtype="bf16", chat_template="{{ x }}",
+        arrays=hidden_arrays([1, 2, 3], 4), layout=ManifestLayout(256, 1024, 1, 512),
+        counts=Counts(rows_in=3, samples=2, rejected=1, tokens=300, supervised_tokens=100, truncated_samples=1,
+                      rejected_by_reason={"no_supervised_tokens": 1}),
+        complete=False)
