@@ -128,8 +128,15 @@ class Manifest:
     timing: dict[str, float] | None = None
     weights_sha256: str | None = None
     provenance: dict[str, Any] | None = None
+    dropped_samples: list[int] | None = None  # stored samples whose states were not finite: not readable
+    nonfinite_values: dict[str, int] | None = None  # array -> NaN/Inf values found (all in dropped samples)
 
     # -- derived facts ----------------------------------------------------------------------
+    @property
+    def stored_samples(self) -> int:
+        """Rows of the sample tables: the readable samples and the dropped ones."""
+        return self.counts.samples + len(self.dropped_samples or [])
+
     @property
     def disk_dtype(self) -> np.dtype:
         return disk_dtype(self.storage_dtype)
@@ -173,7 +180,8 @@ class Manifest:
         out: dict[str, Any] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("completed_at", "timing", "weights_sha256", "provenance") and v is None:
+            if f.name in ("completed_at", "timing", "weights_sha256", "provenance", "dropped_samples",
+                          "nonfinite_values") and v is None:
                 continue
             out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
         # derived, written for other tools (NeMo-style readers) and for people reading the file
@@ -200,6 +208,8 @@ class Manifest:
                                                         "supervised_tokens", "truncated_samples")},
                               rejected_by_reason={str(k): int(v) for k, v in c.get("rejected_by_reason", {}).items()})
         kw["layer_ids"] = [int(i) for i in data["layer_ids"]]
+        if data.get("dropped_samples") is not None:
+            kw["dropped_samples"] = [int(i) for i in data["dropped_samples"]]
         return cls(**kw)
 
     @classmethod
@@ -467,11 +477,28 @@ def manifest_problems(manifest: Any) -> list[str]:
                             f"{got['tokens']}")
         if {"truncated_samples", "samples"} <= got.keys() and got["truncated_samples"] > got["samples"]:
             problems.append(f"manifest counts.truncated_samples = {got['truncated_samples']} exceeds counts.samples")
+        dropped: Any = manifest.get("dropped_samples")
+        n_dropped = 0
+        if dropped is not None and typed("dropped_samples", dropped, list, "a list of sample ids"):
+            if not all(is_int(i) and 0 <= i < MAX_TOKEN_SLOTS for i in dropped) or any(
+                    b <= a for a, b in zip(dropped, dropped[1:])):
+                problems.append(f"manifest dropped_samples = {dropped!r:.80} must be increasing sample ids")
+            else:
+                n_dropped = len(dropped)
+                if "samples" in got and dropped and dropped[-1] >= got["samples"] + n_dropped:
+                    problems.append(f"manifest dropped_samples names sample {dropped[-1]}, but the tables hold "
+                                    f"{got['samples'] + n_dropped} (counts.samples + dropped)")
+        nonfinite: Any = manifest.get("nonfinite_values")
+        if nonfinite is not None and typed("nonfinite_values", nonfinite, dict, "an object of array -> values") \
+                and not all(isinstance(k, str) and is_int(v) and v >= 0 for k, v in nonfinite.items()):
+            problems.append(f"manifest nonfinite_values = {nonfinite!r:.80} must map array names to counts")
         if layout_ok and "samples" in got:
             nu, total = int(layout["num_units"]), int(layout["total_token_slots"])
-            if not nu <= got["samples"] <= total or (got["samples"] == 0) != (nu == 0):
-                problems.append(f"manifest counts.samples = {got['samples']} does not fit layout.num_units = {nu} "
-                                f"and layout.total_token_slots = {total}")
+            stored = got["samples"] + n_dropped
+            if not nu <= stored <= total or (stored == 0) != (nu == 0):
+                extra = f" (+ {n_dropped} dropped)" if n_dropped else ""
+                problems.append(f"manifest counts.samples = {got['samples']}{extra} does not fit "
+                                f"layout.num_units = {nu} and layout.total_token_slots = {total}")
             if "tokens" in got and got["tokens"] > total:
                 problems.append(f"manifest counts.tokens = {got['tokens']} exceeds layout.total_token_slots = {total}")
     return problems

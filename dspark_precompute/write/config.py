@@ -27,6 +27,7 @@ COMPRESSORS = ("none", "zstd", "blosc_zstd", "blosc_lz4")
 SHUFFLES = ("none", "byte", "bit")
 DATA_FORMATS = ("auto", "messages", "sharegpt")
 ON_INVALID = ("skip", "error")
+ON_NONFINITE = ("reject", "error")
 _SPLIT_RE = re.compile(r"^(\w+)(?:\[(-?\d*):(-?\d*)\])?$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
@@ -151,9 +152,15 @@ class DataConfig:
     on_invalid: str = "skip"
     max_invalid_fraction: float = 0.01
     max_row_bytes: int = 1 << 20  # a larger row is a row_too_large reject, never parsed or tokenized
+    num_workers: int | None = None  # tokenizing processes; null = the cores this rank may use (when rows warrant)
+    on_nonfinite: str = "reject"  # a sample with NaN/Inf hidden states: reject (rejects.jsonl) | error
 
     def problems(self) -> list[str]:
         out = []
+        if self.num_workers is not None and self.num_workers < 0:
+            out.append(f"data.num_workers={self.num_workers} must be >= 0 (0 tokenizes in this process) or null")
+        if self.on_nonfinite not in ON_NONFINITE:
+            out.append(f"data.on_nonfinite={self.on_nonfinite!r} must be one of {list(ON_NONFINITE)}")
         if self.format not in DATA_FORMATS:
             out.append(f"data.format={self.format!r} is not one of {list(DATA_FORMATS)}")
         if not _SPLIT_RE.match(str(self.split)):
@@ -196,7 +203,8 @@ class StorageConfig:
     chunk_tokens: int | None = None  # null: about 1 MiB per chunk of the widest array (>= 512 tokens)
     unit_tokens: int | None = None  # null: as many chunks as fit in unit_mib
     unit_mib: int = 256
-    writer_slots: int = 2  # unit buffers in flight between the forward loop and the writer
+    writer_slots: int = 2  # unit buffers in flight between the forward loop and the writers
+    writers: int | None = None  # writer processes; null = the cores this rank may use, less one (at least 1)
 
     def problems(self) -> list[str]:
         out = []
@@ -227,6 +235,8 @@ class StorageConfig:
             out.append(f"storage.unit_mib={self.unit_mib} must be >= 1")
         if self.writer_slots < 1:
             out.append(f"storage.writer_slots={self.writer_slots} must be >= 1")
+        if self.writers is not None and self.writers < 1:
+            out.append(f"storage.writers={self.writers} must be >= 1, or null for one per spare core")
         if not str(self.root).strip():
             out.append("storage.root='' is empty; give a directory (or s3:// prefix) under which caches are derived")
         if self.path is not None:
