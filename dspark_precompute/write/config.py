@@ -16,7 +16,7 @@ from typing import Any
 
 from dspark_precompute.contract.spec import MAX_CHUNK_TOKENS, MAX_SEQ_LENGTH
 from dspark_precompute.errors import ConfigError
-from dspark_precompute.write.layers import layer_id_problems
+from dspark_precompute.write.layers import LAYER_PRESETS, layer_id_problems
 
 EMBEDDED = "embedded"  # data.path value: the chat set shipped inside the package
 TINY = "tiny"  # model.path value: a random-weight Qwen3 built from model.random
@@ -92,7 +92,8 @@ class ModelConfig:
     dtype: str = "auto"  # compute dtype; auto = bf16 on CUDA, fp32 on CPU
     device: str = "auto"
     device_map: str | None = None  # "auto" spreads a large target over the node's GPUs
-    layer_ids: list[int] | None = None  # null: NeMo's default for draft_num_hidden_layers
+    layer_ids: list[int] | None = None  # null: the layer_preset's ids for draft_num_hidden_layers
+    layer_preset: str = "nemo"  # nemo: NeMo AutoModel's formula; servable: no -1 and no N-1 (SGLang can serve it)
     draft_num_hidden_layers: int = 5
     attn_implementation: str | None = "sdpa"
     trust_remote_code: bool = False
@@ -111,6 +112,13 @@ class ModelConfig:
             out.append(f"model.draft_num_hidden_layers={self.draft_num_hidden_layers} must be >= 1")
         if self.layer_ids is not None:
             out += layer_id_problems(self.layer_ids)
+        if self.layer_preset not in LAYER_PRESETS:
+            out.append(f"model.layer_preset={self.layer_preset!r} is not one of {list(LAYER_PRESETS)} (nemo: NeMo "
+                       "AutoModel's default ids; servable: ids a serving engine can capture, no -1 and no N-1)")
+        elif self.layer_ids is not None and self.layer_preset != "nemo":
+            out.append(f"model.layer_ids={list(self.layer_ids)} and model.layer_preset={self.layer_preset!r} both "
+                       "choose the captured layers; drop model.layer_ids to use the preset, or drop "
+                       "model.layer_preset to keep the explicit ids")
         if self.fingerprint not in ("sampled", "full"):
             out.append(f"model.fingerprint={self.fingerprint!r} must be 'full' or 'sampled'")
         out += _device_problems(self.device)

@@ -52,6 +52,7 @@ from dspark_precompute.write.config import PrecomputeConfig
 from dspark_precompute.write.distributed import Coordinator, Ranks, assign_units, init_ranks
 from dspark_precompute.write.plan import Plan, prepare
 from dspark_precompute.write.progress import Progress
+from dspark_precompute.write.provenance import run_record, with_loaded_model
 from dspark_precompute.write.target import load_target
 from dspark_precompute.write.tokenize import Tokenized, ensure_encoded, reason_counts, tokenize, warn_about_rejects
 from dspark_precompute.write.writer import UnitWriter, allocate
@@ -193,7 +194,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]) -> Run
             raise
         timing["forward_write_s"] = time.perf_counter() - t0
         try:  # the end barrier: a peer that died (any way) closes its sockets and gloo raises here
-            ranks.gather(None)
+            hosts = ranks.gather(socket.gethostname())
         except RuntimeError as exc:
             raise RankFailedError(f"a peer rank ended before finishing its units: {exc}") from exc
         coord.check()
@@ -209,7 +210,8 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]) -> Run
         _write_provenance(store, provenance)
         timing["wall_s"] = time.perf_counter() - t_start
         final = plan.manifest(layout, counts, created)
-        final.mark_complete(timing, store.sha256(WEIGHTS), {k: v for k, v in provenance.items() if k != "files"})
+        final.capture = with_loaded_model(final.capture, model)
+        final.mark_complete(timing, store.sha256(WEIGHTS), run_record(provenance, hosts, ranks.world, store, done))
         _write_manifest(store, final)
         nbytes = store.nbytes()
         result = RunResult(plan.path, counts.samples, counts.tokens, counts.supervised_tokens,
