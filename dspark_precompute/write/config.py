@@ -275,6 +275,20 @@ class BatchConfig:
 
 
 @dataclass
+class PlanConfig:
+    """What ``dry_run=true`` assumes when it estimates a run's time (not part of the cache identity)."""
+
+    tokens_per_second: float | None = None  # real tokens/s of the whole job (as the progress bar shows); null: estimate
+
+    def problems(self) -> list[str]:
+        if self.tokens_per_second is not None and not float(self.tokens_per_second) > 0:
+            return [f"plan.tokens_per_second={self.tokens_per_second} must be a positive rate (real tokens per "
+                    "second, as the progress bar of an earlier run shows), or null to estimate it from the target's "
+                    "parameter count"]
+        return []
+
+
+@dataclass
 class PrecomputeConfig:
     """One precompute run. Constructing it validates everything that needs no weights."""
 
@@ -282,8 +296,10 @@ class PrecomputeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     seq_length: int = 2048
     overwrite: bool = False
+    dry_run: bool = False  # plan the run (data, tokens, rejects, bytes, time) without weights; write nothing
     log_level: str = "INFO"
     progress: bool = True
 
@@ -306,7 +322,7 @@ class PrecomputeConfig:
             )
         if str(self.log_level).upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             out.append(f"log_level={self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
-        for part in (self.model, self.data, self.storage, self.batch):
+        for part in (self.model, self.data, self.storage, self.batch, self.plan):
             out += part.problems()
         return out
 

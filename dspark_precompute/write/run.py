@@ -36,6 +36,7 @@ from dspark_precompute.contract.spec import (
 from dspark_precompute.contract.store import CacheStore, is_url
 from dspark_precompute.errors import (
     CacheFormatError,
+    ConfigError,
     ForeignDirectoryError,
     InterruptedRunError,
     RankFailedError,
@@ -86,6 +87,9 @@ def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunR
     command line, Hydra overrides and composed config) is recorded in the cache this run
     finishes; Hydra's own files are never read back, so the record is always this run's.
     """
+    if cfg.dry_run:  # planning writes nothing, so it never goes through the run
+        raise ConfigError(["dry_run=true plans a run without running it: call dspark_precompute.run(cfg) or "
+                           "dspark_precompute.write.dryrun.dry_run(cfg), or drop dry_run to run"])
     ranks = init_ranks()
     logging.getLogger("dspark_precompute").setLevel(cfg.log_level.upper() if ranks.main else "WARNING")
     clean = False
