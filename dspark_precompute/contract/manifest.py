@@ -201,6 +201,14 @@ class Manifest:
     provenance: RunProvenance | None = None
     capture: Capture | None = None  # absent in caches written before it was recorded
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to DataLoader workers, inside a dataset) without the run record: it says which command and
+        software wrote the cache, which no reader of samples needs, and it names libraries a worker must not
+        be suspected of carrying (a pickle holding "zarr" would hint at a pickled zarr handle)."""
+        state = dict(self.__dict__)
+        state["provenance"] = None
+        return state
+
     # -- derived facts ----------------------------------------------------------------------
     @property
     def disk_dtype(self) -> np.dtype:

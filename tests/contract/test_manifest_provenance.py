@@ -87,3 +87,13 @@ def test_the_run_record_is_not_part_of_what_two_runs_of_the_same_cache_must_agre
     assert isinstance(b.provenance, RunProvenance) and b.provenance.world_size == 8
     b.capture = Capture(**{**CAPTURE.__dict__, "final_norm_class": "LayerNorm"})
     assert a.run_independent_json() != b.run_independent_json()
+
+
+def test_a_pickled_manifest_keeps_its_capture_facts_and_leaves_the_run_record_behind():
+    import pickle
+
+    m = one(capture=CAPTURE, provenance=RECORD)
+    blob = pickle.dumps(m)
+    back = pickle.loads(blob)
+    assert back.capture == CAPTURE and back.provenance is None and m.provenance == RECORD
+    assert b"zarr" not in blob  # what a DataLoader worker's dataset carries names no library handle
