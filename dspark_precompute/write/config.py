@@ -16,7 +16,7 @@ from typing import Any
 
 from dspark_precompute.contract.spec import MAX_CHUNK_TOKENS, MAX_SEQ_LENGTH
 from dspark_precompute.errors import ConfigError
-from dspark_precompute.write.layers import layer_id_problems
+from dspark_precompute.write.layers import LAYER_PRESETS, layer_id_problems
 
 EMBEDDED = "embedded"  # data.path value: the chat set shipped inside the package
 TINY = "tiny"  # model.path value: a random-weight Qwen3 built from model.random
@@ -93,7 +93,8 @@ class ModelConfig:
     dtype: str = "auto"  # compute dtype; auto = bf16 on CUDA, fp32 on CPU
     device: str = "auto"
     device_map: str | None = None  # "auto" spreads a large target over the node's GPUs
-    layer_ids: list[int] | None = None  # null: NeMo's default for draft_num_hidden_layers
+    layer_ids: list[int] | None = None  # null: the layer_preset's ids for draft_num_hidden_layers
+    layer_preset: str = "nemo"  # nemo: NeMo AutoModel's formula; servable: no -1 and no N-1 (SGLang can serve it)
     draft_num_hidden_layers: int = 5
     attn_implementation: str | None = "sdpa"
     trust_remote_code: bool = False
@@ -112,6 +113,13 @@ class ModelConfig:
             out.append(f"model.draft_num_hidden_layers={self.draft_num_hidden_layers} must be >= 1")
         if self.layer_ids is not None:
             out += layer_id_problems(self.layer_ids)
+        if self.layer_preset not in LAYER_PRESETS:
+            out.append(f"model.layer_preset={self.layer_preset!r} is not one of {list(LAYER_PRESETS)} (nemo: NeMo "
+                       "AutoModel's default ids; servable: ids a serving engine can capture, no -1 and no N-1)")
+        elif self.layer_ids is not None and self.layer_preset != "nemo":
+            out.append(f"model.layer_ids={list(self.layer_ids)} and model.layer_preset={self.layer_preset!r} both "
+                       "choose the captured layers; drop model.layer_ids to use the preset, or drop "
+                       "model.layer_preset to keep the explicit ids")
         if self.fingerprint not in ("sampled", "full"):
             out.append(f"model.fingerprint={self.fingerprint!r} must be 'full' or 'sampled'")
         out += _device_problems(self.device)
@@ -277,6 +285,20 @@ class BatchConfig:
 
 
 @dataclass
+class PlanConfig:
+    """What ``dry_run=true`` assumes when it estimates a run's time (not part of the cache identity)."""
+
+    tokens_per_second: float | None = None  # real tokens/s of the whole job (as the progress bar shows); null: estimate
+
+    def problems(self) -> list[str]:
+        if self.tokens_per_second is not None and not float(self.tokens_per_second) > 0:
+            return [f"plan.tokens_per_second={self.tokens_per_second} must be a positive rate (real tokens per "
+                    "second, as the progress bar of an earlier run shows), or null to estimate it from the target's "
+                    "parameter count"]
+        return []
+
+
+@dataclass
 class PrecomputeConfig:
     """One precompute run. Constructing it validates everything that needs no weights."""
 
@@ -284,8 +306,10 @@ class PrecomputeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     seq_length: int = 2048
     overwrite: bool = False
+    dry_run: bool = False  # plan the run (data, tokens, rejects, bytes, time) without weights; write nothing
     log_level: str = "INFO"
     progress: bool = True
 
@@ -308,7 +332,7 @@ class PrecomputeConfig:
             )
         if str(self.log_level).upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             out.append(f"log_level={self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
-        for part in (self.model, self.data, self.storage, self.batch):
+        for part in (self.model, self.data, self.storage, self.batch, self.plan):
             out += part.problems()
         return out
 

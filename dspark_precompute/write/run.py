@@ -36,6 +36,7 @@ from dspark_precompute.contract.spec import (
 from dspark_precompute.contract.store import CacheStore, is_url
 from dspark_precompute.errors import (
     CacheFormatError,
+    ConfigError,
     ForeignDirectoryError,
     InterruptedRunError,
     NonFiniteStatesError,
@@ -54,6 +55,7 @@ from dspark_precompute.write.data import Reason, Reject
 from dspark_precompute.write.distributed import Coordinator, Ranks, assign_units, init_ranks
 from dspark_precompute.write.plan import Plan, prepare
 from dspark_precompute.write.progress import Progress
+from dspark_precompute.write.provenance import run_record, with_loaded_model
 from dspark_precompute.write.target import load_target
 from dspark_precompute.write.tokenize import Tokenized, ensure_encoded, reason_counts, tokenize, warn_about_rejects
 from dspark_precompute.write.transfer import UnitCheck, UnitTransfer, zero_samples
@@ -88,6 +90,9 @@ def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunR
     command line, Hydra overrides and composed config) is recorded in the cache this run
     finishes; Hydra's own files are never read back, so the record is always this run's.
     """
+    if cfg.dry_run:  # planning writes nothing, so it never goes through the run
+        raise ConfigError(["dry_run=true plans a run without running it: call dspark_precompute.run(cfg) or "
+                           "dspark_precompute.write.dryrun.dry_run(cfg), or drop dry_run to run"])
     ranks = init_ranks()
     logging.getLogger("dspark_precompute").setLevel(cfg.log_level.upper() if ranks.main else "WARNING")
     clean = False
@@ -195,7 +200,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]) -> Run
             raise
         timing["forward_write_s"] = time.perf_counter() - t0
         try:  # the end barrier: a peer that died (any way) closes its sockets and gloo raises here
-            ranks.gather(None)
+            hosts = ranks.gather(socket.gethostname())
         except RuntimeError as exc:
             raise RankFailedError(f"a peer rank ended before finishing its units: {exc}") from exc
         coord.check()
@@ -218,7 +223,8 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]) -> Run
         if dropped:
             final.dropped_samples = sorted(dropped)
             final.nonfinite_values = _nonfinite_totals(dropped)
-        final.mark_complete(timing, store.sha256(WEIGHTS), {k: v for k, v in provenance.items() if k != "files"})
+        final.capture = with_loaded_model(final.capture, model)
+        final.mark_complete(timing, store.sha256(WEIGHTS), run_record(provenance, hosts, ranks.world, store, done))
         _write_manifest(store, final)
         nbytes = store.nbytes()
         result = RunResult(plan.path, counts.samples, counts.tokens, counts.supervised_tokens,
