@@ -28,6 +28,7 @@ Usage (from anywhere; paths default to the repository's ``../shared`` fixtures):
     python scripts/bench.py --device cuda --dtype bf16 --rows tiny=0 --rows mid=0   # GPU, all rows
     python scripts/bench.py --set storage.unit_mib=32        # extra Hydra overrides for the tool
     python scripts/bench.py --json bench.json --markdown bench.md
+    python scripts/bench.py write-path --json write.json     # the writer alone: GB/s per writer count and codec
 
 ``--rows NAME=N`` limits the rows of the data file used for target NAME (0 = all); all
 three methods always see the same rows.
@@ -1031,6 +1032,12 @@ def select_specs(args: argparse.Namespace) -> list[Spec]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["write-path"]:  # the writer alone, per writer count and codec: scripts/bench_write.py
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_write import main as write_path
+
+        return write_path(argv[1:])
     args = parse_args(argv)
     if args.rss_child is not None:
         _rss_child(args)

@@ -73,13 +73,17 @@ def stable_manifest(path: str) -> dict:
     return m
 
 
-def assert_same_cache(a: str, b: str) -> None:
-    """Bit-identical arrays and weights; the same manifest apart from timing and the path."""
+def assert_same_cache(a: str, b: str, *, process_counts: bool = False) -> None:
+    """Bit-identical arrays and weights; the same manifest apart from timing and the path (and, with
+    ``process_counts``, the writer and tokenizer process counts, which change how a cache is made, not what)."""
     xa, xb = arrays_of(a), arrays_of(b)
     assert sorted(xa) == sorted(xb)
     for k in xa:
         assert np.array_equal(xa[k], xb[k]), k
     assert (Path(a) / fmt.WEIGHTS).read_bytes() == (Path(b) / fmt.WEIGHTS).read_bytes()
     ma, mb = stable_manifest(a), stable_manifest(b)
-    ma["config"]["storage"].pop("path"), mb["config"]["storage"].pop("path")
+    for m in (ma, mb):
+        m["config"]["storage"].pop("path")
+        if process_counts:
+            m["config"]["storage"].pop("writers"), m["config"]["data"].pop("num_workers")
     assert ma == mb

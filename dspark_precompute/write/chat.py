@@ -273,9 +273,22 @@ class ChatEncoder:
                 mask[t] = 0
 
     def _remove_reasoning(self, conv: Conversation, full: str, ids: list[int], mask: list[int]) -> None:
+        starts: list[int] | None = None
         for i, m in enumerate(conv.messages):
             if m["role"] != "assistant" or not m.get("reasoning_content"):
                 continue
+            if len(ids) > self.seq_length:
+                # A turn that starts past seq_length cannot change the kept mask, nor can any later
+                # one: stop before rendering the whole row once per remaining reasoning turn.
+                try:
+                    plain = self.render(conv.messages[:i], conv.tools)
+                except Exception:
+                    plain = ""
+                if plain and full.startswith(plain):
+                    if starts is None:
+                        starts = [o[0] for o in self.tokenize(full)[1]]
+                    if bisect.bisect_left(starts, len(plain)) >= self.seq_length:
+                        break
             cleared = list(conv.messages)
             cleared[i] = {**m, "reasoning_content": ""}
             text = self.render(cleared, conv.tools)

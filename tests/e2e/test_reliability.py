@@ -91,6 +91,31 @@ def test_a_kill_at_any_point_then_the_same_command_gives_the_uninterrupted_cache
     assert_same_cache(reference[0], str(tmp_path / "c"))
 
 
+# with three writer processes a kill lands in one writer while the others hold pieces of the same unit
+MULTI_WRITER_KILLS = [("writer_array", 2), ("writer_before_commit", 2), ("unit_submitted", 2)]
+
+
+@pytest.mark.parametrize("point,hit", MULTI_WRITER_KILLS)
+def test_a_kill_with_three_writers_then_a_resume_with_one_gives_the_uninterrupted_cache(tmp_path, reference, point,
+                                                                                        hit):
+    overrides = small(tmp_path, *UNITS, name="c")
+    proc = cli(tmp_path, [*overrides, "storage.writers=3"], env={"DSPARK_FAULT": f"{point}={hit}"})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0, err[-2000:]
+    assert_visible_samples_are_whole(str(tmp_path / "c"), reference)
+    again = cli(tmp_path, [*overrides, "storage.writers=1"])
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert_same_cache(reference[0], str(tmp_path / "c"), process_counts=True)
+
+
+def test_three_writers_and_two_tokenizers_write_the_same_bytes_as_one_of_each(tmp_path, reference, monkeypatch):
+    from dspark_precompute.write import tokenize as tokenize_module
+    monkeypatch.setattr(tokenize_module, "INLINE_ROWS", 4)  # the pool takes every row after the fourth
+    run(compose(small(tmp_path, *UNITS, "storage.writers=3", "data.num_workers=2", name="c")))
+    assert_same_cache(reference[0], str(tmp_path / "c"), process_counts=True)
+
+
 def test_sigterm_stops_cleanly_with_a_resume_message_and_the_rerun_completes(tmp_path, reference):
     overrides = small(tmp_path, *UNITS, name="c")
     proc = cli(tmp_path, overrides, env={"DSPARK_FAULT": "unit_submitted=1:sleep"})

