@@ -61,11 +61,12 @@ def activations(tokens: int, hidden: int, seed: int = 0) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
 
 
-def codec_limit(codec: str, chunk: np.ndarray, seconds: float) -> float:
-    """Single-core GB/s of the codec alone (no checksum, no zarr, no file) on one chunk, repeated."""
+def codec_limit(codec: str, chunk: np.ndarray, seconds: float) -> tuple[float, float]:
+    """Single-core speed of the codec alone (no checksum, no zarr, no file) on one chunk, repeated:
+    (GB per wall second, GB per CPU second)."""
     compressor, level, shuffle = CODECS[codec]
     if compressor == "none":
-        return float("inf")
+        return float("inf"), float("inf")
     import numcodecs
     from numcodecs import Blosc, Zstd
 
@@ -73,14 +74,14 @@ def codec_limit(codec: str, chunk: np.ndarray, seconds: float) -> float:
         enc: Any = Zstd(level=level)
     else:
         numcodecs.blosc.set_nthreads(1)
-        enc = Blosc(cname=compressor.split("_", 1)[1], clevel=level, shuffle=Blosc.SHUFFLE, blocksize=1 << 20)
-        enc.typesize = 2
+        enc = Blosc(cname=compressor.split("_", 1)[1], clevel=level, blocksize=1 << 20, typesize=2,
+                    shuffle={"none": Blosc.NOSHUFFLE, "byte": Blosc.SHUFFLE, "bit": Blosc.BITSHUFFLE}[shuffle])
     buf = np.ascontiguousarray(chunk)
-    n, t0 = 0, time.perf_counter()
+    n, t0, c0 = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - t0 < seconds:
         enc.encode(buf)
         n += 1
-    return n * buf.nbytes / (time.perf_counter() - t0) / 1e9
+    return n * buf.nbytes / (time.perf_counter() - t0) / 1e9, n * buf.nbytes / (time.process_time() - c0) / 1e9
 
 
 def write_once(workdir: Path, codec: str, writers: int, data: np.ndarray, units: int, chunk: int,
@@ -96,7 +97,7 @@ def write_once(workdir: Path, codec: str, writers: int, data: np.ndarray, units:
     store = CacheStore(str(path))
     storage = StorageConfig(path=str(path), compressor=compressor, compression_level=level, shuffle=shuffle)
     allocate(store, specs, layout, storage, {"samples/start": layout.start, "samples/length": layout.length}, {})
-    w = UnitWriter(store, specs, layout, n_slots=slots, writers=writers)
+    w = UnitWriter(store, specs, layout, n_slots=slots, writers=writers, codec=(compressor, level, shuffle))
     try:
         for s in range(len(w.slots)):  # fill every buffer once: the clock times the writer, not the feeding
             bufs = w.buffers(s)
@@ -114,12 +115,23 @@ def write_once(workdir: Path, codec: str, writers: int, data: np.ndarray, units:
                                               len(layout.unit_order[u])))
         w.drain()
         wall = time.perf_counter() - t0
+        cpu = sum(_cpu_seconds(p.pid) for p in w.procs)  # the writers' own CPU: robust to a busy machine
     finally:
         w.close()
     raw = layout.total_slots * hidden_row
     stored = sum(f.stat().st_size for f in (path / HIDDEN_GROUP).rglob("*") if f.is_file())
     shutil.rmtree(path, ignore_errors=True)
-    return {"gb_per_s": raw / wall / 1e9, "wall_s": wall, "raw_bytes": raw, "ratio": raw / max(stored, 1)}
+    return {"gb_per_s": raw / wall / 1e9, "wall_s": wall, "raw_bytes": raw, "ratio": raw / max(stored, 1),
+            "writer_cpu_s": cpu, "gb_per_cpu_s": raw / max(cpu, 1e-9) / 1e9}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (/proc/PID/stat), 0 where /proc is not there."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -133,7 +145,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=2, help="unit buffers in flight (storage.writer_slots)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--limit-seconds", type=float, default=2.0)
-    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="where the caches go (default: a temp dir on /dev/shm, else /tmp); a disk's path to include it")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -150,27 +163,37 @@ def main(argv: list[str] | None = None) -> int:
     units = max(1, round(args.gib * (1 << 30) / (args.unit_tokens * hidden_row)))
     data = activations(args.unit_tokens, args.hidden)
     own = args.workdir is None
-    workdir = Path(tempfile.mkdtemp(prefix="dspark-write-bench-")) if own else args.workdir
+    # tmpfs by default: this measures the host's CPU path (copies, compression, checksums, file writes);
+    # a disk's own bandwidth is the user's to add (--workdir on it measures both)
+    shm = Path("/dev/shm")
+    base = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    workdir = Path(tempfile.mkdtemp(prefix="dspark-write-bench-", dir=base)) if own else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[int, list[dict[str, float]]]] = {c: {w: [] for w in writers} for c in codecs}
     limits: dict[str, list[float]] = {c: [] for c in codecs}
+    limits_cpu: dict[str, list[float]] = {c: [] for c in codecs}
     chunk = data[:args.chunk_tokens]
     try:
         for r in range(args.repeats):
             for c in codecs:
-                limits[c].append(codec_limit(c, chunk, args.limit_seconds))
+                wall_limit, cpu_limit = codec_limit(c, chunk, args.limit_seconds)
+                limits[c].append(wall_limit)
+                limits_cpu[c].append(cpu_limit)
                 for w in (writers if r % 2 == 0 else writers[::-1]):
                     res = write_once(workdir, c, w, data, units, args.chunk_tokens, args.unit_tokens, args.slots)
                     runs[c][w].append(res)
-                    sys.stderr.write(f"[write-path] repeat {r} {c} writers={w}: {res['gb_per_s']:.3f} GB/s "
-                                     f"(ratio {res['ratio']:.2f}); codec limit {limits[c][-1]:.3f} GB/s\n")
+                    sys.stderr.write(f"[write-path] repeat {r} {c} writers={w}: {res['gb_per_s']:.3f} GB/s, "
+                                     f"{res['gb_per_cpu_s']:.3f} GB per writer CPU-s (ratio {res['ratio']:.2f}); "
+                                     f"codec limit {limits[c][-1]:.3f} GB/s\n")
     finally:
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
     results = {c: {str(w): {"gb_per_s": statistics.median(x["gb_per_s"] for x in runs[c][w]),
                             "all_gb_per_s": [x["gb_per_s"] for x in runs[c][w]],
+                            "gb_per_cpu_s": statistics.median(x["gb_per_cpu_s"] for x in runs[c][w]),
                             "compression_ratio": runs[c][w][0]["ratio"]} for w in writers} for c in codecs}
     limit = {c: statistics.median(limits[c]) for c in codecs}
+    limit_cpu = {c: statistics.median(limits_cpu[c]) for c in codecs}
     ratios: dict[str, dict[str, float]] = {}
     for c in codecs:
         one = results[c]["1"]["gb_per_s"] if "1" in results[c] else None
@@ -180,15 +203,19 @@ def main(argv: list[str] | None = None) -> int:
                 ratios[c][f"writers_{w}_vs_1"] = results[c][str(w)]["gb_per_s"] / one
             if np.isfinite(limit[c]):
                 ratios[c]["one_writer_vs_codec_limit"] = one / limit[c]
+                # the same per CPU second of the writer: what it costs beyond the codec, load or not
+                ratios[c]["writer_cpu_vs_codec_limit_cpu"] = results[c]["1"]["gb_per_cpu_s"] / limit_cpu[c]
     out = {
         "command": " ".join(["python", *sys.argv]),
-        "machine": {"cores": cores, "cpu_count": os.cpu_count(), "load_average": os.getloadavg()},
+        "machine": {"cores": cores, "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
+                    "workdir": str(workdir)},
         "shape": {"hidden": args.hidden, "arrays": 5, "dtype": "bf16", "chunk_tokens": args.chunk_tokens,
                   "unit_tokens": args.unit_tokens, "units": units, "raw_gib": units * args.unit_tokens * hidden_row
                   / (1 << 30), "writer_slots": args.slots},
         "repeats": args.repeats,
         "results": results,
         "codec_limit_gb_per_s": {c: (v if np.isfinite(v) else None) for c, v in limit.items()},
+        "codec_limit_gb_per_cpu_s": {c: (v if np.isfinite(v) else None) for c, v in limit_cpu.items()},
         "ratios": ratios,
     }
     text = json.dumps(out, indent=2)

@@ -333,8 +333,9 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
     total_smp = int(sum(len(layout.unit_order[u]) for u in todo))
     progress = Progress(total_smp, total_tok, enabled=cfg.progress)
     n_writers = resolve_writers(cfg.storage.writers)
-    writer = UnitWriter(plan.store, plan.specs, layout, cfg.storage.writer_slots, todo, writers=n_writers,
-                        pin_memory=device.type == "cuda")
+    st = cfg.storage
+    writer = UnitWriter(plan.store, plan.specs, layout, st.writer_slots, todo, writers=n_writers,
+                        pin_memory=device.type == "cuda", codec=(st.compressor, st.compression_level, st.shuffle))
     hidden = [(s.name, int(s.layer_id), s.dtype == "uint16") for s in plan.specs if s.width and s.layer_id is not None]
     transfer = UnitTransfer(hidden, TORCH_STORAGE[cfg.storage.dtype], device)
     t_batch = t_forward = t_copy = 0.0

@@ -6,6 +6,10 @@ unit into pieces (a chunk-aligned range of one array each), compress and write t
 parallel, and once every piece of the unit is written the forward loop's process writes
 the unit's commit record. A unit is visible to readers only once that record exists, so
 it stays all-or-nothing however many writers wrote it.
+
+On a local directory a writer encodes each whole chunk itself (:func:`chunk_encoder`: the
+bytes zarr would store, built from the same codec chain) and writes the file; zarr's array
+assignment, which an object store still goes through, costs about as much CPU again.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from dspark_precompute.contract.arrays import codec_chain
+from dspark_precompute.contract.arrays import ArrayMeta, chunk_encoder, codec_chain
 from dspark_precompute.contract.commits import CommitRecord
 from dspark_precompute.contract.layout import Layout
 from dspark_precompute.contract.spec import FINAL_NORM, HIDDEN_GROUP, INPUT_IDS, LOSS_MASK, STORAGE_DTYPES, layer_array
@@ -180,8 +184,35 @@ class _Slot:
             m.close()
 
 
+class _ChunkFiles:
+    """Writes whole chunks of a local cache's arrays as files, encoded exactly as zarr would."""
+
+    def __init__(self, root: str, specs: list[ArraySpec], chunk: int, codec: tuple[str, int, str]):
+        self.root = Path(root)
+        self.chunk = chunk
+        self.encode = {s.name: chunk_encoder(*codec, np.dtype(s.dtype).itemsize) for s in specs}
+        self.meta = {s.name: ArrayMeta(s.name, np.dtype(s.dtype), (0,) if s.width is None else (0, s.width),
+                                       (chunk,) if s.width is None else (chunk, s.width), None, "/", False)
+                     for s in specs}
+        self.made: set[Path] = set()
+
+    def write(self, name: str, start: int, rows: np.ndarray) -> None:
+        """``rows`` (whole chunks) go to token slots ``start`` onwards of array ``name``."""
+        meta, encode = self.meta[name], self.encode[name]
+        for k in range(0, len(rows), self.chunk):
+            c = (start + k) // self.chunk
+            path = self.root / name / meta.chunk_key(meta.chunk_index(c))
+            if path.parent not in self.made:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.made.add(path.parent)
+            body, crc = encode(rows[k:k + self.chunk])
+            with open(path, "wb") as fh:
+                fh.write(body)
+                fh.write(crc)
+
+
 def _writer_main(index: int, path: str, specs: list[ArraySpec], slot_list: list[_Slot], tasks: Any, done: Any,
-                 env: dict[str, str]) -> None:
+                 env: dict[str, str], chunk: int = 0, codec: tuple[str, int, str] | None = None) -> None:
     """Writer process: one task = one piece (a chunk-aligned token range of one array) to write."""
     import zarr
 
@@ -190,10 +221,12 @@ def _writer_main(index: int, path: str, specs: list[ArraySpec], slot_list: list[
         # one core per writer: parallelism comes from the writers, not from codec threads
         zarr.config.set({"threading.max_workers": 1})
         store = CacheStore(path)
-        group = zarr.open_group(store.zarr_store(), mode="r+")
-        # write_empty_chunks is a runtime setting, not stored metadata: set it on every handle
-        members: dict[str, Any] = {s.name: group[s.name] for s in specs}
-        arrays = {name: arr.with_config({"write_empty_chunks": True}) for name, arr in members.items()}
+        files = _ChunkFiles(store.root, specs, chunk, codec) if codec and chunk and not store.url else None
+        arrays: dict[str, Any] = {}
+        if files is None:
+            group = zarr.open_group(store.zarr_store(), mode="r+")
+            # write_empty_chunks is a runtime setting, not stored metadata: set it on every handle
+            arrays = {s.name: cast(Any, group[s.name]).with_config({"write_empty_chunks": True}) for s in specs}
         slots = [slot.arrays for slot in slot_list]
     except BaseException as exc:
         _send_error(done, -1, -1, exc)
@@ -220,7 +253,10 @@ def _writer_main(index: int, path: str, specs: list[ArraySpec], slot_list: list[
             busy = time.perf_counter()
             if orphaned():
                 raise SystemExit(1)
-            arrays[name][t0 + lo:t0 + hi] = slots[slot][name][lo:hi]
+            if files is not None:
+                files.write(name, t0 + lo, slots[slot][name][lo:hi])
+            else:
+                arrays[name][t0 + lo:t0 + hi] = slots[slot][name][lo:hi]
             fault_point("writer_array")
             done.send(("done", unit, slot, ((hi - lo) * _row_bytes(specs, name), time.perf_counter() - busy)))
         except SystemExit:
@@ -282,7 +318,10 @@ class UnitWriter:
     """Main-process side: hands out free unit buffers, deals units to the writers, commits whole units."""
 
     def __init__(self, store: CacheStore, specs: list[ArraySpec], layout: Layout, n_slots: int = 2,
-                 todo: list[int] | None = None, writers: int = 1, pin_memory: bool = False):
+                 todo: list[int] | None = None, writers: int = 1, pin_memory: bool = False,
+                 codec: tuple[str, int, str] | None = None):
+        """``codec`` (compressor, level, shuffle: the chain the arrays were allocated with) lets writers
+        encode whole chunks themselves on a local directory; without it they go through zarr."""
         self.specs = specs
         self.store = store
         self.path = store.path
@@ -305,7 +344,8 @@ class UnitWriter:
         for i in range(self.n_writers):
             tasks_out, tasks_in = ctx.Pipe(duplex=False)
             done_out, done_in = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_writer_main, args=(i, store.path, specs, self.slots, tasks_out, done_in, env),
+            proc = ctx.Process(target=_writer_main, args=(i, store.path, specs, self.slots, tasks_out, done_in, env,
+                                                          layout.chunk_tokens, codec),
                                daemon=True, name=f"dspark-writer-{i}")
             processes.start(proc)
             tasks_out.close()  # the writer holds its ends now: when it dies, recv() here sees EOF

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from dspark_precompute.write.transfer import UnitTransfer, real_token_index, zero_samples
@@ -68,3 +69,37 @@ def test_zeroing_dropped_samples_touches_only_their_slots():
     bufs = {"h": np.ones((6, 2), np.float32)}
     zero_samples(bufs, ["h"], [(1, 3), (5, 6)])
     assert bufs["h"][:, 0].tolist() == [1, 0, 0, 1, 1, 0]
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pinned", [True, False])
+def test_on_cuda_the_async_copies_give_the_cpu_path_bytes_and_the_same_check(pinned):
+    """Gather, cast and check on the device, copies on a side stream into (page-locked or plain) shared
+    buffers, several batches in flight before the unit's one sync: the bytes the CPU path writes."""
+    from dspark_precompute.write.writer import ArraySpec, _pin, _Slot, _unpin
+
+    lengths = np.asarray([5, 2, 4])
+    layer, last = states_for(list(lengths), 5, hidden=64), states_for(list(lengths), 5, hidden=64, seed=1)
+    layer[2, 3, 7] = float("inf")
+    specs = [ArraySpec("h", "uint16", 64), ArraySpec("last", "uint16", 64)]
+    slots = [_Slot(specs, 40)]
+    assert _pin(slots) if pinned else True
+    try:
+        want = {"h": np.zeros((40, 64), np.uint16), "last": np.zeros((40, 64), np.uint16)}
+        checks = []
+        for device, bufs in ((torch.device("cpu"), want), (torch.device("cuda"), slots[0].arrays)):
+            tr = UnitTransfer([("h", 0, True), ("last", 9, True)], torch.bfloat16, device)
+            tr.start(bufs)
+            for rep in range(3):
+                tr.add(np.arange(3 * rep, 3 * rep + 3), lengths, 5, {0: layer.to(device)}, last.to(device),
+                       offset=11 * rep)
+            checks.append(tr.finish())
+        assert checks[0].bad_samples == checks[1].bad_samples == {2: {"h": 1}, 5: {"h": 1}, 8: {"h": 1}}
+        for name in ("h", "last"):
+            assert np.array_equal(want[name], slots[0].arrays[name]), name
+    finally:
+        if pinned:
+            _unpin(slots)
+        slots[0].close()

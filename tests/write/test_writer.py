@@ -39,18 +39,17 @@ def test_a_unit_buffer_is_the_same_memory_in_the_writer_process():
     buf.close()
 
 
-def test_writing_units_gives_arrays_equal_to_the_buffers_and_a_commit_per_unit(tmp_path):
-    import zarr
-
+def _write_units(path, codec, writers=1):
+    """Random units through the writer; the values each array should hold."""
     lengths = np.asarray([300, 200, 120, 90, 40], dtype=np.int64)
     layout = build_layout(lengths, 64, 384)
     specs = token_array_specs([0, 1], num_layers=2, hidden=8, storage_dtype="bf16")
-    store = CacheStore(tmp_path / "c")
+    store = CacheStore(path)
     tables = {"samples/start": layout.start, "samples/length": layout.length}
     allocate(store, specs, layout, StorageConfig(), tables, {"format": "test"})
     rng = np.random.default_rng(0)
     expected = {s.name: np.zeros((layout.total_slots, *([s.width] if s.width else [])), dtype=s.dtype) for s in specs}
-    writer = UnitWriter(store, specs, layout, n_slots=2)
+    writer = UnitWriter(store, specs, layout, n_slots=2, writers=writers, codec=codec)
     try:
         for u in range(layout.num_units):
             slot = writer.acquire()
@@ -64,9 +63,28 @@ def test_writing_units_gives_arrays_equal_to_the_buffers_and_a_commit_per_unit(t
         writer.drain()
     finally:
         writer.close()
+    return store, layout, expected
+
+
+def test_writers_encoding_chunks_themselves_write_the_files_zarr_writes(tmp_path):
+    """On a local directory writers encode whole chunks without zarr: the same files, byte for byte."""
+    st = StorageConfig()
+    _write_units(tmp_path / "zarr", None)
+    _write_units(tmp_path / "direct", (st.compressor, st.compression_level, st.shuffle), writers=2)
+    files = {p.relative_to(tmp_path / "zarr") for p in (tmp_path / "zarr").rglob("*") if p.is_file()}
+    assert files == {p.relative_to(tmp_path / "direct") for p in (tmp_path / "direct").rglob("*") if p.is_file()}
+    assert any(f.parts[-3:-1] == ("c", "2") for f in files)  # the chunks are among them
+    for f in files:
+        assert (tmp_path / "zarr" / f).read_bytes() == (tmp_path / "direct" / f).read_bytes(), f
+
+
+def test_writing_units_gives_arrays_equal_to_the_buffers_and_a_commit_per_unit(tmp_path):
+    import zarr
+
+    store, layout, expected = _write_units(tmp_path / "c", None)
     g = zarr.open_group(str(tmp_path / "c"), mode="r")
-    for s in specs:
-        assert np.array_equal(np.asarray(g[s.name][:]), expected[s.name]), s.name
+    for name, want in expected.items():
+        assert np.array_equal(np.asarray(g[name][:]), want), name
     assert committed_units(store) == set(range(layout.num_units))
     rec = json.loads(store.read_bytes("commits/u000000.json"))
     assert (rec["token_start"], rec["token_stop"]) == (int(layout.unit_start[0]), int(layout.unit_stop[0]))
