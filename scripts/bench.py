@@ -29,6 +29,7 @@ Usage (from anywhere; paths default to the repository's ``../shared`` fixtures):
     python scripts/bench.py --set storage.unit_mib=32        # extra Hydra overrides for the tool
     python scripts/bench.py --json bench.json --markdown bench.md
     python scripts/bench.py write-path --json write.json     # the writer alone: GB/s per writer count and codec
+    python scripts/bench.py tokenize --json tok.json         # tokenization: one process vs data.num_workers
 
 ``--rows NAME=N`` limits the rows of the data file used for target NAME (0 = all); all
 three methods always see the same rows.
@@ -1033,11 +1034,14 @@ def select_specs(args: argparse.Namespace) -> list[Spec]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["write-path"]:  # the writer alone, per writer count and codec: scripts/bench_write.py
+    if argv[:1] in (["write-path"], ["tokenize"]):  # scripts/bench_write.py, scripts/bench_tokenize.py
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_write import main as write_path
+        if argv[0] == "tokenize":
+            from bench_tokenize import main as sub
+        else:
+            from bench_write import main as sub
 
-        return write_path(argv[1:])
+        return sub(argv[1:])
     args = parse_args(argv)
     if args.rss_child is not None:
         _rss_child(args)
