@@ -171,7 +171,8 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
     errors = []
     for name in m.hidden_array_names:
         lid = layer_of.get(name, last_id)
-        label = "last (post-norm)" if name == m.last_array else "embeddings" if lid == -1 else f"layer {lid}"
+        label = "embeddings" if lid == -1 else f"layer {lid}" if name in layer_of else "final norm"
+        label += " (post-norm)" if name == m.last_array else ""
         errors.append(ArrayError(name, label, m.array_dtypes[name]))
     scales = m.scale_arrays
     by_sample: dict[int, list[int]] = {}
