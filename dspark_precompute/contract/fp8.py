@@ -106,6 +106,23 @@ def to_float32(stored: np.ndarray, storage_dtype: str, scale: np.ndarray | None 
     return np.asarray(stored, dtype=np.float32)
 
 
+def dequantize_bf16_bits(bits: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """e4m3 bits and scales -> bf16 bit patterns of ``value`` (the reader's path: in place, no NaN pass).
+
+    A NaN product (only from NaN bits, which the writer never stores) stays NaN: the quiet NaN
+    ``0x7FC00000`` rounds to ``0x7FC0``; every scale is finite and positive (checked on decode).
+    """
+    vals = dequantize(bits, scale)
+    u = vals.view(np.uint32)
+    tmp = np.right_shift(u, np.uint32(16))
+    np.bitwise_and(tmp, np.uint32(1), out=tmp)
+    tmp += np.uint32(0x7FFF)
+    u += tmp
+    np.right_shift(u, np.uint32(16), out=u)
+    out: np.ndarray = u.astype(np.uint16)
+    return out
+
+
 def convert(stored: np.ndarray, storage_dtype: str, to: str, scale: np.ndarray | None = None) -> np.ndarray:
     """A stored block in the disk form of storage dtype ``to`` (bf16 bits, fp16, fp32); a no-op when equal.
 
@@ -113,6 +130,8 @@ def convert(stored: np.ndarray, storage_dtype: str, to: str, scale: np.ndarray |
     """
     if storage_dtype == to and to != E4M3:
         return stored
+    if storage_dtype == E4M3 and to == "bf16" and scale is not None:
+        return dequantize_bf16_bits(stored, scale)
     values = to_float32(stored, storage_dtype, scale)
     if to == "bf16":
         return float32_to_bf16_bits(values)

@@ -7,7 +7,8 @@ safetensors header is computed from the shapes up front and each sample's rows a
 written in place, so memory stays at one sample (plus the reader's chunk cache)
 whatever the shard or dataset size. Every file goes to a temporary name first and is
 renamed when whole; the manifest comes last, so a directory with a manifest is a
-finished export.
+finished export. An fp8 cache is exported dequantized (``CacheReader.read_raw``: bf16), as
+NeMo's layout has no fp8.
 """
 
 from __future__ import annotations

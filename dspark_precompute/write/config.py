@@ -211,6 +211,7 @@ class StorageConfig:
     compressor: str = "blosc_zstd"
     compression_level: int = 1
     shuffle: str = "byte"
+    fp8_shuffle: str = "bit"  # fp8 bit arrays' shuffle (one-byte values: byte shuffle does nothing, bit shuffle helps)
     chunk_tokens: int | None = None  # null: about 1 MiB per chunk of the widest array (>= 512 tokens)
     unit_tokens: int | None = None  # null: as many chunks as fit in unit_mib
     unit_mib: int = 256
@@ -244,6 +245,8 @@ class StorageConfig:
             out.append(f"storage.compressor={self.compressor!r} is not one of {list(COMPRESSORS)}")
         if self.shuffle not in SHUFFLES:
             out.append(f"storage.shuffle={self.shuffle!r} is not one of {list(SHUFFLES)}")
+        if self.fp8_shuffle not in SHUFFLES:
+            out.append(f"storage.fp8_shuffle={self.fp8_shuffle!r} is not one of {list(SHUFFLES)}")
         if self.compressor == "zstd" and not -7 <= self.compression_level <= 22:
             out.append(f"storage.compression_level={self.compression_level} must be in [-7, 22] for zstd")
         if self.compressor.startswith("blosc") and not 0 <= self.compression_level <= 9:

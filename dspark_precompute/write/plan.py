@@ -48,14 +48,14 @@ STORED_STORAGE_KEYS = ("dtype", "compressor", "compression_level", "shuffle")
 
 
 def stored_dtype_knobs(s: StorageConfig) -> dict[str, Any]:
-    """``last_dtype`` and ``fp8_group`` as the identity records them: only when they mean something (the post-norm
-    state stored in another dtype than the others; any fp8 array), so caches written before they existed keep
-    their hash and path."""
+    """``last_dtype``, ``fp8_group`` and ``fp8_shuffle`` as the identity records them: only when they mean something
+    (the post-norm state stored in another dtype than the others; any fp8 array), so caches written before they
+    existed keep their hash and path."""
     out: dict[str, Any] = {}
     if s.resolved_last_dtype() != s.dtype:
         out["last_dtype"] = s.resolved_last_dtype()
     if FP8 in (s.dtype, s.resolved_last_dtype()):
-        out["fp8_group"] = s.fp8_group
+        out.update(fp8_group=s.fp8_group, fp8_shuffle=s.fp8_shuffle)
     return out
 
 

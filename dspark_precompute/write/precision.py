@@ -11,7 +11,9 @@ dequantized exactly as a reader does) is compared with the recomputed state:
   positions and channels, and the worst token by its own relative error ``||s - r|| / ||r||``;
 * for the post-norm state, what the trainer sees: the teacher distribution
   ``softmax(lm_head(state))`` from the stored state against the recomputed one, as the mean and
-  largest total-variation distance and the top-1 agreement.
+  largest total-variation distance and the top-1 agreement, and the relative logit error
+  ``||l_s - l_r|| / ||l_r||`` (a random-weight target's teacher is nearly one-hot, so its TV
+  says little; the logit error still shows what the stored state costs).
 
 The reference is the sample run alone (the pipeline ran it in a right-padded batch), so a
 bf16 cache shows its own rounding (about 0.2-0.3% relative) and next to nothing else.
@@ -94,6 +96,7 @@ class PrecisionResult:
     top1_agreement: float | None = None  # argmax of lm_head(stored last) == argmax of lm_head(recomputed last)
     tv_mean: float | None = None  # total variation between the two teacher distributions
     tv_max: float | None = None
+    logit_rel_error: float | None = None  # mean over positions of ||l_s - l_r|| / ||l_r||
 
     def add(self, message: str, **where: Any) -> None:
         self.problems.append({"check": "precision", "message": message, **where})
@@ -103,7 +106,8 @@ class PrecisionResult:
             return None
         return {"positions": self.positions, "samples": self.samples, "reference": f"recompute in "
                 f"{self.compute_dtype}", "arrays": [a.to_json() for a in self.arrays],
-                "last_top1_agreement": self.top1_agreement, "last_tv_mean": self.tv_mean, "last_tv_max": self.tv_max}
+                "last_top1_agreement": self.top1_agreement, "last_tv_mean": self.tv_mean, "last_tv_max": self.tv_max,
+                "last_logit_rel_error": self.logit_rel_error}
 
 
 def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | None = None, model: str | None = None,
@@ -180,6 +184,7 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
         by_sample.setdefault(s, []).append(t)
     top1: list[bool] = []
     tv: list[float] = []
+    logit_rel: list[float] = []
     try:
         with torch.inference_mode():
             for s, toks in by_sample.items():
@@ -208,6 +213,7 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
                     student = head(stored_last[b:b + POSITIONS_PER_FORWARD]).float()
                     top1 += (teacher.argmax(-1) == student.argmax(-1)).tolist()
                     tv += (0.5 * (torch.softmax(teacher, -1) - torch.softmax(student, -1)).abs().sum(-1)).tolist()
+                    logit_rel += ((teacher - student).norm(dim=-1) / teacher.norm(dim=-1).clamp_min(1e-30)).tolist()
                 out.positions += len(toks)
                 out.samples += 1
     finally:
@@ -216,6 +222,7 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
         return out
     out.arrays = errors
     out.top1_agreement, out.tv_mean, out.tv_max = float(np.mean(top1)), float(np.mean(tv)), float(np.max(tv))
+    out.logit_rel_error = float(np.mean(logit_rel))
     for e in errors:
         if e.rel_rms > max_rel_rms:
             out.add(f"{e.layer} (array {e.array!r}, stored as {e.dtype}): relative RMS error {e.rel_rms:.3%} against "
@@ -232,6 +239,6 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
     for e in errors:
         log.info("precision: %s (%s): relative RMS error %.4f, worst token %.4f at sample %d token %d", e.layer,
                  e.dtype, e.rel_rms, e.worst_rel, e.worst_sample, e.worst_token)
-    log.info("precision: teacher from the stored final state: top-1 agreement %.2f%%, TV mean %.3g / max %.3g",
-             100 * out.top1_agreement, out.tv_mean, out.tv_max)
+    log.info("precision: teacher from the stored final state: top-1 agreement %.2f%%, TV mean %.3g / max %.3g, "
+             "relative logit error %.3g", 100 * out.top1_agreement, out.tv_mean, out.tv_max, out.logit_rel_error)
     return out

@@ -110,7 +110,8 @@ def allocate(store: CacheStore, specs: list[ArraySpec], layout: Layout, storage:
             attrs.update(scale_of=s.scale_of, channels_per_scale=s.group)
         group.create_array(
             s.name, shape=shape, chunks=chunks, dtype=s.dtype, fill_value=s.fill,
-            compressors=codec_chain(storage.compressor, storage.compression_level, storage.shuffle,
+            compressors=codec_chain(storage.compressor, storage.compression_level,
+                                    storage.fp8_shuffle if s.storage == E4M3 else storage.shuffle,
                                     np.dtype(s.dtype).itemsize),
             dimension_names=("token",) if s.width is None else ("token", "scale" if s.scale_of else "hidden"),
             attributes=attrs,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def test_fp8_settings_enter_the_identity_only_when_they_mean_something(tmp_path)
     bf16 = prepare(compose(small(tmp_path))).identity["storage"]
     assert sorted(bf16) == ["chunk_tokens", "compression_level", "compressor", "dtype", "shuffle", "unit_tokens"]
     fp8 = prepare(compose(small(tmp_path, "storage.dtype=fp8_e4m3"))).identity["storage"]
-    assert fp8["last_dtype"] == "bf16" and fp8["fp8_group"] is None
+    assert fp8["last_dtype"] == "bf16" and fp8["fp8_group"] is None and fp8["fp8_shuffle"] == "bit"
     assert fp8["chunk_tokens"] == bf16["chunk_tokens"]  # the bf16 post-norm state sizes the chunk
     assert "fp8_group" not in prepare(compose(small(tmp_path, "storage.last_dtype=fp32"))).identity["storage"]
 
@@ -56,6 +57,19 @@ def test_a_resume_with_another_fp8_setting_is_refused_naming_it(fp8_run, tmp_pat
         overrides.remove("storage.fp8_group=16")
     with pytest.raises(IncompatibleCacheError, match=field.replace(".", r"\.")):
         run(compose([*overrides, f"storage.path={path}", change]))
+
+
+def test_fp8_bits_are_bit_shuffled_and_their_scales_byte_shuffled_as_zarr_reads_them(fp8_run):
+    _, result = fp8_run
+    g = zarr.open_group(result.path, mode="r")
+    meta = {name: json.loads((Path(result.path) / name / "zarr.json").read_text())
+            for name in ("hidden_states/layer_1", "hidden_scales/layer_1", "hidden_states/layer_3")}
+    shuffle = {k: v["codecs"][1]["configuration"]["shuffle"] for k, v in meta.items()}
+    assert shuffle == {"hidden_states/layer_1": "bitshuffle", "hidden_scales/layer_1": "shuffle",
+                       "hidden_states/layer_3": "shuffle"}
+    assert meta["hidden_states/layer_1"]["attributes"] == {"logical_dtype": "float8_e4m3fn", "layer_id": 1,
+                                                           "scale_array": "hidden_scales/layer_1"}
+    assert g["hidden_scales/layer_1"].attrs["channels_per_scale"] == 16 and g["hidden_scales/layer_1"].fill_value == 1
 
 
 def test_the_dry_run_counts_the_exact_bytes_an_fp8_run_allocates(fp8_run):

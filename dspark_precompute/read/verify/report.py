@@ -81,7 +81,8 @@ class VerifyReport:
                 lines.append(f"    {a['layer']:<18} {a['dtype']:<9} relative RMS error {a['rel_rms']:.3%}, worst token "
                              f"{a['worst_token_rel']:.3%} (sample {a['worst_sample']}, token {a['worst_token']})")
             lines.append(f"    teacher from the stored final state: top-1 agreement {p['last_top1_agreement']:.2%}, "
-                         f"total variation mean {p['last_tv_mean']:.3g} / max {p['last_tv_max']:.3g}")
+                         f"total variation mean {p['last_tv_mean']:.3g} / max {p['last_tv_max']:.3g}, relative "
+                         f"logit error {p['last_logit_rel_error']:.3g}")
         lines += [f"  note: {n}" for n in self.notes] + [f"  {p}" for p in self.problems]
         if self.problems:
             lines.append(f"{len(self.problems)} problem(s).")
