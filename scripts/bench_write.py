@@ -97,7 +97,7 @@ def write_once(workdir: Path, codec: str, writers: int, data: np.ndarray, units:
     store = CacheStore(str(path))
     storage = StorageConfig(path=str(path), compressor=compressor, compression_level=level, shuffle=shuffle)
     allocate(store, specs, layout, storage, {"samples/start": layout.start, "samples/length": layout.length}, {})
-    w = UnitWriter(store, specs, layout, n_slots=slots, writers=writers, codec=(compressor, level, shuffle))
+    w = UnitWriter(store, specs, layout, n_slots=slots, writers=writers, storage=storage)
     try:
         for s in range(len(w.slots)):  # fill every buffer once: the clock times the writer, not the feeding
             bufs = w.buffers(s)

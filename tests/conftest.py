@@ -25,6 +25,17 @@ def default_run(tmp_path_factory):
     return cfg, run(cfg)
 
 
+@pytest.fixture(scope="session")
+def fp8_run(tmp_path_factory):
+    """The default run's samples stored as fp8 (a scale per 16 channels, the post-norm state kept bf16)."""
+    from dspark_precompute.write.run import run
+
+    tmp = tmp_path_factory.mktemp("fp8_run")
+    cfg = compose(small(tmp, "storage.chunk_tokens=256", "storage.unit_tokens=1024", "storage.dtype=fp8_e4m3",
+                        "storage.fp8_group=16"))
+    return cfg, run(cfg)
+
+
 @pytest.fixture
 def cache_copy(default_run, tmp_path):
     """A private copy of the shared small cache, safe to damage."""

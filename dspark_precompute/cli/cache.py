@@ -3,7 +3,7 @@
 ::
 
     dspark-cache info PATH [--json]
-    dspark-cache verify PATH [--recompute N] [--teacher N] [--repair]
+    dspark-cache verify PATH [--recompute N] [--teacher N] [--precision N] [--repair]
     dspark-cache export-nemo CACHE OUT [--shard-size 256] [--overwrite]
     dspark-cache plot PATH -o report.png
 
@@ -83,11 +83,27 @@ def _verify(args: argparse.Namespace) -> int:
             report.teacher_tv_mean, report.teacher_tv_max = t.tv_mean, t.tv_max
             report.teacher_rel_error_mean, report.teacher_rel_error_max = t.rel_error_mean, t.rel_error_max
             report.seconds += time.perf_counter() - t0
+    if args.precision > 0:
+        if report.problems and any(p.check in ("structure", "offsets") for p in report.problems):
+            report.problems.append(Problem("precision", "skipped: the cache's structure or offsets are broken, fix "
+                                                        "those first"))
+        else:
+            from dspark_precompute.write.precision import precision_check
+
+            t0 = time.perf_counter()
+            pr = precision_check(args.path, args.precision, seed=args.seed, device=args.device, model=args.model,
+                                 trust_remote_code=args.trust_remote_code, max_rel_rms=args.precision_max_rel_rms,
+                                 min_top1=args.teacher_min_top1, max_tv=args.teacher_max_tv)
+            report.problems += [Problem(**p) for p in pr.problems]
+            report.notes += pr.notes
+            report.precision = pr.to_json()
+            report.seconds += time.perf_counter() - t0
     if args.json:
         _out(json.dumps({"ok": report.ok, "path": report.path, "samples": report.samples, "tokens": report.tokens,
                          "chunks_checked": report.chunks_checked, "recomputed": report.recomputed,
                          "recompute_exact": report.recompute_exact,
                          "recompute_max_steps": report.recompute_max_steps, "teacher": report.teacher_json(),
+                         "precision": report.precision,
                          "notes": report.notes,
                          "problems": [p.__dict__ for p in report.problems]}, indent=2, default=list))
     else:
@@ -151,13 +167,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--teacher-max-rel", type=float, default=None, metavar="ERR",
                    help="--teacher fails above this mean relative logit error (default: 4 steps of the storage and "
                         "compute dtypes, 0.031 for bf16 storage of an fp32 forward)")
-    s.add_argument("--seed", type=int, default=0, help="which samples --recompute and positions --teacher pick")
+    s.add_argument("--precision", type=int, default=0, metavar="N",
+                   help="reload the target, recompute N sampled token positions and report what the storage dtype "
+                        "costs: relative RMS error per stored array, the worst token, and for the final state the "
+                        "teacher's (lm_head) top-1 agreement and total-variation distance")
+    s.add_argument("--precision-max-rel-rms", type=float, default=0.05, metavar="ERR",
+                   help="--precision fails above this relative RMS error of any array (default 0.05); its final-state "
+                        "check uses --teacher-min-top1 and --teacher-max-tv")
+    s.add_argument("--seed", type=int, default=0,
+                   help="which samples --recompute and positions --teacher / --precision pick")
     s.add_argument("--tolerance", type=float, default=1.0,
                    help="largest allowed difference, in steps of the storage dtype (default 1)")
     s.add_argument("--device", default=None,
-                   help="device for --recompute and --teacher (default: the manifest's model.device)")
+                   help="device for --recompute, --teacher and --precision (default: the manifest's model.device)")
     s.add_argument("--model", default=None, metavar="PATH",
-                   help="target for --recompute and --teacher (default: the path recorded in the manifest)")
+                   help="target for --recompute, --teacher and --precision (default: the path recorded in the "
+                        "manifest)")
     s.add_argument("--trust-remote-code", action="store_true",
                    help="let --recompute / --teacher run code shipped with the target checkpoint (never taken from "
                         "the cache)")

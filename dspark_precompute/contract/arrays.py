@@ -3,7 +3,9 @@
 The writer builds every array with :func:`codec_chain` (bytes little-endian -> blosc, zstd
 or nothing -> crc32c); :func:`array_meta_problems` accepts exactly that chain and the
 dtype, shape, chunk shape and ``layer_id``/``logical_dtype`` attributes the manifest
-implies, so a reader decodes nothing it did not expect.
+implies, so a reader decodes nothing it did not expect. An fp8 array's scale array is
+expected too, and marked ``positive``: :func:`~dspark_precompute.contract.chunks.decode_chunk`
+refuses any of its chunks holding a scale that is not finite and positive.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from dspark_precompute.contract.fp8 import E4M3, SCALE_DTYPE
 from dspark_precompute.contract.spec import (
     COMPRESSORS,
     MAX_CHUNK_BYTES,
@@ -91,6 +94,7 @@ class ArrayMeta:
     compressor: str | None   # "blosc", "zstd" or None (bytes -> [compressor] -> crc32c)
     separator: str
     v2_keys: bool
+    positive: bool = False   # fp8 scales: every decoded value must be finite and > 0
 
     @property
     def chunk_nbytes(self) -> int:
@@ -122,12 +126,13 @@ class ExpectedArray(NamedTuple):
     chunks: tuple[int, ...] | None
     attrs: dict[str, Any]
     shape_from: str  # the manifest fields the shape comes from, for messages
+    positive: bool = False  # an fp8 scale array (values checked on decode)
 
 
 def expected_arrays(m: Manifest) -> dict[str, ExpectedArray]:
     """Every array a cache must hold, by name, with the dtype, shape, chunks and attributes ``m`` implies."""
     hidden, total, ct = m.hidden_size, m.layout.total_token_slots, m.layout.chunk_tokens
-    disk, logical = STORAGE_DTYPES[m.storage_dtype]
+    dtypes, scales, cols = m.array_dtypes, m.scale_arrays, m.scale_columns
     out: dict[str, ExpectedArray] = {}
     for name, dt in TOKEN_ARRAYS.items():
         out[name] = ExpectedArray(np.dtype(dt), (total,), (ct,), {"logical_dtype": np.dtype(dt).name},
@@ -135,9 +140,17 @@ def expected_arrays(m: Manifest) -> dict[str, ExpectedArray]:
     layer_of = {v: int(k) for k, v in m.arrays.items() if k != "last"}
     for name in m.hidden_array_names:
         lid = layer_of.get(name, m.num_hidden_layers - 1)  # final_norm: the post-norm state
-        out[name] = ExpectedArray(np.dtype(disk), (total, hidden), (ct, hidden),
-                                  {"logical_dtype": logical, "layer_id": lid},
+        disk, logical = STORAGE_DTYPES[dtypes[name]]
+        attrs: dict[str, Any] = {"logical_dtype": logical, "layer_id": lid}
+        if dtypes[name] == E4M3:
+            attrs["scale_array"] = scales[name]
+        out[name] = ExpectedArray(np.dtype(disk), (total, hidden), (ct, hidden), attrs,
                                   "layout.total_token_slots x hidden_size")
+    for name, scale in scales.items():
+        out[scale] = ExpectedArray(SCALE_DTYPE, (total, cols), (ct, cols),
+                                   {"logical_dtype": SCALE_DTYPE.name, "scale_of": name,
+                                    "channels_per_scale": m.fp8_group or hidden},
+                                   "layout.total_token_slots x hidden_size / fp8_group", True)
     n, units = m.stored_samples, m.layout.num_units
     for name, dt in SAMPLE_ARRAYS.items():
         out[name] = ExpectedArray(np.dtype(dt), (n,), None, {},
@@ -153,7 +166,7 @@ def array_meta_problems(name: str, meta: Any, want: ExpectedArray) -> tuple[Arra
     The codec chain must be one the writer writes (``bytes`` little-endian, then ``blosc``,
     ``zstd`` or nothing, then ``crc32c``): the reader decodes exactly that and nothing else.
     """
-    dtype, shape, chunks, attrs, shape_from = want
+    dtype, shape, chunks, attrs, shape_from, positive = want
     where = f"array {name!r} ({name}/zarr.json)"
     if not isinstance(meta, dict):
         return None, [f"{where} is not a JSON object; the array's metadata is damaged"]
@@ -207,7 +220,8 @@ def array_meta_problems(name: str, meta: Any, want: ExpectedArray) -> tuple[Arra
     if problems:
         return None, problems
     assert got_chunks is not None  # a grid problem would have returned above
-    parsed = ArrayMeta(name, dtype.newbyteorder("<"), shape, tuple(int(x) for x in got_chunks), compressor, sep, v2)
+    parsed = ArrayMeta(name, dtype.newbyteorder("<"), shape, tuple(int(x) for x in got_chunks), compressor, sep, v2,
+                       positive)
     if parsed.chunk_nbytes > MAX_CHUNK_BYTES:
         return None, [f"{where} has {parsed.chunk_nbytes:,}-byte chunks, more than a reader decodes at once "
                       f"({MAX_CHUNK_BYTES:,})"]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dspark_precompute.contract.arrays import ArrayMeta, array_meta_problems, compressed_size_problem, expected_arrays
+from dspark_precompute.contract.fp8 import scale_problem
 from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, ChecksumError
@@ -71,7 +72,9 @@ def decode_chunk(meta: ArrayMeta, idx: tuple[int, ...], raw: bytes, where: str =
 
     Raises :class:`ChecksumError` when the crc32c does not match and :class:`CacheFormatError`
     when the chunk is larger than the array's chunks can be or its codec header declares
-    another size than the chunk's (it is then never decompressed).
+    another size than the chunk's (it is then never decompressed), or when a chunk of an fp8
+    scale array holds a scale that is not finite and positive (even one written with a valid
+    checksum: every row of a written scale chunk is, unwritten ones hold 1).
     """
     import google_crc32c
 
@@ -99,7 +102,14 @@ def decode_chunk(meta: ArrayMeta, idx: tuple[int, ...], raw: bytes, where: str =
         except Exception as exc:  # the codec's own error types
             raise CacheFormatError(f"{where}array {name!r} chunk {idx} (file {key}) cannot be decompressed "
                                    f"({type(exc).__name__}: {exc}); re-create the cache") from None
-    return data.view(meta.dtype).reshape(meta.chunks)
+    out = data.view(meta.dtype).reshape(meta.chunks)
+    if meta.positive:
+        problem = scale_problem(out)
+        if problem:
+            raise CacheFormatError(f"{where}array {name!r} chunk {idx} (file {key}) {problem}. The scales were "
+                                   "altered or not written by this tool: re-create the cache (or run `dspark-cache "
+                                   "verify --repair` and re-run the precompute command)")
+    return out
 
 
 def read_array_metas(store: CacheStore, m: Manifest, zstore: Any = None

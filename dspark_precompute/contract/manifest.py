@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dspark_precompute.contract.fp8 import E4M3, SCALE_DTYPE, scale_columns
 from dspark_precompute.contract.spec import (
     FINAL_NORM,
     FORMAT_NAME,
@@ -33,12 +34,16 @@ from dspark_precompute.contract.spec import (
     MAX_SEQ_LENGTH,
     MAX_TOKEN_SLOTS,
     MAX_VOCAB_SIZE,
+    OUTPUT_DTYPES,
     STORAGE_DTYPES,
     WEIGHTS,
+    array_dtypes,
     bytes_per_token,
     disk_dtype,
     hidden_arrays,
+    hidden_bytes_per_token,
     is_int,
+    scale_array,
 )
 from dspark_precompute.errors import CacheFormatError
 
@@ -202,6 +207,9 @@ class Manifest:
     capture: Capture | None = None  # absent in caches written before it was recorded
     dropped_samples: list[int] | None = None  # stored samples whose states were not finite: not readable
     nonfinite_values: dict[str, int] | None = None  # array -> NaN/Inf values found (all in dropped samples)
+    # the post-norm state's storage dtype when it differs from storage_dtype (fp8 caches keep it bf16)
+    last_dtype: str | None = None
+    fp8_group: int | None = None  # channels per fp8 scale; null: one scale per token (the whole row)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (to DataLoader workers, inside a dataset) without the run record: it says which command and
@@ -226,6 +234,40 @@ class Manifest:
         return STORAGE_DTYPES[self.storage_dtype][1]
 
     @property
+    def last_storage_dtype(self) -> str:
+        """The storage dtype of the post-norm state (``last_dtype``, else ``storage_dtype``)."""
+        return self.last_dtype or self.storage_dtype
+
+    @property
+    def array_dtypes(self) -> dict[str, str]:
+        """Storage dtype of each hidden array (the post-norm state's may differ from the others')."""
+        return array_dtypes(self.arrays, self.storage_dtype, self.last_dtype)
+
+    @property
+    def scale_arrays(self) -> dict[str, str]:
+        """fp8 state array -> its scale array (``hidden_scales/...``), for every array stored as fp8."""
+        return {name: scale_array(name) for name, d in self.array_dtypes.items() if d == E4M3}
+
+    @property
+    def scale_columns(self) -> int:
+        """Scales per token of each fp8 array: hidden_size / fp8_group (1: one per token)."""
+        return scale_columns(self.hidden_size, self.fp8_group)
+
+    @property
+    def output_dtype(self) -> str:
+        """The dtype a reader returns ``target_hidden_states`` in (fp8 is dequantized to bf16)."""
+        return OUTPUT_DTYPES[self.storage_dtype]
+
+    @property
+    def last_output_dtype(self) -> str:
+        """The dtype a reader returns ``target_last_hidden_states`` in."""
+        return OUTPUT_DTYPES[self.last_storage_dtype]
+
+    def hidden_storage(self) -> dict[str, dict[str, Any]]:
+        """Per hidden array: storage, on-disk and logical dtype, and an fp8 array's scale array (for other tools)."""
+        return _hidden_storage(self.array_dtypes, self.scale_columns, self.fp8_group or self.hidden_size)
+
+    @property
     def hidden_array_names(self) -> list[str]:
         """Every stored hidden-state array once (the last layer and ``last`` may be the same array)."""
         return list(dict.fromkeys(self.arrays.values()))
@@ -237,7 +279,7 @@ class Manifest:
 
     @property
     def bytes_per_token(self) -> int:
-        return bytes_per_token(self.hidden_size, self.disk_dtype.itemsize, len(self.hidden_array_names))
+        return hidden_bytes_per_token(self.hidden_size, list(self.array_dtypes.values()), self.scale_columns) + 5
 
     @property
     def target_hidden_dim(self) -> int:
@@ -261,7 +303,7 @@ class Manifest:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in ("completed_at", "timing", "weights_sha256", "provenance", "capture", "dropped_samples",
-                          "nonfinite_values") and v is None:
+                          "nonfinite_values", "last_dtype", "fp8_group") and v is None:
                 continue
             if isinstance(v, RunProvenance):
                 out[f.name] = v.to_json()
@@ -269,7 +311,7 @@ class Manifest:
             out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
         # derived, written for other tools (NeMo-style readers) and for people reading the file
         out.update(bytes_per_token=self.bytes_per_token, target_hidden_dim=self.target_hidden_dim,
-                   target_last_hidden_dim=self.hidden_size)
+                   target_last_hidden_dim=self.hidden_size, hidden_storage=self.hidden_storage())
         return out
 
     def to_bytes(self) -> bytes:
@@ -350,6 +392,18 @@ class Manifest:
         return out
 
 
+def _hidden_storage(dtypes: dict[str, str], columns: int, group: int) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name, d in dtypes.items():
+        disk, logical = STORAGE_DTYPES[d]
+        entry: dict[str, Any] = {"dtype": d, "disk_dtype": np.dtype(disk).name, "logical_dtype": logical}
+        if d == E4M3:
+            entry.update(scale_array=scale_array(name), scale_dtype=SCALE_DTYPE.name, scale_columns=columns,
+                         channels_per_scale=group)
+        out[name] = entry
+    return out
+
+
 def listing(head: str, problems: list[str], tail: str) -> str:
     if len(problems) == 1:
         return f"{head}: {problems[0]}. {tail}"
@@ -398,6 +452,9 @@ def manifest_problems(manifest: Any) -> list[str]:
     if manifest.get("storage_dtype") not in (None, *STORAGE_DTYPES):
         problems.append(f"manifest storage_dtype {manifest.get('storage_dtype')!r} is unknown "
                         f"(one of {sorted(STORAGE_DTYPES)})")
+    if manifest.get("last_dtype") not in (None, *STORAGE_DTYPES):
+        problems.append(f"manifest last_dtype {manifest.get('last_dtype')!r} is unknown "
+                        f"(one of {sorted(STORAGE_DTYPES)}, or null for storage_dtype)")
 
     def check_int(where: str, v: Any, lo: int, hi: int, what: str) -> bool:
         p = _int_problem(where, v, lo, hi, what)
@@ -449,7 +506,21 @@ def manifest_problems(manifest: Any) -> list[str]:
         "num_hidden_layers", manifest["num_hidden_layers"], 1, MAX_NUM_LAYERS, "decoder layers of the target")
     seq_ok = "seq_length" in manifest and check_int("seq_length", manifest["seq_length"], 1, MAX_SEQ_LENGTH,
                                                     "longest sample, in tokens")
-    dtype_ok = manifest.get("storage_dtype") in STORAGE_DTYPES
+    dtype_ok = manifest.get("storage_dtype") in STORAGE_DTYPES and manifest.get("last_dtype") in (None, *STORAGE_DTYPES)
+    itemsize = max(disk_dtype(d).itemsize for d in (manifest["storage_dtype"], manifest.get("last_dtype")
+                                                     or manifest["storage_dtype"])) if dtype_ok else 0
+    group: Any = manifest.get("fp8_group")
+    group_ok = group is None
+    if group is not None and dtype_ok:
+        if E4M3 not in (manifest["storage_dtype"], manifest.get("last_dtype")):
+            problems.append(f"manifest fp8_group = {group!r} but no array is stored as {E4M3} (storage_dtype "
+                            f"{manifest['storage_dtype']!r}, last_dtype {manifest.get('last_dtype')!r})")
+        elif hidden_ok and check_int("fp8_group", group, 1, int(manifest["hidden_size"]), "channels per fp8 scale"):
+            if int(manifest["hidden_size"]) % int(group):
+                problems.append(f"manifest fp8_group = {group} does not divide hidden_size = "
+                                f"{manifest['hidden_size']} (each scale covers a whole group of channels)")
+            else:
+                group_ok = True
 
     ids: Any = manifest.get("layer_ids")
     ids_ok = False
@@ -509,7 +580,6 @@ def manifest_problems(manifest: Any) -> list[str]:
                 problems.append(f"manifest layout.num_units = {nu} cannot fill layout.total_token_slots = {total}")
                 layout_ok = False
             if hidden_ok and dtype_ok:
-                itemsize = np.dtype(STORAGE_DTYPES[manifest["storage_dtype"]][0]).itemsize
                 chunk_bytes = ct * int(manifest["hidden_size"]) * itemsize
                 if chunk_bytes > MAX_CHUNK_BYTES:
                     problems.append(
@@ -519,20 +589,27 @@ def manifest_problems(manifest: Any) -> list[str]:
                     layout_ok = False
 
     if hidden_ok and dtype_ok and seq_ok and isinstance(ids, list):
-        itemsize = np.dtype(STORAGE_DTYPES[manifest["storage_dtype"]][0]).itemsize
-        per_sample = int(manifest["seq_length"]) * bytes_per_token(int(manifest["hidden_size"]), itemsize,
-                                                                   len(ids) + 1)
+        # fp8 arrays hold at most as many scales as channels (4 bytes each): bound them by 4 more bytes per value
+        per_sample = int(manifest["seq_length"]) * bytes_per_token(int(manifest["hidden_size"]), itemsize + (
+            4 if E4M3 in (manifest["storage_dtype"], manifest.get("last_dtype")) else 0), len(ids) + 1)
         if per_sample > MAX_SAMPLE_BYTES:
             problems.append(
                 f"manifest seq_length = {manifest['seq_length']} x hidden_size = {manifest['hidden_size']} makes one "
                 f"padded sample {per_sample:,} bytes, more than a reader allocates for one sample "
                 f"({MAX_SAMPLE_BYTES:,}); the manifest is damaged")
-    if hidden_ok and dtype_ok and arrays_ok and "bytes_per_token" in manifest:
-        itemsize = np.dtype(STORAGE_DTYPES[manifest["storage_dtype"]][0]).itemsize
-        want_bpt = bytes_per_token(int(manifest["hidden_size"]), itemsize, len(set(arrays.values())))
-        if manifest["bytes_per_token"] != want_bpt:
+    if hidden_ok and dtype_ok and arrays_ok and group_ok:
+        hidden = int(manifest["hidden_size"])
+        dtypes = array_dtypes(arrays, manifest["storage_dtype"], manifest.get("last_dtype"))
+        cols = scale_columns(hidden, group)
+        want_bpt = hidden_bytes_per_token(hidden, list(dtypes.values()), cols) + 5
+        if "bytes_per_token" in manifest and manifest["bytes_per_token"] != want_bpt:
             problems.append(f"manifest bytes_per_token = {manifest['bytes_per_token']!r}, the arrays it names store "
                             f"{want_bpt} bytes per token")
+        want_storage = _hidden_storage(dtypes, cols, group or hidden)
+        if "hidden_storage" in manifest and manifest["hidden_storage"] != want_storage:
+            problems.append(f"manifest hidden_storage = {manifest['hidden_storage']!r:.160} disagrees with "
+                            f"storage_dtype, last_dtype and fp8_group, which give {want_storage!r:.160}; the manifest "
+                            "was altered")
     if hidden_ok and isinstance(ids, list):
         for key, want_dim in (("target_hidden_dim", int(manifest["hidden_size"]) * len(ids)),
                               ("target_last_hidden_dim", int(manifest["hidden_size"]))):

@@ -12,6 +12,7 @@ A cache is one zarr v3 group::
     hidden_states/layer_{i}   [token, hidden]  per captured layer (``embeddings`` for -1);
                                  bf16 is stored as its uint16 bit pattern
     hidden_states/final_norm  [token, hidden]  only when N-1 is not a captured layer
+    hidden_scales/<array>  float32 [token, hidden / fp8_group]  per fp8 array (``contract/fp8.py``)
     samples/start        int64  [sample]  first token slot of sample i
     samples/length       int32  [sample]  its number of tokens
     samples/source_row   int64  [sample]  its row in the input selection
@@ -37,6 +38,7 @@ COMMITS = "commits"
 INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
 HIDDEN_GROUP = "hidden_states"
+SCALE_GROUP = "hidden_scales"  # the per-token (per-group) scales of fp8 arrays, one array per fp8 array
 FINAL_NORM = "final_norm"
 TOKEN_ARRAYS = {INPUT_IDS: np.int32, LOSS_MASK: np.uint8}
 SAMPLE_ARRAYS = {
@@ -53,8 +55,11 @@ STORAGE_DTYPES = {
     "bf16": (np.uint16, "bfloat16"),
     "fp16": (np.float16, "float16"),
     "fp32": (np.float32, "float32"),
+    "fp8_e4m3": (np.uint8, "float8_e4m3fn"),  # e4m3 bits plus a scale array (contract/fp8.py)
 }
-# storage dtype name -> its safetensors dtype (the weights file holds the embedding in the storage dtype)
+# storage dtype name -> the dtype a reader returns (and the export and the weights file hold)
+OUTPUT_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "fp8_e4m3": "bf16"}
+# storage dtype name -> its safetensors dtype (the weights file holds the embedding in the output dtype)
 SAFETENSORS_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 COORD = "coord"  # failure markers of a multi-rank job
 HYDRA_RECORD = ".hydra"  # the Hydra record (composed config, overrides) of the run that wrote the cache
@@ -65,7 +70,7 @@ LOCK = ".writer.lock"
 # that holds nothing else.
 OWN_ENTRIES = frozenset({
     "zarr.json", MANIFEST, WEIGHTS, REJECTS, COMMITS, COORD, HYDRA_RECORD, LOCK,
-    INPUT_IDS, LOSS_MASK, HIDDEN_GROUP, "samples", "units",
+    INPUT_IDS, LOSS_MASK, HIDDEN_GROUP, SCALE_GROUP, "samples", "units",
 })
 
 
@@ -91,6 +96,18 @@ def hidden_arrays(layer_ids: list[int], num_layers: int) -> dict[str, str]:
     return names
 
 
+def scale_array(state_array: str) -> str:
+    """The scale array of an fp8 state array: ``hidden_states/layer_3`` -> ``hidden_scales/layer_3``."""
+    return f"{SCALE_GROUP}/{state_array.rsplit('/', 1)[-1]}"
+
+
+def array_dtypes(names: dict[str, str], storage_dtype: str, last_dtype: str | None) -> dict[str, str]:
+    """Storage dtype of each hidden array: the post-norm state's is ``last_dtype`` (None: ``storage_dtype``)."""
+    last = names["last"]
+    return {name: (last_dtype or storage_dtype) if name == last else storage_dtype
+            for name in dict.fromkeys(names.values())}
+
+
 def auto_chunk_tokens(hidden_size: int, itemsize: int, target_bytes: int = 1 << 20) -> int:
     """Largest power of two with a chunk of the widest array <= ``target_bytes``, in [512, 65536].
 
@@ -106,6 +123,12 @@ def auto_chunk_tokens(hidden_size: int, itemsize: int, target_bytes: int = 1 << 
 def bytes_per_token(hidden_size: int, itemsize: int, n_hidden_arrays: int) -> int:
     """Raw bytes one real token costs on disk before compression (ids int32 + mask uint8 + states)."""
     return n_hidden_arrays * hidden_size * itemsize + 4 + 1
+
+
+def hidden_bytes_per_token(hidden_size: int, dtypes: list[str], scale_columns: int) -> int:
+    """Raw bytes per token of the hidden arrays of ``dtypes`` (one per array), fp8 scales (float32) included."""
+    return sum(hidden_size * disk_dtype(d).itemsize + (4 * scale_columns if d == "fp8_e4m3" else 0)
+               for d in dtypes)
 
 
 def is_int(v: object) -> bool:

@@ -7,7 +7,8 @@ safetensors header is computed from the shapes up front and each sample's rows a
 written in place, so memory stays at one sample (plus the reader's chunk cache)
 whatever the shard or dataset size. Every file goes to a temporary name first and is
 renamed when whole; the manifest comes last, so a directory with a manifest is a
-finished export.
+finished export. An fp8 cache is exported dequantized (``CacheReader.read_raw``: bf16), as
+NeMo's layout has no fp8.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from dspark_precompute.contract.spec import STORAGE_DTYPES
 from dspark_precompute.errors import CacheFormatError, IncompleteCacheError, StorageWriteError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.read.reader import CacheReader, open_cache
@@ -155,7 +157,7 @@ def nemo_manifest(cache: CacheReader, shard_size: int, layers: list[int] | None 
         "hidden_size": hidden,
         "num_hidden_layers": m.num_hidden_layers,
         "seq_length": m.seq_length,
-        "dtype": m.storage_dtype,
+        "dtype": m.output_dtype,  # an fp8 cache is exported dequantized, as bf16
         "num_samples": len(cache),
         "shard_size": int(shard_size),
         "target_hidden_dim": hidden * len(lids),
@@ -245,9 +247,10 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     _prepare_out(out, c.path, overwrite)
     total = _write_weights(weights, out)
     del weights
-    st_dtype = _ST_DTYPE[c.storage_dtype]
-    disk_dtype = c.manifest.disk_dtype
-    itemsize = disk_dtype.itemsize
+    # what read_raw returns: fp8 states dequantized to bf16, the post-norm state in its own dtype
+    st_dtype, st_last = _ST_DTYPE[c.output_dtype], _ST_DTYPE[c.last_output_dtype]
+    disk_dtype = np.dtype(STORAGE_DTYPES[c.output_dtype][0])
+    last_disk = np.dtype(STORAGE_DTYPES[c.last_output_dtype][0])
     width = H * len(lids)
     pad_id = c.pad_token_id
     starts = c.starts()
@@ -257,15 +260,15 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     mask_row = np.zeros(S, dtype=np.int64)
     attn_row = np.zeros(S, dtype=np.int64)
     hid_row = np.zeros((S, width), dtype=disk_dtype)
-    last_row = np.zeros((S, H), dtype=disk_dtype)
+    last_row = np.zeros((S, H), dtype=last_disk)
     for k in range(num_shards):
         rows = np.arange(k * shard_size, min(n, (k + 1) * shard_size))
         spec = {
             "input_ids": ("I64", (len(rows), S), 8),
             "attention_mask": ("I64", (len(rows), S), 8),
             "loss_mask": ("I64", (len(rows), S), 8),
-            "target_hidden_states": (st_dtype, (len(rows), S, width), itemsize),
-            "target_last_hidden_states": (st_dtype, (len(rows), S, H), itemsize),
+            "target_hidden_states": (st_dtype, (len(rows), S, width), disk_dtype.itemsize),
+            "target_last_hidden_states": (st_last, (len(rows), S, H), last_disk.itemsize),
         }
         w = SafetensorsStreamWriter(out / shard_name(k), spec, {"format": "pt"})
         try:

@@ -16,6 +16,10 @@ chunk that is not there raises :class:`MissingChunkError` (zarr would return zer
 Decoded chunks go through a small LRU: a sample only touches the chunks that hold its
 tokens, neighbouring samples (disk order is longest-first within a unit) reuse them, and
 one sample's chunks are decoded concurrently.
+
+An fp8 cache (``storage.dtype=fp8_e4m3``) reads like a bf16 one: its states are dequantized
+to bf16 by ``contract.fp8`` (exactly as documented there); :meth:`CacheReader.read_fp8` gives
+the stored e4m3 bits and scales instead.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 from dspark_precompute.contract.arrays import ArrayMeta
 from dspark_precompute.contract.chunks import decode_chunk, get_many, read_array_metas, read_file
 from dspark_precompute.contract.commits import CommitRecord, committed_units
+from dspark_precompute.contract.fp8 import E4M3, convert
 from dspark_precompute.contract.layout import SampleIndex, table_problems
 from dspark_precompute.contract.manifest import Manifest, listing, weights_problems
 from dspark_precompute.contract.spec import (
@@ -48,6 +53,7 @@ from dspark_precompute.contract.spec import (
     STORAGE_DTYPES,
     UNIT_ARRAYS,
     WEIGHTS,
+    disk_dtype,
 )
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, ChecksumError, IncompleteCacheError, MissingChunkError
@@ -156,8 +162,13 @@ class CacheReader:
         self.layer_ids: list[int] = list(self.manifest.layer_ids)
         self.hidden_size = self.manifest.hidden_size
         self.storage_dtype: str = self.manifest.storage_dtype
-        self.logical_dtype = self.manifest.logical_dtype
-        self.torch_dtype = TORCH_DTYPES[self.storage_dtype]
+        # what samples hold: the storage dtype, except fp8 (dequantized to bf16); the last state may differ
+        self.output_dtype: str = self.manifest.output_dtype
+        self.last_output_dtype: str = self.manifest.last_output_dtype
+        self.logical_dtype = STORAGE_DTYPES[self.output_dtype][1]
+        self.torch_dtype = TORCH_DTYPES[self.output_dtype]
+        self._dtypes = self.manifest.array_dtypes  # hidden array -> storage dtype
+        self._scales = self.manifest.scale_arrays  # fp8 array -> its scale array
         self.seq_length = self.manifest.seq_length
         self.chunk_tokens = self.manifest.layout.chunk_tokens
         self._names: dict[str, str] = dict(self.manifest.arrays)
@@ -407,9 +418,12 @@ class CacheReader:
         return chosen
 
     def read_raw(self, i: int, layers: Sequence[int] | None = None, last: bool = True) -> dict[str, np.ndarray]:
-        """Sample ``i`` as stored: int32 ids, uint8 mask, hidden states in the storage dtype.
+        """Sample ``i`` as stored: int32 ids, uint8 mask, hidden states in the output dtype.
 
         bf16 stays as its uint16 bit pattern: the cheapest form to copy elsewhere (export).
+        fp8 states come dequantized, as bf16 bits (``contract.fp8``); a layer stored in
+        another dtype than the rest (the post-norm state under ``storage.last_dtype``) is
+        converted to ``output_dtype`` in ``target_hidden_states``.
         """
         s = self._resolve(i)
         chosen = self.check_layers(layers)
@@ -417,15 +431,62 @@ class CacheReader:
         layer_names = [self._names[str(lid)] for lid in chosen]
         last_name = self._names["last"]
         names = [INPUT_IDS, LOSS_MASK, *layer_names] + ([last_name] if last else [])
-        got = self.read_tokens(names, a, a + n)
+        got = self.read_tokens(names + [self._scales[nm] for nm in names if nm in self._scales], a, a + n)
+
+        def states(nm: str, to: str) -> np.ndarray:
+            scale = got[self._scales[nm]] if nm in self._scales else None
+            return convert(got[nm], self._dtypes[nm], to, scale)
+
         if layer_names:
-            hidden = got[layer_names[0]] if len(layer_names) == 1 else np.concatenate(
-                [got[nm] for nm in layer_names], axis=1)
+            parts = [states(nm, self.output_dtype) for nm in layer_names]
+            hidden = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         else:
-            hidden = np.zeros((n, 0), dtype=self.manifest.disk_dtype)
+            hidden = np.zeros((n, 0), dtype=disk_dtype(self.output_dtype))
         out = {"input_ids": got[INPUT_IDS], "loss_mask": got[LOSS_MASK], "target_hidden_states": hidden}
         if last:
+            out["target_last_hidden_states"] = states(last_name, self.last_output_dtype)
+        return out
+
+    def read_fp8(self, i: int, layers: Sequence[int] | None = None, last: bool = True) -> dict[str, Any]:
+        """Sample ``i``'s fp8 states as stored: e4m3 bits and their float32 scales (numpy), nothing dequantized.
+
+        ``target_hidden_states`` is ``uint8 [T, L*H]`` (view it as ``torch.float8_e4m3fn``),
+        ``target_hidden_scales`` ``float32 [T, L*H/g]``: channel ``c`` of the row is
+        ``E4M3[bits[t, c]] * scales[t, c // g]`` with ``g = fp8_group`` (``contract.fp8``).
+        ``layers`` None takes every captured layer stored as fp8 (``layer_ids`` says which: the
+        post-norm state under ``storage.last_dtype=bf16`` is not); the post-norm state is
+        included (``target_last_hidden_states``/``_scales``) when ``last`` and it is fp8.
+        """
+        if E4M3 not in self._dtypes.values():
+            raise ValueError(f"{self.path} stores no fp8 states (storage dtype {self.storage_dtype}); use sample()")
+        if layers is None:
+            chosen = [lid for lid in self.layer_ids if self._dtypes[self._names[str(lid)]] == E4M3]
+        else:
+            chosen = self.check_layers(layers)
+            other = [lid for lid in chosen if self._dtypes[self._names[str(lid)]] != E4M3]
+            if other:
+                raise ValueError(f"layers {other} are stored as {self._dtypes[self._names[str(other[0])]]}, not fp8 "
+                                 "(the post-norm state keeps storage.last_dtype); read them with sample()")
+        s = self._resolve(i)
+        a, n = int(self._start[s]), int(self._length[s])
+        layer_names = [self._names[str(lid)] for lid in chosen]
+        last_name = self._names["last"]
+        with_last = last and self._dtypes[last_name] == E4M3
+        names = [*layer_names] + ([last_name] if with_last else [])
+        got = self.read_tokens([INPUT_IDS, LOSS_MASK, *names, *(self._scales[nm] for nm in names)], a, a + n)
+
+        def joined(arrays: list[np.ndarray], width: int, dtype: Any) -> np.ndarray:
+            return np.concatenate(arrays, axis=1) if arrays else np.zeros((n, width), dtype=dtype)
+
+        out: dict[str, Any] = {
+            "input_ids": got[INPUT_IDS], "loss_mask": got[LOSS_MASK], "layer_ids": chosen,
+            "fp8_group": self.manifest.fp8_group or self.hidden_size,
+            "target_hidden_states": joined([got[nm] for nm in layer_names], 0, np.uint8),
+            "target_hidden_scales": joined([got[self._scales[nm]] for nm in layer_names], 0, np.float32),
+        }
+        if with_last:
             out["target_last_hidden_states"] = got[last_name]
+            out["target_last_hidden_scales"] = got[self._scales[last_name]]
         return out
 
     def sample(self, i: int, layers: Sequence[int] | None = None, as_numpy: bool = False,
@@ -434,20 +495,19 @@ class CacheReader:
 
         ``layers`` picks a subset (and order) of the captured layer ids; only their arrays'
         chunks are read. ``last=False`` skips the post-norm state. Torch output (training)
-        keeps the storage dtype (bf16/fp16/fp32) with int64 ids and mask, as NeMo does;
+        keeps the storage dtype (bf16/fp16/fp32; fp8 dequantized to bf16) with int64 ids and mask, as NeMo does;
         ``as_numpy=True`` (notebooks) gives float32 for bf16 caches, numpy having no bf16.
         """
         raw = self.read_raw(i, layers, last)
         ids = raw["input_ids"].astype(np.int64)
         mask = raw["loss_mask"].astype(np.int64)
-        floats: dict[str, np.ndarray] = {k: raw[k] for k in ("target_hidden_states", "target_last_hidden_states")
-                                         if k in raw}
+        dtypes = {"target_hidden_states": self.output_dtype, "target_last_hidden_states": self.last_output_dtype}
+        floats: dict[str, np.ndarray] = {k: raw[k] for k in dtypes if k in raw}
         if as_numpy:
-            if self.logical_dtype == "bfloat16":
-                floats = {k: bf16_bits_to_float32(v) for k, v in floats.items()}
+            floats = {k: bf16_bits_to_float32(v) if dtypes[k] == "bf16" else v for k, v in floats.items()}
             return {"input_ids": ids, "loss_mask": mask, **floats}
         return {"input_ids": torch.from_numpy(ids), "loss_mask": torch.from_numpy(mask),
-                **{k: to_torch(v, self.storage_dtype) for k, v in floats.items()}}
+                **{k: to_torch(v, dtypes[k]) for k, v in floats.items()}}
 
     def target_weights(self) -> dict[str, torch.Tensor]:
         """``embed_tokens.weight`` (+ ``lm_head.weight`` when untied) from the cache's weights file.

@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dspark_precompute.contract.spec import HIDDEN_GROUP, INPUT_IDS, LOSS_MASK
+from dspark_precompute.contract.spec import HIDDEN_GROUP, INPUT_IDS, LOSS_MASK, SCALE_GROUP
 from dspark_precompute.humanize import human_bytes
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def summary(c: CacheReader) -> dict[str, Any]:
     tokens = int(lengths.sum())
     supervised = m.counts.supervised_tokens if c.complete else int(c.supervised_counts().sum())
     on_disk = c.store.nbytes()
-    token_disk = sum(_bytes_under(c, p) for p in (INPUT_IDS, LOSS_MASK, HIDDEN_GROUP))
+    token_disk = sum(_bytes_under(c, p) for p in (INPUT_IDS, LOSS_MASK, HIDDEN_GROUP, SCALE_GROUP))
     raw = tokens * m.bytes_per_token
     return {
         "path": c.path,
@@ -131,6 +131,8 @@ def summary(c: CacheReader) -> dict[str, Any]:
         "target_hidden_dim": c.hidden_size * len(c.layer_ids),
         "num_hidden_layers": m.num_hidden_layers,
         "dtype": c.storage_dtype,
+        "last_dtype": m.last_storage_dtype,
+        "fp8_group": (m.fp8_group or m.hidden_size) if m.scale_arrays else None,
         "chunk_tokens": c.chunk_tokens,
         "units_committed": len(c._committed_units()),
         "num_units": c.num_units,
@@ -143,6 +145,17 @@ def summary(c: CacheReader) -> dict[str, Any]:
         "target_vocab_size": m.target_vocab_size,
         **provenance(c),
     }
+
+def _dtype_line(s: dict[str, Any]) -> str:
+    """``fp8_e4m3 (a float32 scale per 128 channels; last state bf16)``, or just the dtype."""
+    extra = []
+    if s["fp8_group"]:
+        per = "token" if s["fp8_group"] == s["hidden_size"] else f"{s['fp8_group']} channels"
+        extra.append(f"a float32 scale per {per}")
+    if s["last_dtype"] != s["dtype"]:
+        extra.append(f"last state {s['last_dtype']}")
+    return s["dtype"] + (f" ({'; '.join(extra)})" if extra else "")
+
 
 def describe(c: CacheReader) -> str:
     """The summary as a few aligned lines of text (``dspark-cache info``, ``print(c.describe())``)."""
@@ -162,7 +175,7 @@ def describe(c: CacheReader) -> str:
         f"  supervised  {s['supervised_tokens']:,} tokens ({s['supervised_fraction']:.1%})",
         f"  layers      {s['layer_ids']} -> target_hidden_states [T, {s['target_hidden_dim']}], "
         f"target_last_hidden_states [T, {s['hidden_size']}] ({last_src})",
-        f"  storage     {s['dtype']}, {s['chunk_tokens']} tokens per chunk, {s['num_units']} unit(s)",
+        f"  storage     {_dtype_line(s)}, {s['chunk_tokens']} tokens per chunk, {s['num_units']} unit(s)",
         f"  on disk     {human_bytes(s['bytes_on_disk'])} (token arrays {human_bytes(s['token_bytes_on_disk'])}"
         f" = {ratio} compression of {human_bytes(s['raw_token_bytes'])})",
         *provenance_lines(c),

@@ -21,7 +21,8 @@ from dspark_precompute.write.layers import LAYER_PRESETS, layer_id_problems
 EMBEDDED = "embedded"  # data.path value: the chat set shipped inside the package
 TINY = "tiny"  # model.path value: a random-weight Qwen3 built from model.random
 
-STORAGE_DTYPES = ("bf16", "fp16", "fp32")
+STORAGE_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
+FP8 = "fp8_e4m3"
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 COMPRESSORS = ("none", "zstd", "blosc_zstd", "blosc_lz4")
 SHUFFLES = ("none", "byte", "bit")
@@ -204,24 +205,48 @@ class StorageConfig:
 
     path: str | None = None  # null: derived from model, data and seq_length under root
     root: str = "caches"
-    dtype: str = "bf16"
+    dtype: str = "bf16"  # the intermediate layers' storage dtype; fp8_e4m3: e4m3 bits + a float32 scale per token
+    last_dtype: str | None = None  # the post-norm state's; null: storage.dtype (bf16 when that is fp8_e4m3)
+    fp8_group: int | None = None  # channels per fp8 scale (must divide the hidden size); null: the whole row
     compressor: str = "blosc_zstd"
     compression_level: int = 1
     shuffle: str = "byte"
+    fp8_shuffle: str = "bit"  # fp8 bit arrays' shuffle (one-byte values: byte shuffle does nothing, bit shuffle helps)
     chunk_tokens: int | None = None  # null: about 1 MiB per chunk of the widest array (>= 512 tokens)
     unit_tokens: int | None = None  # null: as many chunks as fit in unit_mib
     unit_mib: int = 256
     writer_slots: int = 2  # unit buffers in flight between the forward loop and the writers
     writers: int | None = None  # writer processes; null = the cores this rank may use, less one (at least 1)
 
+    def resolved_last_dtype(self) -> str:
+        """The post-norm state's storage dtype: ``last_dtype``, else ``dtype`` (bf16 for an fp8 ``dtype``).
+
+        The trainer turns that state into the teacher distribution through ``lm_head``, so it
+        stays bf16 unless asked otherwise.
+        """
+        return self.last_dtype or ("bf16" if self.dtype == FP8 else self.dtype)
+
     def problems(self) -> list[str]:
         out = []
         if self.dtype not in STORAGE_DTYPES:
             out.append(f"storage.dtype={self.dtype!r} is not one of {list(STORAGE_DTYPES)}")
+        if self.last_dtype is not None and self.last_dtype not in STORAGE_DTYPES:
+            out.append(f"storage.last_dtype={self.last_dtype!r} is not one of {list(STORAGE_DTYPES)} (the post-norm "
+                       "state's storage dtype), or null for storage.dtype (bf16 when storage.dtype=fp8_e4m3)")
+        if self.fp8_group is not None:
+            if isinstance(self.fp8_group, bool) or self.fp8_group < 1:
+                out.append(f"storage.fp8_group={self.fp8_group!r} must be a positive number of channels per scale "
+                           "(e.g. 128) that divides the hidden size, or null for one scale per token")
+            elif FP8 not in (self.dtype, self.resolved_last_dtype()):
+                out.append(f"storage.fp8_group={self.fp8_group} applies only to fp8 arrays, but storage.dtype="
+                           f"{self.dtype} and storage.last_dtype={self.resolved_last_dtype()}: drop storage.fp8_group "
+                           "or set storage.dtype=fp8_e4m3")
         if self.compressor not in COMPRESSORS:
             out.append(f"storage.compressor={self.compressor!r} is not one of {list(COMPRESSORS)}")
         if self.shuffle not in SHUFFLES:
             out.append(f"storage.shuffle={self.shuffle!r} is not one of {list(SHUFFLES)}")
+        if self.fp8_shuffle not in SHUFFLES:
+            out.append(f"storage.fp8_shuffle={self.fp8_shuffle!r} is not one of {list(SHUFFLES)}")
         if self.compressor == "zstd" and not -7 <= self.compression_level <= 22:
             out.append(f"storage.compression_level={self.compression_level} must be in [-7, 22] for zstd")
         if self.compressor.startswith("blosc") and not 0 <= self.compression_level <= 9:
@@ -250,6 +275,14 @@ class StorageConfig:
         if self.path is not None:
             out += _storage_path_problems(self.path)
         return out
+
+
+def fp8_group_problem(group: int, hidden: int) -> str:
+    """storage.fp8_group must divide the target's hidden size (each scale covers a whole group)."""
+    divisors = [d for d in (32, 64, 128, 256) if hidden % d == 0]
+    hint = f"e.g. {divisors[-1]}" if divisors else "a divisor of it"
+    return (f"storage.fp8_group={group} does not divide the target's hidden size {hidden}: each fp8 scale covers "
+            f"a whole group of channels. Use {hint}, or null for one scale per token")
 
 
 def _storage_path_problems(path: str) -> list[str]:
@@ -334,6 +367,9 @@ class PrecomputeConfig:
             out.append(f"log_level={self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
         for part in (self.model, self.data, self.storage, self.batch, self.plan):
             out += part.problems()
+        group, hidden = self.storage.fp8_group, self.model.random.hidden_size
+        if self.model.path == TINY and isinstance(group, int) and group >= 1 and hidden >= 1 and hidden % group:
+            out.append(fp8_group_problem(group, hidden))
         return out
 
     def to_dict(self) -> dict[str, Any]:

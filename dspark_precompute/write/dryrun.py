@@ -24,10 +24,10 @@ from dspark_precompute.contract.manifest import Manifest, identity_differences
 from dspark_precompute.contract.spec import (
     INPUT_IDS,
     LOSS_MASK,
+    OUTPUT_DTYPES,
     SAFETENSORS_DTYPES,
     SAMPLE_ARRAYS,
     UNIT_ARRAYS,
-    bytes_per_token,
     disk_dtype,
 )
 from dspark_precompute.errors import DsparkError
@@ -207,7 +207,7 @@ def storage_state(plan: Plan) -> str:
 
 def weights_file_bytes(plan: Plan) -> int:
     """Exact size of ``target_weights.safetensors``: header (compact JSON, padded to 8 bytes) plus the tensors."""
-    t, sdt = plan.target, plan.cfg.storage.dtype
+    t, sdt = plan.target, OUTPUT_DTYPES[plan.cfg.storage.dtype]  # an fp8 cache's weights are bf16
     n = t.vocab_size * t.hidden_size * disk_dtype(sdt).itemsize
     names = ["embed_tokens.weight"] + ([] if t.tied else ["lm_head.weight"])
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -241,7 +241,7 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
     tokens = int(tok.lengths.sum())
     arrays, notes = [], set()
     for spec in plan.specs:
-        kind = spec.name if spec.width is None else s.dtype
+        kind = spec.name if spec.width is None else spec.storage or "fp8_scale"
         ratio = compression_ratio(s.compressor, s.shuffle, kind)
         raw = slots * spec.row_bytes
         chunks = -(-slots // layout.chunk_tokens)
@@ -261,11 +261,11 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
     rbytes = sum(len((json.dumps(r.to_json(), sort_keys=True) + "\n").encode()) for r in tok.rejects)
     raw_total = token_bytes + table_bytes + wbytes + rbytes
     hidden_ratio = compression_ratio(s.compressor, s.shuffle, s.dtype)
-    note = (f"{s.compressor} level {s.compression_level}: hidden states {hidden_ratio:.2f}x as measured at level 1 "
+    shown = f"{hidden_ratio:.2f}x" if hidden_ratio else "(no measured ratio)"
+    note = (f"{s.compressor} level {s.compression_level}: hidden states {shown} as measured at level 1 "
             "on a random-weight Qwen3; real activations may compress differently" if s.compressor != "none"
             else "storage.compressor=none: the raw bytes plus checksums")
     note = "; ".join([note, *sorted(notes)])
-    n_hidden = sum(1 for spec in plan.specs if spec.width)
     fwd = forward_tokens(plan, layout)
     params = parameter_count(cfg.model, t)
     if cfg.plan.tokens_per_second:
@@ -290,7 +290,7 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
         truncated_samples=int((tok.untruncated > tok.lengths).sum()), max_length=int(tok.lengths.max()),
         num_units=u, chunk_tokens=layout.chunk_tokens, unit_tokens=layout.unit_tokens, total_token_slots=slots,
         forward_tokens=fwd, arrays=arrays,
-        bytes_per_token=bytes_per_token(t.hidden_size, disk_dtype(s.dtype).itemsize, n_hidden),
+        bytes_per_token=sum(spec.row_bytes for spec in plan.specs),
         token_array_bytes=token_bytes, table_bytes=table_bytes, weights_file_bytes=wbytes, rejects_file_bytes=rbytes,
         raw_bytes=raw_total, estimated_bytes=sum(a.estimated_bytes for a in arrays) + table_bytes + wbytes + rbytes,
         estimate_note=note, parameters=params, tokens_per_second=rate, rate_note=rate_note,

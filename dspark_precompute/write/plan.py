@@ -22,14 +22,13 @@ from dspark_precompute.contract.spec import (
     FORMAT_VERSION,
     MAX_CHUNK_BYTES,
     auto_chunk_tokens,
-    bytes_per_token,
     disk_dtype,
     hidden_arrays,
 )
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import ConfigError, DataError, TargetError
 from dspark_precompute.write.chat import resolve_chat_template, sha256_text
-from dspark_precompute.write.config import EMBEDDED, DataConfig, PrecomputeConfig
+from dspark_precompute.write.config import EMBEDDED, FP8, DataConfig, PrecomputeConfig, StorageConfig, fp8_group_problem
 from dspark_precompute.write.data import resolve_source
 from dspark_precompute.write.layers import layer_id_problems, resolve_layer_ids
 from dspark_precompute.write.provenance import plan_capture
@@ -46,6 +45,18 @@ from dspark_precompute.write.writer import ArraySpec, token_array_specs
 
 # storage settings that change what is stored (the rest: where, and how fast it is written)
 STORED_STORAGE_KEYS = ("dtype", "compressor", "compression_level", "shuffle")
+
+
+def stored_dtype_knobs(s: StorageConfig) -> dict[str, Any]:
+    """``last_dtype``, ``fp8_group`` and ``fp8_shuffle`` as the identity records them: only when they mean something
+    (the post-norm state stored in another dtype than the others; any fp8 array), so caches written before they
+    existed keep their hash and path."""
+    out: dict[str, Any] = {}
+    if s.resolved_last_dtype() != s.dtype:
+        out["last_dtype"] = s.resolved_last_dtype()
+    if FP8 in (s.dtype, s.resolved_last_dtype()):
+        out.update(fp8_group=s.fp8_group, fp8_shuffle=s.fp8_shuffle)
+    return out
 
 
 def _slug(text: str) -> str:
@@ -73,7 +84,8 @@ def default_storage_path(cfg: PrecomputeConfig) -> str:
                  if k in ("path", "format", "split", "shuffle_seed", "chat_template", "mask_reasoning_content",
                           "mask_generation_prompt", "max_samples")
                  or (k == "max_row_bytes" and v != DataConfig.max_row_bytes)},
-        "storage": {k: getattr(s, k) for k in (*STORED_STORAGE_KEYS, "chunk_tokens", "unit_tokens", "unit_mib")},
+        "storage": {**{k: getattr(s, k) for k in (*STORED_STORAGE_KEYS, "chunk_tokens", "unit_tokens", "unit_mib")},
+                    **stored_dtype_knobs(s)},
         "seq_length": cfg.seq_length,
     }
     tag = config_hash(knobs)[:8]
@@ -111,6 +123,8 @@ class Plan:
             target_model=t.path, target_model_type=t.model_type, target_vocab_size=t.vocab_size,
             num_hidden_layers=t.num_hidden_layers, hidden_size=t.hidden_size, layer_ids=list(self.layer_ids),
             seq_length=self.cfg.seq_length, storage_dtype=self.cfg.storage.dtype, chat_template=self.template,
+            last_dtype=stored_dtype_knobs(self.cfg.storage).get("last_dtype"),
+            fp8_group=stored_dtype_knobs(self.cfg.storage).get("fp8_group"),
             arrays=dict(self.names),
             layout=ManifestLayout(layout.chunk_tokens, layout.unit_tokens, layout.num_units, layout.total_slots),
             counts=counts, complete=False, tied_embeddings=t.tied,
@@ -174,6 +188,9 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
             )
     device = resolve_device(cfg.model.device)
     compute_dtype = resolve_compute_dtype(cfg.model.dtype, device)
+    group = cfg.storage.fp8_group
+    if target is not None and group and "fp8_group" in stored_dtype_knobs(cfg.storage) and target.hidden_size % group:
+        problems.append(fp8_group_problem(group, target.hidden_size))
     if target is not None and not problems:
         try:
             problem = fit_problem(cfg.model, target, device, compute_dtype)
@@ -185,20 +202,22 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
         raise ConfigError(problems)
     assert tokenizer is not None and template is not None and target is not None  # else a problem was listed
     hidden = target.hidden_size
-    specs = token_array_specs(layer_ids, target.num_hidden_layers, hidden, cfg.storage.dtype)
+    knobs = stored_dtype_knobs(cfg.storage)
+    specs = token_array_specs(layer_ids, target.num_hidden_layers, hidden, cfg.storage.dtype,
+                              knobs.get("last_dtype"), knobs.get("fp8_group"))
     names = hidden_arrays(layer_ids, target.num_hidden_layers)
-    itemsize = disk_dtype(cfg.storage.dtype).itemsize
+    # the widest hidden array sizes the chunk (an fp8 cache keeping the post-norm state bf16: 2 bytes)
+    itemsize = max(disk_dtype(s.storage).itemsize for s in specs if s.storage)
     chunk = cfg.storage.chunk_tokens or auto_chunk_tokens(hidden, itemsize)
     if chunk * hidden * itemsize > MAX_CHUNK_BYTES:
         raise ConfigError([f"storage.chunk_tokens={chunk} makes {chunk * hidden * itemsize / 2**30:.1f} GiB chunks "
                            f"at hidden size {hidden}; readers refuse chunks over {MAX_CHUNK_BYTES >> 30} GiB. "
                            f"Use at most {MAX_CHUNK_BYTES // (hidden * itemsize)} (or null: about 1 MiB)"])
-    n_hidden = sum(1 for s in specs if s.width)
-    per_token = bytes_per_token(hidden, itemsize, n_hidden)
+    per_token = sum(s.row_bytes for s in specs)
     unit = cfg.storage.unit_tokens or max(chunk, (cfg.storage.unit_mib << 20) // per_token // chunk * chunk)
     unit = max(unit, -(-cfg.seq_length // chunk) * chunk)
     storage_knobs = {k: getattr(cfg.storage, k) for k in STORED_STORAGE_KEYS}
-    storage_knobs.update(chunk_tokens=chunk, unit_tokens=unit)
+    storage_knobs.update(chunk_tokens=chunk, unit_tokens=unit, **knobs)
     identity = {
         "format_version": FORMAT_VERSION,
         "target": {

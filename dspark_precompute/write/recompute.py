@@ -3,7 +3,9 @@
 Each picked sample is re-tokenized from its source row (ids and masks must match
 exactly) and rerun in the very forward batch the pipeline wrote it in (rebuilt from the
 layout with the pipeline's own batching), so hidden states must match within
-``tolerance`` steps of the storage dtype (bit-exact for the built-in tiny target).
+``tolerance`` steps of the storage dtype (bit-exact for the built-in tiny target). An fp8
+array is compared with the recomputation quantized by the pipeline's own rule (bits and
+scales bit-exact for the tiny target), in e4m3 steps at its scale.
 
 Nothing read from the cache turns on remote code or points a loader at code: the
 recorded ``model.trust_remote_code`` is replaced by the caller's own flag, and paths that
@@ -23,6 +25,7 @@ import torch
 
 from dspark_precompute.contract.chunks import read_array_metas, read_slots
 from dspark_precompute.contract.commits import committed_units
+from dspark_precompute.contract.fp8 import E4M3, E4M3_EPS, E4M3_MIN_NORMAL, dequantize
 from dspark_precompute.contract.layout import build_layout
 from dspark_precompute.contract.manifest import Manifest, identity_differences
 from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS
@@ -35,9 +38,11 @@ from dspark_precompute.write.config import from_dict
 from dspark_precompute.write.data import Reject, normalize, read_rows, resolve_source
 from dspark_precompute.write.plan import prepare
 from dspark_precompute.write.target import load_target
+from dspark_precompute.write.transfer import quantize_e4m3
 
 # one step (unit in the last place, relative) of each storage dtype, and its smallest normal
-STEP = {"bf16": (2.0 ** -7, 2.0 ** -126), "fp16": (2.0 ** -10, 2.0 ** -14), "fp32": (2.0 ** -23, 2.0 ** -126)}
+STEP = {"bf16": (2.0 ** -7, 2.0 ** -126), "fp16": (2.0 ** -10, 2.0 ** -14), "fp32": (2.0 ** -23, 2.0 ** -126),
+        E4M3: (E4M3_EPS, E4M3_MIN_NORMAL)}  # fp8: relative to its scale (the floor is scale x 2^-6)
 _COMPUTE_NAME = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -73,9 +78,33 @@ def paths_inside(cfgd: dict[str, Any], root: str) -> list[str]:
     return inside
 
 
-def stored_as_torch(a: np.ndarray, storage_dtype: str) -> torch.Tensor:
+def stored_as_torch(a: np.ndarray, storage_dtype: str, scale: np.ndarray | None = None) -> torch.Tensor:
+    """Stored states as a tensor of their logical dtype; fp8 (with its ``scale``) dequantized to float32."""
+    if storage_dtype == E4M3:
+        assert scale is not None, "fp8 states need their scales"
+        return torch.from_numpy(dequantize(a, scale))
     a = np.ascontiguousarray(a)
     return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if storage_dtype == "bf16" else torch.from_numpy(a)
+
+
+def storage_steps(got: dict[str, np.ndarray], name: str, m: Manifest, want: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """How far stored array ``name`` (rows of ``got``) is from the recomputed ``want``, in steps of its storage
+    dtype per value, and whether it is bit-exact (fp8: against ``want`` quantized by the pipeline's rule)."""
+    sd = m.array_dtypes[name]
+    step, floor = STEP[sd]
+    if sd == E4M3:
+        scale_name = m.scale_arrays[name]
+        bits, scale = quantize_e4m3(want, m.fp8_group or m.hidden_size)
+        exact = np.array_equal(got[name], bits.numpy()) and np.array_equal(got[scale_name], scale.numpy())
+        got_f = stored_as_torch(got[name], sd, got[scale_name])
+        want_f = stored_as_torch(bits.numpy(), sd, scale.numpy())
+        cols = scale.shape[1]
+        floors = (torch.from_numpy(got[scale_name]).float() * floor).repeat_interleave(want.shape[1] // cols, dim=1)
+        return (got_f - want_f).abs() / (want_f.abs().maximum(floors) * step), exact
+    got_t = stored_as_torch(got[name], sd)
+    exact = torch.equal(got_t, want.to(_TORCH[sd]))
+    wf = want.float()
+    return (got_t.float() - wf).abs() / (wf.abs().clamp_min(floor) * step), exact
 
 
 def safe_run_config(m: Manifest, store: CacheStore, *, model: str | None = None, trust_remote_code: bool = False,
@@ -166,8 +195,7 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
                           cfg.data.mask_generation_prompt)
     target = load_target(cfg.model, plan.target, len(plan.tokenizer), plan.device, plan.compute_dtype)
     capture = HiddenStateCapture(target, plan.layer_ids)
-    sdtype, ct = m.storage_dtype, m.layout.chunk_tokens
-    step, floor = STEP[sdtype]
+    ct = m.layout.chunk_tokens
     names = {int(k): v for k, v in m.arrays.items() if k != "last"}
 
     def stored(names_: list[str], a: int, b: int) -> dict[str, np.ndarray]:
@@ -177,7 +205,8 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
         for s in (int(x) for x in pick):
             a, length = int(start[s]), int(lengths[s])
             try:
-                got_all = stored([INPUT_IDS, LOSS_MASK, *m.hidden_array_names], a, a + length)
+                got_all = stored([INPUT_IDS, LOSS_MASK, *m.hidden_array_names, *m.scale_arrays.values()], a,
+                                 a + length)
             except CacheFormatError as exc:  # a corrupt or missing chunk
                 out.add(f"sample {s}: cannot read it ({exc})", sample=s, array=getattr(exc, "array", None))
                 continue
@@ -210,11 +239,9 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
             checks = [(f"layer {lid}", names[lid], states[lid]) for lid in plan.layer_ids]
             checks.append(("last (post-norm)", m.last_array, last))
             for label, arr_name, t in checks:
-                want_t = t[r, :length].detach().cpu()
-                got_t = stored_as_torch(got_all[arr_name], sdtype)
-                exact = exact and torch.equal(got_t, want_t.to(_TORCH[sdtype]))
-                wf = want_t.float()
-                steps = (got_t.float() - wf).abs() / (wf.abs().clamp_min(floor) * step)
+                steps, same = storage_steps(got_all, arr_name, m, t[r, :length].detach().cpu())
+                exact = exact and same
+                sdtype = m.array_dtypes[arr_name]
                 ms = float(steps.max()) if steps.numel() else 0.0
                 worst = max(worst, ms)
                 if ms > tolerance:

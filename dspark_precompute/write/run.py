@@ -30,6 +30,7 @@ from dspark_precompute.contract.spec import (
     LOCK,
     LOSS_MASK,
     MANIFEST,
+    OUTPUT_DTYPES,
     REJECTS,
     WEIGHTS,
 )
@@ -58,8 +59,8 @@ from dspark_precompute.write.progress import Progress
 from dspark_precompute.write.provenance import run_record, with_loaded_model
 from dspark_precompute.write.target import load_target
 from dspark_precompute.write.tokenize import Tokenized, ensure_encoded, reason_counts, tokenize, warn_about_rejects
-from dspark_precompute.write.transfer import UnitCheck, UnitTransfer, zero_samples
-from dspark_precompute.write.writer import UnitWriter, allocate, resolve_writers
+from dspark_precompute.write.transfer import StateArray, UnitCheck, UnitTransfer, zero_samples
+from dspark_precompute.write.writer import ArraySpec, UnitWriter, allocate, resolve_writers
 
 log = logging.getLogger(__name__)
 TORCH_STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -300,7 +301,7 @@ def _write_manifest(store: CacheStore, manifest: Manifest) -> None:
 def _write_weights(plan: Plan, model: Any) -> None:
     from safetensors.torch import save
 
-    dtype = TORCH_STORAGE[plan.cfg.storage.dtype]
+    dtype = TORCH_STORAGE[OUTPUT_DTYPES[plan.cfg.storage.dtype]]  # an fp8 cache's weights are bf16
     tensors = {k: v.to("cpu", dtype).contiguous() for k, v in export_weights(model).items()}
     fault_point("weights")
     # One metadata key only: safetensors orders several keys differently from run to run,
@@ -333,11 +334,11 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
     total_smp = int(sum(len(layout.unit_order[u]) for u in todo))
     progress = Progress(total_smp, total_tok, enabled=cfg.progress)
     n_writers = resolve_writers(cfg.storage.writers)
-    st = cfg.storage
-    writer = UnitWriter(plan.store, plan.specs, layout, st.writer_slots, todo, writers=n_writers,
-                        pin_memory=device.type == "cuda", codec=(st.compressor, st.compression_level, st.shuffle))
-    hidden = [(s.name, int(s.layer_id), s.dtype == "uint16") for s in plan.specs if s.width and s.layer_id is not None]
-    transfer = UnitTransfer(hidden, TORCH_STORAGE[cfg.storage.dtype], device)
+    writer = UnitWriter(plan.store, plan.specs, layout, cfg.storage.writer_slots, todo, writers=n_writers,
+                        pin_memory=device.type == "cuda", storage=cfg.storage)
+    hidden = state_arrays(plan.specs)
+    transfer = UnitTransfer(hidden, device=device)
+    fills = {s.name: s.fill for s in plan.specs if s.fill}
     t_batch = t_forward = t_copy = 0.0
     stop = signals.STATE
     try:
@@ -379,7 +380,8 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
                 n_tok = int(layout.unit_stop[u] - layout.unit_start[u])
                 record = CommitRecord(u, base, base + n_tok, len(order), socket.gethostname())
                 if check.bad_samples:
-                    _drop_nonfinite(plan, check, layout, bufs, base, [name for name, _, _ in hidden], record)
+                    names = [a.name for a in hidden] + [a.scale for a in hidden if a.scale]
+                    _drop_nonfinite(plan, check, layout, bufs, base, names, record, fills)
                 writer.submit(u, slot, n_tok, record)
                 fault_point("unit_submitted")
             writer.drain()
@@ -395,8 +397,15 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
     return len(todo)
 
 
+def state_arrays(specs: list[ArraySpec]) -> list[StateArray]:
+    """The hidden-state arrays of a run's specs, each with its cast (or fp8 quantization) and its layer."""
+    return [StateArray(s.name, int(s.layer_id), None if s.scale else TORCH_STORAGE[str(s.storage)],
+                       s.storage == "bf16", s.scale, int(s.group or 0))
+            for s in specs if s.width and s.layer_id is not None]
+
+
 def _drop_nonfinite(plan: Plan, check: UnitCheck, layout: Layout, bufs: dict[str, np.ndarray], base: int,
-                    names: list[str], record: CommitRecord) -> None:
+                    names: list[str], record: CommitRecord, fills: dict[str, float] | None = None) -> None:
     """Samples whose states are not finite: stop (``data.on_nonfinite=error``) or drop them from the cache.
 
     A dropped sample's states are zeroed (no Inf is ever stored) and its id goes into the
@@ -411,7 +420,7 @@ def _drop_nonfinite(plan: Plan, check: UnitCheck, layout: Layout, bufs: dict[str
             "overflowed or the target is broken. Use model.dtype=bf16 or fp32 instead of fp16, or pass "
             "data.on_nonfinite=reject to drop such samples (listed in rejects.jsonl); committed units are kept.")
     spans = [(int(layout.start[s]) - base, int(layout.start[s] + layout.length[s]) - base) for s in sorted(bad)]
-    zero_samples(bufs, names, spans)
+    zero_samples(bufs, names, spans, fills)
     record.extra["dropped"] = [{"sample": s, "nonfinite": bad[s]} for s in sorted(bad)]
     log.warning("unit %d: %d sample(s) with non-finite hidden states dropped (%s)", record.unit, len(bad),
                 ", ".join(f"{k}={v}" for k, v in check.nonfinite.items()))

@@ -33,7 +33,7 @@ from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, DsparkError
 from dspark_precompute.write.config import TINY, from_dict
 from dspark_precompute.write.provenance import final_norm_of
-from dspark_precompute.write.recompute import changed_identity, safe_run_config, stored_as_torch
+from dspark_precompute.write.recompute import STEP, changed_identity, safe_run_config, stored_as_torch
 from dspark_precompute.write.target import (
     inspect_target,
     load_target,
@@ -163,6 +163,7 @@ def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None
         out.notes.append(f"the manifest records the final norm as {recorded_norm}, the loaded target's is "
                          f"{norm_class}")
     last = m.last_array
+    last_scale = m.scale_arrays.get(last)
     by_sample: dict[int, list[int]] = {}
     for s, t in picked:
         by_sample.setdefault(s, []).append(t)
@@ -171,7 +172,8 @@ def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None
         for s, toks in by_sample.items():
             a, length = int(start[s]), int(lengths[s])
             try:
-                got = read_slots(store, metas, [INPUT_IDS, last], a, a + length, zstore)
+                got = read_slots(store, metas, [INPUT_IDS, last, *([last_scale] if last_scale else [])], a, a + length,
+                                 zstore)
             except CacheFormatError as exc:
                 out.add(f"sample {s}: cannot read it ({exc})", sample=s, array=getattr(exc, "array", None))
                 continue
@@ -179,8 +181,9 @@ def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None
             for b in range(0, len(toks), POSITIONS_PER_FORWARD):
                 block = toks[b:b + POSITIONS_PER_FORWARD]
                 teacher = _teacher_logits(target, ids, torch.tensor(block, dtype=torch.long, device=dev))
-                stored = stored_as_torch(got[last][block], m.storage_dtype)
-                acc.storage_eps = float(torch.finfo(stored.dtype).eps)
+                stored = stored_as_torch(got[last][block], m.last_storage_dtype,
+                                         got[last_scale][block] if last_scale else None)
+                acc.storage_eps = STEP[m.last_storage_dtype][0]
                 stored = stored.to(dev, dtype)
                 normed = head(norm(stored)).float() if norm is not None else None
                 acc.add(s, block, teacher, head(stored).float(), normed)

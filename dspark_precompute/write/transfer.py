@@ -10,6 +10,10 @@ in place.
 A sample with any non-finite value in any stored array is reported per array, so the
 run can drop it (``data.on_nonfinite=reject``) or stop (``error``): a cache never holds
 an Inf silently.
+
+An fp8 array (``storage.dtype=fp8_e4m3``) is quantized here, on the device, by
+:func:`quantize_e4m3` (the rule is ``contract/fp8.py``'s); its values are checked for NaN/Inf
+before they are quantized (the e4m3 bits of an Inf would be NaN, a scale of one Inf).
 """
 
 from __future__ import annotations
@@ -19,6 +23,35 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+
+from dspark_precompute.contract.fp8 import E4M3_MAX, MIN_SCALE, ZERO_ROW_SCALE
+
+
+def quantize_e4m3(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[rows, hidden]`` states -> e4m3 bits ``uint8 [rows, hidden]`` and float32 scales ``[rows, hidden / group]``.
+
+    Per row and group of ``group`` channels: ``scale = max(amax / 448, 2^-126)`` (1 for an
+    all-zero group), ``bits = e4m3(clamp(x / scale, -448, 448))`` rounded to nearest even, all
+    in float32 (``contract/fp8.py`` documents the rule and decodes it).
+    """
+    rows, hidden = x.shape
+    xf = x.float().reshape(rows, hidden // group, group)
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp_min(MIN_SCALE), torch.full_like(amax, ZERO_ROW_SCALE))
+    q = (xf / scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8).reshape(rows, hidden), scale
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One hidden-state array of a unit: where it goes, from which layer, and how it is stored."""
+
+    name: str
+    layer_id: int
+    dtype: torch.dtype | None  # the cast target; None for fp8 (quantized instead)
+    bits: bool = False  # bf16, copied as its int16 bit pattern
+    scale: str | None = None  # fp8: the scale array's name
+    group: int = 0  # fp8: channels per scale
 
 
 @dataclass
@@ -46,11 +79,13 @@ def real_token_index(lengths: np.ndarray, width: int) -> np.ndarray | None:
 class UnitTransfer:
     """Moves one unit's captured states into its buffer; ``finish`` returns what the check found."""
 
-    def __init__(self, arrays: list[tuple[str, int, bool]], storage_dtype: torch.dtype, device: torch.device,
-                 check_finite: bool = True):
-        """``arrays``: (array name, layer id, stored as bf16 bits) of every hidden-state array."""
-        self.arrays = arrays
-        self.storage_dtype = storage_dtype
+    def __init__(self, arrays: list[StateArray] | list[tuple[str, int, bool]], storage_dtype: torch.dtype | None = None,
+                 device: torch.device | None = None, check_finite: bool = True):
+        """``arrays``: every hidden-state array, or (name, layer id, stored as bf16 bits) cast to ``storage_dtype``."""
+        device = device or torch.device("cpu")
+        self.states = [a if isinstance(a, StateArray) else StateArray(a[0], a[1], storage_dtype, a[2])
+                       for a in arrays]
+        self.arrays = [(a.name, a.layer_id, a.bits) for a in self.states]
         self.device = device
         self.check_finite = check_finite
         self.cuda = device.type == "cuda"
@@ -60,8 +95,9 @@ class UnitTransfer:
 
     def start(self, buffers: dict[str, np.ndarray]) -> None:
         """The next unit goes to ``buffers`` (the writer's shared arrays)."""
-        self.views = {name: torch.from_numpy(buffers[name].view(np.int16) if bits else buffers[name])
-                      for name, _, bits in self.arrays}
+        self.views = {a.name: torch.from_numpy(buffers[a.name].view(np.int16) if a.bits else buffers[a.name])
+                      for a in self.states}
+        self.views.update({a.scale: torch.from_numpy(buffers[a.scale]) for a in self.states if a.scale})
         self.batches = []
 
     def add(self, samples: np.ndarray, lengths: np.ndarray, width: int, states: dict[int, torch.Tensor],
@@ -74,23 +110,30 @@ class UnitTransfer:
             assert self.stream is not None
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         bad_rows = []
-        for name, lid, bits in self.arrays:
-            t = states.get(lid, last)
+        for a in self.states:
+            t = states.get(a.layer_id, last)
             flat = t.reshape(-1, t.shape[-1])
             if idx is not None:
                 flat = flat.index_select(0, idx)
-            out = flat.to(self.storage_dtype)
-            if self.check_finite:  # after the cast: a value finite in compute dtype may overflow fp16
-                bad_rows.append((~torch.isfinite(out)).sum(dim=-1, dtype=torch.int32))
-            if bits:
-                out = out.view(torch.int16)
-            dst = self.views[name][offset:offset + n]
-            if self.cuda:
-                with torch.cuda.stream(self.stream):
-                    dst.copy_(out, non_blocking=True)
-                out.record_stream(cast(Any, self.stream))  # keep the source alive until the copy is done
+            copies: list[tuple[str, torch.Tensor]] = []
+            if a.scale is not None:
+                if self.check_finite:  # before quantizing: e4m3 has no Inf, and an Inf's scale would hide it
+                    bad_rows.append((~torch.isfinite(flat)).sum(dim=-1, dtype=torch.int32))
+                bits, scale = quantize_e4m3(flat, a.group)
+                copies += [(a.name, bits), (a.scale, scale)]
             else:
-                dst.copy_(out)
+                out = flat.to(a.dtype)
+                if self.check_finite:  # after the cast: a value finite in compute dtype may overflow fp16
+                    bad_rows.append((~torch.isfinite(out)).sum(dim=-1, dtype=torch.int32))
+                copies.append((a.name, out.view(torch.int16) if a.bits else out))
+            for name, out in copies:
+                dst = self.views[name][offset:offset + n]
+                if self.cuda:
+                    with torch.cuda.stream(self.stream):
+                        dst.copy_(out, non_blocking=True)
+                    out.record_stream(cast(Any, self.stream))  # keep the source alive until the copy is done
+                else:
+                    dst.copy_(out)
         if self.check_finite:
             self.batches.append(_Batch(np.asarray(samples), np.asarray(lengths), torch.stack(bad_rows)))
 
@@ -102,7 +145,7 @@ class UnitTransfer:
             done.record(self.stream)
             done.synchronize()
         check = UnitCheck()
-        names = [name for name, _, _ in self.arrays]
+        names = [a.name for a in self.states]
         for b in self.batches:
             bad = b.bad.cpu().numpy()  # [arrays, tokens]
             if not bad.any():
@@ -119,9 +162,11 @@ class UnitTransfer:
         return check
 
 
-def zero_samples(buffers: dict[str, np.ndarray], names: list[str], spans: list[tuple[int, int]]) -> None:
-    """Zero the hidden states of dropped samples (token slots ``[a, b)`` of the unit buffer)."""
+def zero_samples(buffers: dict[str, np.ndarray], names: list[str], spans: list[tuple[int, int]],
+                 fills: dict[str, float] | None = None) -> None:
+    """Zero the hidden states of dropped samples (token slots ``[a, b)`` of the unit buffer); ``fills`` gives
+    other values (fp8 scale arrays: 1, the scale of an all-zero row)."""
     for name in names:
         for a, b in spans:
-            buffers[name][a:b] = 0
+            buffers[name][a:b] = (fills or {}).get(name, 0)
 

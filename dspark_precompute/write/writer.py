@@ -29,8 +29,18 @@ import numpy as np
 
 from dspark_precompute.contract.arrays import ArrayMeta, chunk_encoder, codec_chain
 from dspark_precompute.contract.commits import CommitRecord
+from dspark_precompute.contract.fp8 import E4M3, SCALE_DTYPE, ZERO_ROW_SCALE, scale_columns
 from dspark_precompute.contract.layout import Layout
-from dspark_precompute.contract.spec import FINAL_NORM, HIDDEN_GROUP, INPUT_IDS, LOSS_MASK, STORAGE_DTYPES, layer_array
+from dspark_precompute.contract.spec import (
+    FINAL_NORM,
+    HIDDEN_GROUP,
+    INPUT_IDS,
+    LOSS_MASK,
+    STORAGE_DTYPES,
+    hidden_arrays,
+    layer_array,
+    scale_array,
+)
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import StorageWriteError
 from dspark_precompute.faults import fault_point
@@ -49,21 +59,44 @@ class ArraySpec:
     width: int | None = None
     logical_dtype: str | None = None
     layer_id: int | None = None
+    storage: str | None = None  # a hidden array's storage dtype name (bf16, fp16, fp32, fp8_e4m3)
+    scale: str | None = None  # an fp8 array's scale array
+    scale_of: str | None = None  # a scale array's fp8 array
+    group: int | None = None  # fp8: channels per scale
+    fill: float = 0  # the value of slots no sample writes (scales: 1, so every stored scale is positive)
 
     @property
     def row_bytes(self) -> int:
         return np.dtype(self.dtype).itemsize * (self.width or 1)
 
 
-def token_array_specs(layer_ids: list[int], num_layers: int, hidden: int, storage_dtype: str) -> list[ArraySpec]:
-    disk, logical = STORAGE_DTYPES[storage_dtype]
+def token_array_specs(layer_ids: list[int], num_layers: int, hidden: int, storage_dtype: str,
+                      last_dtype: str | None = None, fp8_group: int | None = None) -> list[ArraySpec]:
+    """Every token-axis array: ids, mask, one per hidden array (the post-norm state's in ``last_dtype``), and a
+    float32 scale array after each fp8 one."""
+    names = hidden_arrays(layer_ids, num_layers)
     specs = [ArraySpec(INPUT_IDS, "int32"), ArraySpec(LOSS_MASK, "uint8")]
-    for lid in layer_ids:
-        specs.append(ArraySpec(layer_array(lid), np.dtype(disk).name, hidden, logical, lid))
+    hidden_names = [layer_array(lid) for lid in layer_ids]
     if (num_layers - 1) not in layer_ids:
-        specs.append(ArraySpec(f"{HIDDEN_GROUP}/{FINAL_NORM}", np.dtype(disk).name, hidden, logical,
-                               num_layers - 1))
+        hidden_names.append(f"{HIDDEN_GROUP}/{FINAL_NORM}")
+    for name in hidden_names:
+        lid = next((i for i in layer_ids if layer_array(i) == name), num_layers - 1)
+        sd = (last_dtype or storage_dtype) if name == names["last"] else storage_dtype
+        disk, logical = STORAGE_DTYPES[sd]
+        if sd != E4M3:
+            specs.append(ArraySpec(name, np.dtype(disk).name, hidden, logical, lid, sd))
+            continue
+        group = fp8_group or hidden
+        specs.append(ArraySpec(name, np.dtype(disk).name, hidden, logical, lid, sd, scale_array(name), group=group))
+        specs.append(ArraySpec(scale_array(name), SCALE_DTYPE.name, scale_columns(hidden, fp8_group),
+                               SCALE_DTYPE.name, scale_of=name, group=group, fill=ZERO_ROW_SCALE))
     return specs
+
+
+def array_codec(storage: StorageConfig, spec: ArraySpec) -> tuple[str, int, str, int]:
+    """(compressor, level, shuffle, typesize) of one array: what it is allocated with and its chunks encoded with."""
+    shuffle = storage.fp8_shuffle if spec.storage == E4M3 else storage.shuffle
+    return storage.compressor, storage.compression_level, shuffle, np.dtype(spec.dtype).itemsize
 
 
 def allocate(store: CacheStore, specs: list[ArraySpec], layout: Layout, storage: StorageConfig,
@@ -81,11 +114,15 @@ def allocate(store: CacheStore, specs: list[ArraySpec], layout: Layout, storage:
         attrs: dict[str, Any] = {"logical_dtype": s.logical_dtype or s.dtype}
         if s.layer_id is not None:
             attrs["layer_id"] = s.layer_id
+        if s.scale is not None:
+            attrs["scale_array"] = s.scale
+        if s.scale_of is not None:
+            attrs.update(scale_of=s.scale_of, channels_per_scale=s.group)
         group.create_array(
-            s.name, shape=shape, chunks=chunks, dtype=s.dtype, fill_value=0,
-            compressors=codec_chain(storage.compressor, storage.compression_level, storage.shuffle,
-                                    np.dtype(s.dtype).itemsize),
-            dimension_names=("token",) if s.width is None else ("token", "hidden"), attributes=attrs,
+            s.name, shape=shape, chunks=chunks, dtype=s.dtype, fill_value=s.fill,
+            compressors=codec_chain(*array_codec(storage, s)),
+            dimension_names=("token",) if s.width is None else ("token", "scale" if s.scale_of else "hidden"),
+            attributes=attrs,
             # every chunk of a written unit exists on disk, zeros included, so a missing
             # chunk file is always damage (verify relies on it)
             config={"write_empty_chunks": True},
@@ -187,10 +224,10 @@ class _Slot:
 class _ChunkFiles:
     """Writes whole chunks of a local cache's arrays as files, encoded exactly as zarr would."""
 
-    def __init__(self, root: str, specs: list[ArraySpec], chunk: int, codec: tuple[str, int, str]):
+    def __init__(self, root: str, specs: list[ArraySpec], chunk: int, codecs: dict[str, tuple[str, int, str, int]]):
         self.root = Path(root)
         self.chunk = chunk
-        self.encode = {s.name: chunk_encoder(*codec, np.dtype(s.dtype).itemsize) for s in specs}
+        self.encode = {s.name: chunk_encoder(*codecs[s.name]) for s in specs}
         self.meta = {s.name: ArrayMeta(s.name, np.dtype(s.dtype), (0,) if s.width is None else (0, s.width),
                                        (chunk,) if s.width is None else (chunk, s.width), None, "/", False)
                      for s in specs}
@@ -212,7 +249,8 @@ class _ChunkFiles:
 
 
 def _writer_main(index: int, path: str, specs: list[ArraySpec], slot_list: list[_Slot], tasks: Any, done: Any,
-                 env: dict[str, str], chunk: int = 0, codec: tuple[str, int, str] | None = None) -> None:
+                 env: dict[str, str], chunk: int = 0, codecs: dict[str, tuple[str, int, str, int]] | None = None
+                 ) -> None:
     """Writer process: one task = one piece (a chunk-aligned token range of one array) to write."""
     import zarr
 
@@ -221,7 +259,7 @@ def _writer_main(index: int, path: str, specs: list[ArraySpec], slot_list: list[
         # one core per writer: parallelism comes from the writers, not from codec threads
         zarr.config.set({"threading.max_workers": 1})
         store = CacheStore(path)
-        files = _ChunkFiles(store.root, specs, chunk, codec) if codec and chunk and not store.url else None
+        files = _ChunkFiles(store.root, specs, chunk, codecs) if codecs and chunk and not store.url else None
         arrays: dict[str, Any] = {}
         if files is None:
             group = zarr.open_group(store.zarr_store(), mode="r+")
@@ -319,9 +357,9 @@ class UnitWriter:
 
     def __init__(self, store: CacheStore, specs: list[ArraySpec], layout: Layout, n_slots: int = 2,
                  todo: list[int] | None = None, writers: int = 1, pin_memory: bool = False,
-                 codec: tuple[str, int, str] | None = None):
-        """``codec`` (compressor, level, shuffle: the chain the arrays were allocated with) lets writers
-        encode whole chunks themselves on a local directory; without it they go through zarr."""
+                 storage: StorageConfig | None = None):
+        """``storage`` (the settings the arrays were allocated with) lets writers encode whole chunks themselves
+        on a local directory, with each array's :func:`array_codec`; without it they go through zarr."""
         self.specs = specs
         self.store = store
         self.path = store.path
@@ -334,6 +372,7 @@ class UnitWriter:
         self.pinned = pin_memory and _pin(self.slots)
         self.free = list(range(len(self.slots)))
         self.n_writers = max(1, int(writers))
+        codecs = {s.name: array_codec(storage, s) for s in specs} if storage is not None else None
         ctx = processes.context()
         # Pipes, not Queues: a spawn-context Queue carries named semaphores that a SIGKILL of the
         # process group would leave in /dev/shm; pipes are plain file descriptors.
@@ -345,7 +384,7 @@ class UnitWriter:
             tasks_out, tasks_in = ctx.Pipe(duplex=False)
             done_out, done_in = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_writer_main, args=(i, store.path, specs, self.slots, tasks_out, done_in, env,
-                                                          layout.chunk_tokens, codec),
+                                                          layout.chunk_tokens, codecs),
                                daemon=True, name=f"dspark-writer-{i}")
             processes.start(proc)
             tasks_out.close()  # the writer holds its ends now: when it dies, recv() here sees EOF
@@ -440,7 +479,7 @@ class UnitWriter:
         n_slots = -(-n_tokens // chunk) * chunk
         bufs = self.slots[slot].arrays
         for s in self.specs:
-            bufs[s.name][n_tokens:n_slots] = 0  # buffers are reused: the last chunk's tail must be zeros
+            bufs[s.name][n_tokens:n_slots] = s.fill  # buffers are reused: the last chunk's tail must be the fill
         t0 = int(self.layout.unit_start[unit])
         shares = split_unit(self.specs, n_slots, chunk, self.n_writers)
         self.waiting[unit] = sum(len(share) for share in shares)

@@ -1,4 +1,4 @@
-"""Captured states -> unit buffer: real tokens only, the storage dtype, and every NaN/Inf found."""
+"""Captured states -> unit buffer: real tokens only, the storage dtype (fp8: quantized), and every NaN/Inf found."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_precompute.write.transfer import UnitTransfer, real_token_index, zero_samples
+from dspark_precompute.write.transfer import StateArray, UnitTransfer, quantize_e4m3, real_token_index, zero_samples
 
 
 def states_for(lengths: list[int], width: int, hidden: int = 4, seed: int = 0) -> torch.Tensor:
@@ -70,6 +70,58 @@ def test_zeroing_dropped_samples_touches_only_their_slots():
     zero_samples(bufs, ["h"], [(1, 3), (5, 6)])
     assert bufs["h"][:, 0].tolist() == [1, 0, 0, 1, 1, 0]
 
+
+def dequant_torch(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The independent oracle: torch's own float8 decode times the scale of each channel's group."""
+    return bits.view(torch.float8_e4m3fn).float() * scale.repeat_interleave(bits.shape[1] // scale.shape[1], dim=1)
+
+
+@pytest.mark.parametrize("group", [64, 16])
+def test_fp8_quantization_keeps_every_value_within_half_an_e4m3_step_of_its_scale(group):
+    g = torch.Generator().manual_seed(group)
+    x = torch.randn(256, 64, generator=g) * torch.logspace(-3, 3, 256).unsqueeze(1)
+    x[:, 5] *= 50  # an outlier channel
+    bits, scale = quantize_e4m3(x, group)
+    assert bits.dtype == torch.uint8 and scale.dtype == torch.float32 and scale.shape == (256, 64 // group)
+    amax = x.abs().reshape(256, -1, group).amax(-1)
+    assert torch.equal(scale, amax / 448)  # the documented scale, exactly
+    want = (x / scale.repeat_interleave(group, dim=1)).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(bits, want)  # torch's own cast of x / scale (round to nearest even)
+    err = (dequant_torch(bits, scale) - x).abs()
+    bound = torch.maximum(x.abs() * 2 ** -4, scale.repeat_interleave(group, dim=1) * 2 ** -10) * (1 + 2 ** -20)
+    assert bool((err <= bound).all())
+    y = torch.randn(256, 64, generator=g)  # gaussian rows: about 2.5% relative RMS, what random targets show
+    rel_rms = float((dequant_torch(*quantize_e4m3(y, group)) - y).norm() / y.norm())
+    assert 0.01 < rel_rms <= 0.05
+
+
+def test_zero_rows_get_scale_one_and_tiny_rows_the_smallest_normal_scale():
+    x = torch.zeros(3, 8)
+    x[1, 2] = 1e-40  # subnormal: amax / 448 would underflow
+    x[2, :] = torch.linspace(-3, 3, 8)
+    bits, scale = quantize_e4m3(x, 8)
+    assert scale[0, 0] == 1.0 and not bits[0].any()
+    assert scale[1, 0] == 2.0 ** -126 and bool((dequant_torch(bits, scale)[0] == 0).all())
+    assert bool((dequant_torch(bits, scale)[2] - x[2]).abs().le(x[2].abs() * 2 ** -4).all())
+    assert bits.view(torch.float8_e4m3fn).float().abs().max() <= 448
+
+
+def test_an_fp8_array_reports_inf_and_nan_before_they_are_quantized():
+    lengths = np.asarray([2, 2])
+    layer = torch.randn(2, 2, 8)
+    layer[1, 1, 3] = float("inf")
+    layer[0, 0, 0] = float("nan")
+    bufs = {"h": np.zeros((4, 8), np.uint8), "h.s": np.ones((4, 2), np.float32), "last": np.zeros((4, 8), np.uint16)}
+    tr = UnitTransfer([StateArray("h", 0, None, scale="h.s", group=4), StateArray("last", 9, torch.bfloat16, True)],
+                      device=torch.device("cpu"))
+    tr.start(bufs)
+    tr.add(np.asarray([3, 4]), lengths, 2, {0: layer}, torch.ones(2, 2, 8), offset=0)
+    check = tr.finish()
+    assert check.bad_samples == {3: {"h": 1}, 4: {"h": 1}}
+    good = dequant_torch(torch.from_numpy(bufs["h"][1:3]), torch.from_numpy(bufs["h.s"][1:3]))
+    assert torch.allclose(good, layer.reshape(4, 8)[1:3], rtol=2 ** -4, atol=0)
+    zero_samples(bufs, ["h", "h.s"], [(0, 2)], {"h.s": 1.0})
+    assert not bufs["h"][:2].any() and (bufs["h.s"][:2] == 1).all()
 
 
 @pytest.mark.gpu

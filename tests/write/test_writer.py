@@ -39,7 +39,7 @@ def test_a_unit_buffer_is_the_same_memory_in_the_writer_process():
     buf.close()
 
 
-def _write_units(path, codec, writers=1):
+def _write_units(path, storage, writers=1):
     """Random units through the writer; the values each array should hold."""
     lengths = np.asarray([300, 200, 120, 90, 40], dtype=np.int64)
     layout = build_layout(lengths, 64, 384)
@@ -49,7 +49,7 @@ def _write_units(path, codec, writers=1):
     allocate(store, specs, layout, StorageConfig(), tables, {"format": "test"})
     rng = np.random.default_rng(0)
     expected = {s.name: np.zeros((layout.total_slots, *([s.width] if s.width else [])), dtype=s.dtype) for s in specs}
-    writer = UnitWriter(store, specs, layout, n_slots=2, writers=writers, codec=codec)
+    writer = UnitWriter(store, specs, layout, n_slots=2, writers=writers, storage=storage)
     try:
         for u in range(layout.num_units):
             slot = writer.acquire()
@@ -68,9 +68,8 @@ def _write_units(path, codec, writers=1):
 
 def test_writers_encoding_chunks_themselves_write_the_files_zarr_writes(tmp_path):
     """On a local directory writers encode whole chunks without zarr: the same files, byte for byte."""
-    st = StorageConfig()
     _write_units(tmp_path / "zarr", None)
-    _write_units(tmp_path / "direct", (st.compressor, st.compression_level, st.shuffle), writers=2)
+    _write_units(tmp_path / "direct", StorageConfig(), writers=2)
     files = {p.relative_to(tmp_path / "zarr") for p in (tmp_path / "zarr").rglob("*") if p.is_file()}
     assert files == {p.relative_to(tmp_path / "direct") for p in (tmp_path / "direct").rglob("*") if p.is_file()}
     assert any(f.parts[-3:-1] == ("c", "2") for f in files)  # the chunks are among them

@@ -10,7 +10,8 @@ Checks, in order (``checks.py``, one function each):
   every sample inside its unit, none overlapping;
 * commits: one record per committed unit, agreeing with the unit table;
 * chunks: every chunk a committed unit owns exists (a deleted chunk would read back as
-  zeros) and decodes with a matching crc32c; ids in the vocabulary, masks 0/1, states finite;
+  zeros) and decodes with a matching crc32c; ids in the vocabulary, masks 0/1, states finite
+  (fp8: no NaN bits, every scale finite and positive);
 * counts: samples, tokens, supervised tokens, rejects and truncations match the manifest;
 * weights: the recorded sha256 (a note when none was recorded) and the manifest's shapes.
 

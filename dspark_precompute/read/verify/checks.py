@@ -18,6 +18,7 @@ import numpy as np
 from dspark_precompute.contract.arrays import ArrayMeta
 from dspark_precompute.contract.chunks import decode_chunk, get_many, read_array_metas
 from dspark_precompute.contract.commits import CommitRecord, commit_key, parse_commit_key
+from dspark_precompute.contract.fp8 import E4M3, is_nan_bits
 from dspark_precompute.contract.layout import SampleIndex, build_layout, table_problems
 from dspark_precompute.contract.manifest import Manifest, manifest_problems, weights_problems
 from dspark_precompute.contract.spec import (
@@ -326,7 +327,10 @@ def _check_values(ctx: Context, name: str, idx: tuple[int, ...], data: np.ndarra
     """Per-sample value checks on one decoded chunk (only over real tokens)."""
     assert ctx.m is not None and ctx.supervised is not None
     start, length = ctx.table("samples/start"), ctx.table("samples/length")
-    vocab, bf16, bad = ctx.m.target_vocab_size, ctx.m.logical_dtype == "bfloat16", ctx.bad
+    vocab, bad = ctx.m.target_vocab_size, ctx.bad
+    stored = ctx.m.array_dtypes.get(name)  # None: ids, mask or an fp8 scale array (checked when decoded)
+    if stored is None and name not in (INPUT_IDS, LOSS_MASK):
+        return
     for s in holds:
         a = max(int(start[s]), lo) - lo
         b = min(int(start[s] + length[s]), lo + len(data)) - lo
@@ -344,7 +348,8 @@ def _check_values(ctx: Context, name: str, idx: tuple[int, ...], data: np.ndarra
                         array=name, chunk=idx, sample=int(s), unit=u)
             ctx.supervised[s] += int(part.sum())
         else:
-            nonfinite = ((part & 0x7F80) == 0x7F80) if bf16 else ~np.isfinite(part)
+            nonfinite = ((part & 0x7F80) == 0x7F80) if stored == "bf16" else is_nan_bits(part) if stored == E4M3 \
+                else ~np.isfinite(part)
             if nonfinite.any():
                 bad.add("values", f"array {name!r} chunk {idx}: sample {s} has {int(nonfinite.sum())} non-finite "
                                   "hidden values", array=name, chunk=idx, sample=int(s), unit=u)

@@ -39,6 +39,7 @@ class VerifyReport:
     teacher_tv_max: float | None = None
     teacher_rel_error_mean: float | None = None  # ||target logits - lm_head(stored)|| / ||target logits||
     teacher_rel_error_max: float | None = None
+    precision: dict[str, Any] | None = None  # verify --precision: per-array error against a recompute (its JSON)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # worth knowing, not a problem
 
@@ -72,6 +73,16 @@ class VerifyReport:
                          f"{self.teacher_rel_error_mean:.3g} / max {self.teacher_rel_error_max:.3g}, max |logit "
                          f"difference| {self.teacher_max_logit_diff:.3g}, total variation mean "
                          f"{self.teacher_tv_mean:.3g} / max {self.teacher_tv_max:.3g}")
+        if self.precision:
+            p = self.precision
+            lines.append(f"  precision: {p['positions']} positions in {p['samples']} samples against a "
+                         f"{p['reference']}")
+            for a in p["arrays"]:
+                lines.append(f"    {a['layer']:<18} {a['dtype']:<9} relative RMS error {a['rel_rms']:.3%}, worst token "
+                             f"{a['worst_token_rel']:.3%} (sample {a['worst_sample']}, token {a['worst_token']})")
+            lines.append(f"    teacher from the stored final state: top-1 agreement {p['last_top1_agreement']:.2%}, "
+                         f"total variation mean {p['last_tv_mean']:.3g} / max {p['last_tv_max']:.3g}, relative "
+                         f"logit error {p['last_logit_rel_error']:.3g}")
         lines += [f"  note: {n}" for n in self.notes] + [f"  {p}" for p in self.problems]
         if self.problems:
             lines.append(f"{len(self.problems)} problem(s).")

@@ -1,0 +1,157 @@
+"""Writing fp8 caches: the settings are checked before weights load, are part of the cache identity, keep the
+identity of every other cache, and a dropped sample leaves zero bits and scale 1; verify --precision measures it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from helpers import compose, small
+
+from dspark_precompute import open_cache
+from dspark_precompute.cli.cache import main
+from dspark_precompute.errors import ConfigError, IncompatibleCacheError
+from dspark_precompute.write.dryrun import dry_run
+from dspark_precompute.write.plan import prepare
+from dspark_precompute.write.recompute import recompute
+from dspark_precompute.write.run import run
+
+FP8 = ["storage.chunk_tokens=256", "storage.unit_tokens=1024", "storage.dtype=fp8_e4m3", "storage.fp8_group=16"]
+
+
+def test_fp8_settings_are_all_checked_before_weights_load(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        compose(small(tmp_path, "storage.dtype=fp8_e4m3", "storage.fp8_group=48", "storage.last_dtype=int4"))
+    text = "\n".join(err.value.problems)
+    assert "storage.fp8_group=48 does not divide the target's hidden size 64" in text
+    assert "storage.last_dtype='int4' is not one of" in text
+    with pytest.raises(ConfigError, match=r"storage.fp8_group=16 applies only to fp8 arrays"):
+        compose(small(tmp_path, "storage.fp8_group=16"))
+    with pytest.raises(ConfigError, match=r"storage.fp8_group=0 must be a positive number"):
+        compose(small(tmp_path, "storage.dtype=fp8_e4m3", "storage.fp8_group=0"))
+    assert compose(small(tmp_path, "storage.last_dtype=fp8_e4m3", "storage.fp8_group=32")).storage.fp8_group == 32
+
+
+def test_fp8_settings_enter_the_identity_only_when_they_mean_something(tmp_path):
+    bf16 = prepare(compose(small(tmp_path))).identity["storage"]
+    assert sorted(bf16) == ["chunk_tokens", "compression_level", "compressor", "dtype", "shuffle", "unit_tokens"]
+    fp8 = prepare(compose(small(tmp_path, "storage.dtype=fp8_e4m3"))).identity["storage"]
+    assert fp8["last_dtype"] == "bf16" and fp8["fp8_group"] is None and fp8["fp8_shuffle"] == "bit"
+    assert fp8["chunk_tokens"] == bf16["chunk_tokens"]  # the bf16 post-norm state sizes the chunk
+    assert "fp8_group" not in prepare(compose(small(tmp_path, "storage.last_dtype=fp32"))).identity["storage"]
+
+
+@pytest.mark.parametrize(("change", "field"), [("storage.fp8_group=32", "storage.fp8_group"),
+                                               ("storage.last_dtype=fp8_e4m3", "storage.last_dtype"),
+                                               ("storage.dtype=bf16", "storage.dtype")])
+def test_a_resume_with_another_fp8_setting_is_refused_naming_it(fp8_run, tmp_path, change, field):
+    _, result = fp8_run
+    path = tmp_path / "cache"
+    shutil.copytree(result.path, path)
+    overrides = [o for o in small(tmp_path, *FP8) if not o.startswith("storage.path")]
+    if change == "storage.dtype=bf16":
+        overrides.remove("storage.fp8_group=16")
+    with pytest.raises(IncompatibleCacheError, match=field.replace(".", r"\.")):
+        run(compose([*overrides, f"storage.path={path}", change]))
+
+
+def test_fp8_bits_are_bit_shuffled_and_their_scales_byte_shuffled_as_zarr_reads_them(fp8_run):
+    _, result = fp8_run
+    g = zarr.open_group(result.path, mode="r")
+    meta = {name: json.loads((Path(result.path) / name / "zarr.json").read_text())
+            for name in ("hidden_states/layer_1", "hidden_scales/layer_1", "hidden_states/layer_3")}
+    shuffle = {k: v["codecs"][1]["configuration"]["shuffle"] for k, v in meta.items()}
+    assert shuffle == {"hidden_states/layer_1": "bitshuffle", "hidden_scales/layer_1": "shuffle",
+                       "hidden_states/layer_3": "shuffle"}
+    assert meta["hidden_states/layer_1"]["attributes"] == {"logical_dtype": "float8_e4m3fn", "layer_id": 1,
+                                                           "scale_array": "hidden_scales/layer_1"}
+    assert g["hidden_scales/layer_1"].attrs["channels_per_scale"] == 16 and g["hidden_scales/layer_1"].fill_value == 1
+
+
+def test_the_dry_run_counts_the_exact_bytes_an_fp8_run_allocates(fp8_run):
+    cfg, result = fp8_run
+    plan = dry_run(cfg)
+    m = open_cache(result.path).manifest
+    assert plan.token_array_bytes == m.layout.total_token_slots * m.bytes_per_token
+    assert [a.name for a in plan.arrays if a.name.startswith("hidden_scales/")] == [
+        "hidden_scales/layer_1", "hidden_scales/layer_2"]
+
+
+def test_recompute_finds_the_fp8_cache_bit_exact(fp8_run):
+    _, result = fp8_run
+    r = recompute(result.path, 2)
+    assert not r.problems and r.recomputed == r.exact == 2
+
+
+@pytest.mark.e2e
+def test_verify_precision_reports_each_arrays_error_and_the_teachers_agreement(fp8_run, capsys):
+    _, result = fp8_run
+    assert main(["verify", result.path, "--precision", "300", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["precision"]
+    assert p["positions"] == 300 and p["reference"] == "recompute in float32"
+    errs = {a["layer"]: a for a in p["arrays"]}
+    assert set(errs) == {"layer 1", "layer 2", "layer 3 (post-norm)"}
+    for k in ("layer 1", "layer 2"):
+        assert errs[k]["dtype"] == "fp8_e4m3" and 0.005 < errs[k]["rel_rms"] <= 0.05
+        assert errs[k]["worst_token_rel"] >= errs[k]["rel_rms"] * 0.5 and errs[k]["worst_sample"] >= 0
+    assert errs["layer 3 (post-norm)"]["dtype"] == "bf16" and errs["layer 3 (post-norm)"]["rel_rms"] < 0.005
+    assert p["last_top1_agreement"] == 1.0 and p["last_tv_mean"] < 1e-3
+    # a bound below what fp8 costs fails, naming the array
+    assert main(["verify", result.path, "--precision", "100", "--precision-max-rel-rms", "0.001"]) == 1
+    assert "hidden_states/layer_1" in capsys.readouterr().out
+
+
+def poison_second_batch(monkeypatch) -> None:
+    """The first real token of the second forward batch gets an Inf in its first captured layer (test_run's)."""
+    from dspark_precompute.write.capture import HiddenStateCapture
+
+    real = HiddenStateCapture.__call__
+    calls = {"n": 0}
+
+    def poisoned(self, input_ids, attention_mask=None):
+        states, last = real(self, input_ids, attention_mask)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            k = min(states)
+            states[k] = states[k].clone()
+            states[k][0, 0, 0] = float("inf")
+        return states, last
+    monkeypatch.setattr(HiddenStateCapture, "__call__", poisoned)
+
+
+@pytest.mark.e2e
+def test_an_fp8_sample_with_inf_is_dropped_and_its_slots_hold_zero_bits_and_scale_one(tmp_path, monkeypatch):
+    from dspark_precompute.read.verify import verify_cache
+
+    poison_second_batch(monkeypatch)
+    result = run(compose(small(tmp_path, *FP8)))
+    c = open_cache(result.path)
+    (dropped,) = c.manifest.dropped_samples
+    assert c.manifest.nonfinite_values == {"hidden_states/layer_1": 1}
+    g = zarr.open_group(result.path, mode="r")
+    a, n = int(g["samples/start"][dropped]), int(g["samples/length"][dropped])
+    assert not g["hidden_states/layer_1"][a:a + n].any() and (g["hidden_scales/layer_1"][a:a + n] == 1).all()
+    assert (g["hidden_scales/layer_2"][a:a + n] == 1).all()
+    assert all(bool(s["target_hidden_states"].float().isfinite().all()) for s in c)
+    assert verify_cache(result.path).ok
+
+
+@pytest.mark.e2e
+def test_an_all_fp8_cache_with_one_scale_per_token_verifies_exports_and_keeps_the_teacher(tmp_path, capsys):
+    from dspark_precompute.read.export import export_nemo
+
+    result = run(compose(small(tmp_path, "storage.dtype=fp8_e4m3", "storage.last_dtype=fp8_e4m3")))
+    c = open_cache(result.path)
+    raw = c.read_fp8(0)
+    assert raw["layer_ids"] == [1, 2, 3] and raw["target_last_hidden_scales"].shape[1] == 1
+    assert c[0]["target_last_hidden_states"].dtype == c.torch_dtype
+    assert main(["verify", result.path, "--precision", "200", "--teacher", "100", "--recompute", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["recompute_exact"] == 1 and report["precision"]["last_top1_agreement"] >= 0.95
+    assert all(a["rel_rms"] <= 0.05 for a in report["precision"]["arrays"])
+    assert export_nemo(result.path, tmp_path / "nemo").num_samples == len(c)
+    assert np.isfinite(c.sample(0, as_numpy=True)["target_last_hidden_states"]).all()
