@@ -30,22 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_precompute.contract.chunks import read_array_metas, read_slots
-from dspark_precompute.contract.commits import committed_units
-from dspark_precompute.contract.manifest import Manifest
-from dspark_precompute.contract.spec import INPUT_IDS, SAMPLE_ARRAYS
-from dspark_precompute.contract.store import CacheStore
-from dspark_precompute.errors import CacheFormatError, DsparkError
+from dspark_precompute.contract.chunks import read_slots
+from dspark_precompute.contract.spec import INPUT_IDS
+from dspark_precompute.errors import CacheFormatError
 from dspark_precompute.write.capture import HiddenStateCapture
-from dspark_precompute.write.config import TINY, from_dict
-from dspark_precompute.write.recompute import changed_identity, safe_run_config, stored_as_torch
-from dspark_precompute.write.target import (
-    inspect_target,
-    load_target,
-    load_tokenizer,
-    resolve_compute_dtype,
-    resolve_device,
-)
+from dspark_precompute.write.recompute import load_stored_target, open_stored, stored_as_torch, stored_target
 from dspark_precompute.write.teacher import DEFAULT_MAX_TV, DEFAULT_MIN_TOP1, POSITIONS_PER_FORWARD, sample_positions
 
 log = logging.getLogger(__name__)
@@ -120,54 +109,25 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
     mean total-variation distance above ``max_tv``.
     """
     out = PrecisionResult()
-    store = CacheStore(str(path))
-    try:
-        m = Manifest.read(store)
-    except CacheFormatError as exc:
-        out.add(f"skipped: {exc}")
-        return out
-    cfgd, notes, problem = safe_run_config(m, store, model=model, trust_remote_code=trust_remote_code,
-                                           device=device, what="the precision check")
+    run, notes, problem = open_stored(path, model=model, trust_remote_code=trust_remote_code, device=device,
+                                      what="the precision check")
     out.notes += notes
-    if problem or cfgd is None:
+    if problem or run is None:
         out.add(problem or "the run cannot be rebuilt")
         return out
-    cfgd["data"] = {}  # the stored input_ids are the inputs
-    try:
-        cfg = from_dict(cfgd)
-        tokenizer = load_tokenizer(cfg.model) if cfg.model.path == TINY else None
-        info = inspect_target(cfg.model, tokenizer)
-    except DsparkError as exc:
-        out.add(f"cannot load the target the manifest names: {exc}")
+    cfg, tokenizer, info, problem = stored_target(run, bool(model), "states")
+    if problem:
+        out.add(problem)
         return out
-    now = {"target": {**m.identity.get("target", {}), "path": info.path, "model_type": info.model_type,
-                      "config_sha256": info.config_sha256, "weights_fingerprint": info.weights_fingerprint}}
-    diffs = changed_identity({"target": m.identity.get("target", {})}, now, bool(model))
-    if diffs:
-        listed = "; ".join(f"{k}: recorded {a!r}, now {b!r}" for k, a, b in diffs[:6])
-        out.add(f"the target changed since the cache was written ({listed}); its states would not be the ones the "
-                "cache was made with. Pass --model PATH for the original target")
-        return out
-    zstore = store.zarr_store(read_only=True) if store.url else None
-    metas, meta_problems = read_array_metas(store, m, zstore)
-    if meta_problems:
-        out.add(f"skipped: the arrays disagree with the manifest ({meta_problems[0][1]})")
-        return out
-    tables = {name: read_slots(store, metas, [name], 0, metas[name].shape[0], zstore)[name].astype(np.int64)
-              for name in SAMPLE_ARRAYS}
-    lengths, start = tables["samples/length"], tables["samples/start"]
-    readable = np.arange(len(lengths)) if m.complete else np.flatnonzero(
-        np.isin(tables["samples/unit"], sorted(committed_units(store, m.layout.num_units))))
-    readable = readable[~np.isin(readable, m.dropped_samples or [])]
+    m, store, zstore, metas = run.m, run.store, run.zstore, run.metas
+    lengths, start, readable = run.lengths, run.start, run.readable
     picked = sample_positions(lengths, readable, n, seed)
     if not picked:
         out.notes.append("the precision check found no readable token to compare")
         return out
 
-    dev = resolve_device(cfg.model.device)
-    dtype = resolve_compute_dtype(cfg.model.dtype, dev)
+    target, dev, dtype = load_stored_target(cfg, tokenizer, info)
     out.compute_dtype = str(dtype).replace("torch.", "")
-    target = load_target(cfg.model, info, len(tokenizer) if tokenizer is not None else info.vocab_size, dev, dtype)
     head = target.get_output_embeddings()
     capture = HiddenStateCapture(target, m.layer_ids)
     last_id = m.num_hidden_layers - 1

@@ -34,10 +34,16 @@ from dspark_precompute.errors import CacheFormatError, DsparkError
 from dspark_precompute.write.batching import batch_inputs, make_batches
 from dspark_precompute.write.capture import HiddenStateCapture
 from dspark_precompute.write.chat import ChatEncoder
-from dspark_precompute.write.config import from_dict
+from dspark_precompute.write.config import TINY, from_dict
 from dspark_precompute.write.data import Reject, normalize, read_rows, resolve_source
 from dspark_precompute.write.plan import prepare
-from dspark_precompute.write.target import load_target
+from dspark_precompute.write.target import (
+    inspect_target,
+    load_target,
+    load_tokenizer,
+    resolve_compute_dtype,
+    resolve_device,
+)
 from dspark_precompute.write.transfer import quantize_e4m3
 
 # one step (unit in the last place, relative) of each storage dtype, and its smallest normal
@@ -151,23 +157,91 @@ def changed_identity(recorded: dict[str, Any], now: dict[str, Any], moved_target
     return [d for d in diffs if not (moved_target and d[0] == "target.path")]
 
 
-def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0, device: str | None = None,
-              model: str | None = None, trust_remote_code: bool = False) -> RecomputeResult:
-    """Rerun ``n`` random readable samples (chosen with ``seed``) of the cache at ``path``; compare."""
-    out = RecomputeResult()
+@dataclass
+class StoredRun:
+    """A cache opened for a check that reruns its target: what it holds and which samples may be read."""
+
+    m: Manifest
+    store: CacheStore
+    zstore: Any
+    metas: dict[str, Any]
+    cfgd: dict[str, Any]  # the run's config, made safe (no code from the cache)
+    lengths: np.ndarray
+    start: np.ndarray
+    readable: np.ndarray  # committed, not dropped
+    source_row: np.ndarray
+
+
+def open_stored(path: str | Path, *, model: str | None, trust_remote_code: bool, device: str | None,
+                what: str) -> tuple[StoredRun | None, list[str], str | None]:
+    """The cache at ``path`` for ``what`` (a check that reruns the target): (run, notes, problem); a problem
+    when the manifest, its config or the arrays cannot be trusted to rebuild the run."""
     store = CacheStore(str(path))
     try:
         m = Manifest.read(store)
     except CacheFormatError as exc:
-        out.add(f"skipped: {exc}")
-        return out
-    cfgd, notes, problem = safe_run_config(m, store, model=model, trust_remote_code=trust_remote_code, device=device)
-    out.notes += notes
+        return None, [], f"skipped: {exc}"
+    cfgd, notes, problem = safe_run_config(m, store, model=model, trust_remote_code=trust_remote_code,
+                                           device=device, what=what)
     if problem or cfgd is None:
-        out.add(problem or "the run cannot be rebuilt")
-        return out
+        return None, notes, problem or "the run cannot be rebuilt"
+    zstore = store.zarr_store(read_only=True) if store.url else None
+    metas, problems = read_array_metas(store, m, zstore)
+    if problems:
+        return None, notes, f"skipped: the arrays disagree with the manifest ({problems[0][1]})"
+    tables = {name: read_slots(store, metas, [name], 0, metas[name].shape[0], zstore)[name].astype(np.int64)
+              for name in SAMPLE_ARRAYS}
+    lengths = tables["samples/length"]
+    readable = np.arange(len(lengths)) if m.complete else np.flatnonzero(
+        np.isin(tables["samples/unit"], sorted(committed_units(store, m.layout.num_units))))
+    readable = readable[~np.isin(readable, m.dropped_samples or [])]  # zeroed non-finite samples: never compared
+    return StoredRun(m, store, zstore, metas, cfgd, lengths, tables["samples/start"], readable,
+                     tables["samples/source_row"]), notes, None
+
+
+def stored_target(run: StoredRun, moved: bool, what: str) -> tuple[Any, Any, Any, str | None]:
+    """The target the manifest names, unloaded: (config, tokenizer for ``tiny`` or None, target info, problem);
+    a problem when it cannot be found or is not the one the cache was made with (``what`` it would give)."""
+    cfgd = {**run.cfgd, "data": {}}  # the stored input_ids are the inputs: the data need not exist any more
     try:
         cfg = from_dict(cfgd)
+        tokenizer = load_tokenizer(cfg.model) if cfg.model.path == TINY else None
+        info = inspect_target(cfg.model, tokenizer)
+    except DsparkError as exc:
+        return None, None, None, f"cannot load the target the manifest names: {exc}"
+    m = run.m
+    now = {"target": {**m.identity.get("target", {}), "path": info.path, "model_type": info.model_type,
+                      "config_sha256": info.config_sha256, "weights_fingerprint": info.weights_fingerprint}}
+    diffs = changed_identity({"target": m.identity.get("target", {})}, now, moved)
+    if diffs:
+        listed = "; ".join(f"{k}: recorded {a!r}, now {b!r}" for k, a, b in diffs[:6])
+        return None, None, None, (f"the target changed since the cache was written ({listed}); its {what} would not "
+                                  "be the ones the cache was made with. Pass --model PATH for the original target")
+    return cfg, tokenizer, info, None
+
+
+def load_stored_target(cfg: Any, tokenizer: Any, info: Any) -> tuple[Any, torch.device, torch.dtype]:
+    """Load what :func:`stored_target` found, on the recorded (or requested) device and compute dtype."""
+    dev = resolve_device(cfg.model.device)
+    dtype = resolve_compute_dtype(cfg.model.dtype, dev)
+    vocab = len(tokenizer) if tokenizer is not None else info.vocab_size
+    return load_target(cfg.model, info, vocab, dev, dtype), dev, dtype
+
+
+def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0, device: str | None = None,
+              model: str | None = None, trust_remote_code: bool = False) -> RecomputeResult:
+    """Rerun ``n`` random readable samples (chosen with ``seed``) of the cache at ``path``; compare."""
+    out = RecomputeResult()
+    run, notes, problem = open_stored(path, model=model, trust_remote_code=trust_remote_code, device=device,
+                                      what="recompute")
+    out.notes += notes
+    if problem or run is None:
+        out.add(problem or "the run cannot be rebuilt")
+        return out
+    m, store, zstore, metas, readable = run.m, run.store, run.zstore, run.metas, run.readable
+    lengths, start = run.lengths, run.start
+    try:
+        cfg = from_dict(run.cfgd)
         plan = prepare(cfg)
     except DsparkError as exc:
         out.add(f"cannot rebuild the run from the manifest's config: {exc}")
@@ -178,17 +252,7 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
         out.add(f"the target, tokenizer or data named in the manifest changed since the cache was written "
                 f"({listed}); recomputing would compare against a different run")
         return out
-    zstore = store.zarr_store(read_only=True) if store.url else None
-    metas, problems = read_array_metas(store, m, zstore)
-    if problems:
-        out.add(f"skipped: the arrays disagree with the manifest ({problems[0][1]})")
-        return out
-    tables = {name: read_slots(store, metas, [name], 0, metas[name].shape[0], zstore)[name].astype(np.int64)
-              for name in SAMPLE_ARRAYS}
-    lengths, start = tables["samples/length"], tables["samples/start"]
     layout = build_layout(lengths, m.layout.chunk_tokens, m.layout.unit_tokens)
-    readable = np.arange(len(lengths)) if m.complete else np.flatnonzero(
-        np.isin(tables["samples/unit"], sorted(committed_units(store, m.layout.num_units))))
     pick = np.sort(np.random.default_rng(seed).choice(readable, size=min(int(n), len(readable)), replace=False))
     rows = read_rows(resolve_source(cfg.data.path, cfg.data.split_slice()[0]), cfg.data)
     encoder = ChatEncoder(plan.tokenizer, plan.template, cfg.seq_length, cfg.data.mask_reasoning_content,
@@ -210,7 +274,7 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
             except CacheFormatError as exc:  # a corrupt or missing chunk
                 out.add(f"sample {s}: cannot read it ({exc})", sample=s, array=getattr(exc, "array", None))
                 continue
-            raw = rows[int(tables["samples/source_row"][s])]
+            raw = rows[int(run.source_row[s])]
             conv = normalize(raw, cfg.data.format)
             enc = conv if isinstance(conv, Reject) else encoder.encode(conv, raw.row)
             if isinstance(enc, Reject):

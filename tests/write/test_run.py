@@ -192,6 +192,7 @@ def poison_second_batch(monkeypatch) -> None:
 def test_a_sample_with_inf_states_is_dropped_accounted_and_never_read(tmp_path, default_run, monkeypatch):
     from dspark_precompute.read.export import export_nemo
     from dspark_precompute.read.verify import verify_cache
+    from dspark_precompute.write.recompute import open_stored
 
     _, ref = default_run
     poison_second_batch(monkeypatch)
@@ -217,6 +218,9 @@ def test_a_sample_with_inf_states_is_dropped_accounted_and_never_read(tmp_path, 
     report = verify_cache(result.path)
     assert report.ok, report.problems
     assert export_nemo(result.path, tmp_path / "nemo").num_samples == len(c)
+    # the checks that rerun the target (--recompute, --teacher, --precision) never pick the zeroed sample
+    stored, _, problem = open_stored(result.path, model=None, trust_remote_code=False, device=None, what="a check")
+    assert problem is None and sorted(stored.readable.tolist()) == sorted(c.indices.tolist())
 
 
 def torch_equal(a, b) -> bool:

@@ -102,12 +102,13 @@ def test_the_teacher_check_takes_no_remote_code_or_path_from_the_cache(cache_cop
     m["config"]["model"]["trust_remote_code"] = True
     (cache_copy / "manifest.json").write_text(json.dumps(m))
     seen = {}
-    real = __import__("dspark_precompute.write.teacher", fromlist=["load_target"]).load_target
+    # every check that reruns the target loads it there
+    real = __import__("dspark_precompute.write.recompute", fromlist=["load_target"]).load_target
 
     def spy(cfg, *a, **k):
         seen["trust"] = cfg.trust_remote_code
         return real(cfg, *a, **k)
-    monkeypatch.setattr("dspark_precompute.write.teacher.load_target", spy)
+    monkeypatch.setattr("dspark_precompute.write.recompute.load_target", spy)
     r = teacher_check(str(cache_copy), 16)
     assert seen["trust"] is False and r.problems == []
     assert any("loads without it" in n for n in r.notes)
