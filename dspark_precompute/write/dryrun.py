@@ -48,10 +48,17 @@ log = logging.getLogger(__name__)
 # seq_length 512), cast to each storage dtype; input_ids and loss_mask of the same rows. The bf16 hidden
 # ratio under the default chain (1.56) matches docs/benchmarks.md (1.58 on the same target). Random
 # weights: real activations may compress differently, so the size after compression is an estimate.
+# fp8_e4m3 (e4m3 bits, compressed with storage.fp8_shuffle) and fp8_scale (their float32 scales, one per token):
+# measured 2026-12-03 the same way on the caches of scripts/bench_fp8.py (bench_mid, 200 rows of the chat mix,
+# layers 1, 4, 6, 8 in fp8): bits 1.23-1.29 with bit shuffle in 512 KiB chunks (1.24-1.34 in 1 MiB ones),
+# 1.22 without shuffle (byte shuffle does nothing to one-byte values); scales 1.20-1.24 with byte shuffle.
 COMPRESSION_RATIOS: dict[tuple[str, str], dict[str, float]] = {
-    ("blosc_zstd", "byte"): {"bf16": 1.56, "fp16": 1.19, "fp32": 1.22, INPUT_IDS: 2.30, LOSS_MASK: 14.4},
-    ("blosc_zstd", "bit"): {"bf16": 1.46, "fp16": 1.16, "fp32": 1.18, INPUT_IDS: 2.01, LOSS_MASK: 13.2},
-    ("blosc_zstd", "none"): {"bf16": 1.29, "fp16": 1.09, "fp32": 1.08, INPUT_IDS: 2.24, LOSS_MASK: 14.4},
+    ("blosc_zstd", "byte"): {"bf16": 1.56, "fp16": 1.19, "fp32": 1.22, INPUT_IDS: 2.30, LOSS_MASK: 14.4,
+                             "fp8_e4m3": 1.22, "fp8_scale": 1.21},
+    ("blosc_zstd", "bit"): {"bf16": 1.46, "fp16": 1.16, "fp32": 1.18, INPUT_IDS: 2.01, LOSS_MASK: 13.2,
+                            "fp8_e4m3": 1.25},
+    ("blosc_zstd", "none"): {"bf16": 1.29, "fp16": 1.09, "fp32": 1.08, INPUT_IDS: 2.24, LOSS_MASK: 14.4,
+                             "fp8_e4m3": 1.22},
     ("blosc_lz4", "byte"): {"bf16": 1.16, "fp16": 1.00, "fp32": 1.07, INPUT_IDS: 1.81, LOSS_MASK: 11.9},
     ("blosc_lz4", "bit"): {"bf16": 1.28, "fp16": 1.06, "fp32": 1.12, INPUT_IDS: 1.83, LOSS_MASK: 10.8},
     ("blosc_lz4", "none"): {"bf16": 1.00, "fp16": 1.00, "fp32": 1.00, INPUT_IDS: 1.08, LOSS_MASK: 11.9},
@@ -242,7 +249,7 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
     arrays, notes = [], set()
     for spec in plan.specs:
         kind = spec.name if spec.width is None else spec.storage or "fp8_scale"
-        ratio = compression_ratio(s.compressor, s.shuffle, kind)
+        ratio = compression_ratio(s.compressor, s.fp8_shuffle if kind == "fp8_e4m3" else s.shuffle, kind)
         raw = slots * spec.row_bytes
         chunks = -(-slots // layout.chunk_tokens)
         if ratio is None:
@@ -260,7 +267,7 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
     wbytes = weights_file_bytes(plan)
     rbytes = sum(len((json.dumps(r.to_json(), sort_keys=True) + "\n").encode()) for r in tok.rejects)
     raw_total = token_bytes + table_bytes + wbytes + rbytes
-    hidden_ratio = compression_ratio(s.compressor, s.shuffle, s.dtype)
+    hidden_ratio = compression_ratio(s.compressor, s.fp8_shuffle if s.dtype == "fp8_e4m3" else s.shuffle, s.dtype)
     shown = f"{hidden_ratio:.2f}x" if hidden_ratio else "(no measured ratio)"
     note = (f"{s.compressor} level {s.compression_level}: hidden states {shown} as measured at level 1 "
             "on a random-weight Qwen3; real activations may compress differently" if s.compressor != "none"

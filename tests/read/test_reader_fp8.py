@@ -119,3 +119,41 @@ def test_a_scale_that_is_zero_nan_negative_or_inf_is_refused_by_readers_and_name
     assert not report.ok
     hit = [p for p in report.problems if p.array == "hidden_scales/layer_2"]
     assert hit and "not finite and positive" in hit[0].message and hit[0].unit is not None
+
+
+@pytest.mark.parametrize(("damage", "pattern"), [
+    ("dtype", r"hidden_scales/layer_1.*data_type 'float16', the manifest implies 'float32'"),
+    ("shape", r"hidden_scales/layer_1.*chunk shape \[256, 2\], the manifest implies \[256, 4\]"),
+    ("gone", r"array 'hidden_scales/layer_1' is missing"),
+    ("storage", r"hidden_storage = .* disagrees"),
+])
+def test_a_scale_array_or_storage_record_that_disagrees_with_the_manifest_is_refused_on_open(fp8_run, tmp_path, damage,
+                                                                                              pattern):
+    path = tmp_path / "cache"
+    shutil.copytree(fp8_run[1].path, path)
+    meta_file = path / "hidden_scales/layer_1/zarr.json"
+    meta = json.loads(meta_file.read_text())
+    if damage == "dtype":
+        meta["data_type"] = "float16"
+    elif damage == "shape":
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [256, 2]
+    meta_file.write_text(json.dumps(meta))
+    if damage == "gone":
+        shutil.rmtree(path / "hidden_scales/layer_1")
+    if damage == "storage":
+        m = json.loads((path / "manifest.json").read_text())
+        m["hidden_storage"]["hidden_states/layer_1"]["scale_array"] = "hidden_scales/layer_2"
+        (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CacheFormatError, match=pattern):
+        open_cache(path)
+
+
+def test_a_manifest_written_before_the_per_array_storage_record_still_reads(default_run, tmp_path):
+    path = tmp_path / "cache"
+    shutil.copytree(default_run[1].path, path)
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["hidden_storage"]["hidden_states/layer_1"]["dtype"] == "bf16" and "last_dtype" not in m
+    del m["hidden_storage"]
+    (path / "manifest.json").write_text(json.dumps(m))
+    c = open_cache(path)
+    assert c.output_dtype == "bf16" and c[0]["target_hidden_states"].dtype == torch.bfloat16

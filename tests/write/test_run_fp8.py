@@ -36,6 +36,23 @@ def test_fp8_settings_are_all_checked_before_weights_load(tmp_path):
     assert compose(small(tmp_path, "storage.last_dtype=fp8_e4m3", "storage.fp8_group=32")).storage.fp8_group == 32
 
 
+def test_an_fp8_group_that_does_not_divide_a_checkpoints_hidden_size_is_listed_with_the_other_problems(tmp_path):
+    """For a target on disk the hidden size is known only once its config is read: still before weights load."""
+    from dspark_precompute.write import tiny
+    from dspark_precompute.write.config import RandomTargetConfig
+
+    tok = tiny.build_tokenizer()
+    src = tmp_path / "target"
+    tiny.build_target(RandomTargetConfig(), len(tok)).save_pretrained(src, safe_serialization=True)
+    tok.save_pretrained(src)
+    cfg = compose(small(tmp_path, f"model.path={src}", "storage.dtype=fp8_e4m3", "storage.fp8_group=48",
+                        "model.layer_ids=[1,9]"))
+    with pytest.raises(ConfigError) as err:
+        prepare(cfg)
+    text = "\n".join(err.value.problems)
+    assert "storage.fp8_group=48 does not divide the target's hidden size 64" in text and "contains [9]" in text
+
+
 def test_fp8_settings_enter_the_identity_only_when_they_mean_something(tmp_path):
     bf16 = prepare(compose(small(tmp_path))).identity["storage"]
     assert sorted(bf16) == ["chunk_tokens", "compression_level", "compressor", "dtype", "shuffle", "unit_tokens"]
