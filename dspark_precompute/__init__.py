@@ -27,6 +27,8 @@ def run(cfg: Any, provenance: dict[str, Any] | None = None) -> Any:
     """Precompute the cache ``cfg`` describes (see :func:`dspark_precompute.write.run.run`).
 
     The notebook entry point: with no logging configured, the run's progress goes to stderr.
+    With ``cfg.dry_run`` it returns the plan instead
+    (:func:`dspark_precompute.write.dryrun.dry_run`) and writes nothing.
     """
     import logging
 
@@ -38,6 +40,10 @@ def run(cfg: Any, provenance: dict[str, Any] | None = None) -> Any:
         handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
         pkg.addHandler(handler)
 
+    if getattr(cfg, "dry_run", False):
+        from dspark_precompute.write.dryrun import dry_run
+
+        return dry_run(cfg)
     return _run(cfg, provenance)
 
 

@@ -112,6 +112,10 @@ class LockedError(DsparkError):
     """Another live run holds the cache's writer lock."""
 
 
+class NonFiniteStatesError(DsparkError):
+    """A sample's hidden states hold NaN or Inf and ``data.on_nonfinite=error``."""
+
+
 class RankFailedError(DsparkError):
     """Another rank of the same torchrun/SLURM job failed; this one stops too."""
 

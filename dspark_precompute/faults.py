@@ -5,10 +5,12 @@ N-th on (to give a signal time to arrive). ``DSPARK_FAULT_RANK=r`` limits faults
 Unset (always, outside tests), a point costs a dict lookup.
 
 Points: ``unit_submitted`` (forward loop, after a unit is handed to the writer),
-``writer_array`` (writer, after each array region of a unit), ``writer_before_commit``,
+``writer_array`` (a writer process, after each piece it writes; each writer counts its own hits),
+``writer_before_commit`` (main process, a unit all written, its commit record not yet),
 ``atomic_write`` (any small file, after its temporary is written, before the rename),
 ``manifest`` (before a manifest update), ``weights`` (before target_weights is written),
-``allocate`` (while arrays are created), ``tokenize_row`` (before each row is tokenized).
+``allocate`` (while arrays are created), ``tokenize_row`` (before each row is tokenized, in whichever
+process tokenizes it; each process counts its own hits).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ::
 
     dspark-cache info PATH [--json]
-    dspark-cache verify PATH [--recompute N] [--repair]
+    dspark-cache verify PATH [--recompute N] [--teacher N] [--repair]
     dspark-cache export-nemo CACHE OUT [--shard-size 256] [--overwrite]
     dspark-cache plot PATH -o report.png
 
@@ -65,11 +65,30 @@ def _verify(args: argparse.Namespace) -> int:
             report.notes += r.notes
             report.recomputed, report.recompute_exact, report.recompute_max_steps = r.recomputed, r.exact, r.max_steps
             report.seconds += time.perf_counter() - t0
+    if args.teacher > 0:
+        if report.problems and any(p.check in ("structure", "offsets") for p in report.problems):
+            report.problems.append(Problem("teacher", "skipped: the cache's structure or offsets are broken, fix "
+                                                      "those first"))
+        else:
+            from dspark_precompute.write.teacher import teacher_check
+
+            t0 = time.perf_counter()
+            t = teacher_check(args.path, args.teacher, seed=args.seed, device=args.device, model=args.model,
+                              trust_remote_code=args.trust_remote_code, min_top1=args.teacher_min_top1,
+                              max_tv=args.teacher_max_tv, max_rel=args.teacher_max_rel)
+            report.problems += [Problem(**p) for p in t.problems]
+            report.notes += t.notes
+            report.teacher_positions, report.teacher_samples = len(t.positions), t.samples
+            report.teacher_top1, report.teacher_max_logit_diff = t.top1_agreement, t.max_logit_diff
+            report.teacher_tv_mean, report.teacher_tv_max = t.tv_mean, t.tv_max
+            report.teacher_rel_error_mean, report.teacher_rel_error_max = t.rel_error_mean, t.rel_error_max
+            report.seconds += time.perf_counter() - t0
     if args.json:
         _out(json.dumps({"ok": report.ok, "path": report.path, "samples": report.samples, "tokens": report.tokens,
                          "chunks_checked": report.chunks_checked, "recomputed": report.recomputed,
                          "recompute_exact": report.recompute_exact,
-                         "recompute_max_steps": report.recompute_max_steps, "notes": report.notes,
+                         "recompute_max_steps": report.recompute_max_steps, "teacher": report.teacher_json(),
+                         "notes": report.notes,
                          "problems": [p.__dict__ for p in report.problems]}, indent=2, default=list))
     else:
         _out(report.format())
@@ -122,14 +141,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--recompute", type=int, default=0, metavar="N",
                    help="reload the target and recompute N random samples (needs the target and data)")
-    s.add_argument("--seed", type=int, default=0, help="which samples --recompute picks")
+    s.add_argument("--teacher", type=int, default=0, metavar="N",
+                   help="reload the target and compare its own logits with lm_head applied to the stored final state "
+                        "at N sampled positions (top-1 agreement, logit difference, total variation)")
+    s.add_argument("--teacher-min-top1", type=float, default=0.95, metavar="SHARE",
+                   help="--teacher fails below this top-1 agreement (default 0.95)")
+    s.add_argument("--teacher-max-tv", type=float, default=0.1, metavar="TV",
+                   help="--teacher fails above this mean total-variation distance (default 0.1)")
+    s.add_argument("--teacher-max-rel", type=float, default=None, metavar="ERR",
+                   help="--teacher fails above this mean relative logit error (default: 4 steps of the storage and "
+                        "compute dtypes, 0.031 for bf16 storage of an fp32 forward)")
+    s.add_argument("--seed", type=int, default=0, help="which samples --recompute and positions --teacher pick")
     s.add_argument("--tolerance", type=float, default=1.0,
                    help="largest allowed difference, in steps of the storage dtype (default 1)")
-    s.add_argument("--device", default=None, help="device for --recompute (default: the manifest's model.device)")
+    s.add_argument("--device", default=None,
+                   help="device for --recompute and --teacher (default: the manifest's model.device)")
     s.add_argument("--model", default=None, metavar="PATH",
-                   help="target for --recompute (default: the path recorded in the manifest)")
+                   help="target for --recompute and --teacher (default: the path recorded in the manifest)")
     s.add_argument("--trust-remote-code", action="store_true",
-                   help="let --recompute run code shipped with the target checkpoint (never taken from the cache)")
+                   help="let --recompute / --teacher run code shipped with the target checkpoint (never taken from "
+                        "the cache)")
     s.add_argument("--allow-incomplete", action="store_true", help="check the committed part of an unfinished cache")
     s.add_argument("--repair", action="store_true",
                    help="mark damaged units for recomputation by the next run of the precompute command")

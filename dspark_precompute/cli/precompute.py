@@ -6,6 +6,7 @@ Examples::
     python -m dspark_precompute                                   # embedded default, seconds on a CPU
     python -m dspark_precompute model=qwen3_0_6b data.path=/data/chat.jsonl seq_length=4096
     python -m dspark_precompute -m seq_length=1024,2048           # one cache per value
+    python -m dspark_precompute data.path=/data/chat.jsonl dry_run=true   # the plan: counts, bytes, time
 
 Before Hydra runs anything, every override is checked against the schema (each value of
 a sweep too): all bad values are reported together, one line each, with exit status 2.
@@ -34,7 +35,14 @@ def _app(dcfg: DictConfig) -> None:
 
     provenance = _provenance(dcfg)  # in memory, now: Hydra's files on disk may belong to another run
     try:
-        run(from_dictconfig(dcfg), provenance=provenance)
+        cfg = from_dictconfig(dcfg)
+        if cfg.dry_run:
+            from dspark_precompute.write.dryrun import dry_run
+
+            sys.stdout.write(dry_run(cfg).table())
+            sys.stdout.flush()
+            return
+        run(cfg, provenance=provenance)
     except (DsparkError, StoppedBySignal) as exc:
         log.error("%s", exc)
         raise SystemExit(getattr(exc, "exit_code", 2)) from None

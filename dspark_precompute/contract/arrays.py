@@ -103,9 +103,10 @@ def expected_arrays(m: Manifest) -> dict[str, ExpectedArray]:
         out[name] = ExpectedArray(np.dtype(disk), (total, hidden), (ct, hidden),
                                   {"logical_dtype": logical, "layer_id": lid},
                                   "layout.total_token_slots x hidden_size")
-    n, units = m.counts.samples, m.layout.num_units
+    n, units = m.stored_samples, m.layout.num_units
     for name, dt in SAMPLE_ARRAYS.items():
-        out[name] = ExpectedArray(np.dtype(dt), (n,), None, {}, "counts.samples")
+        out[name] = ExpectedArray(np.dtype(dt), (n,), None, {},
+                                  "counts.samples + dropped_samples" if m.dropped_samples else "counts.samples")
     for name, dt in UNIT_ARRAYS.items():
         out[name] = ExpectedArray(np.dtype(dt), (units,), None, {}, "layout.num_units")
     return out

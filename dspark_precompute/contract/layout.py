@@ -103,11 +103,13 @@ def table_problems(m: Manifest, tables: dict[str, np.ndarray]) -> list[str]:
     layout, counts = m.layout, m.counts
     ct, ut = layout.chunk_tokens, layout.unit_tokens
     nu, total, seq = layout.num_units, layout.total_token_slots, m.seq_length
-    n = counts.samples
+    n = m.stored_samples
     p: list[str] = []
     for name in SAMPLE_ARRAYS:
         if len(tables[name]) != n:
-            p.append(f"table {name} has {len(tables[name])} rows, manifest counts.samples is {n}")
+            p.append(f"table {name} has {len(tables[name])} rows, manifest counts.samples is {n}"
+                     + (f" with the dropped samples ({counts.samples} + {n - counts.samples})"
+                        if n != counts.samples else ""))
     for name in UNIT_ARRAYS:
         if len(tables[name]) != nu:
             p.append(f"table {name} has {len(tables[name])} rows, manifest layout.num_units is {nu}")
@@ -209,7 +211,10 @@ def table_problems(m: Manifest, tables: dict[str, np.ndarray]) -> list[str]:
         if len(bad):
             p.append("units: the samples are not packed as the layout packs them (a unit stops although the next "
                      f"sample fits in layout.unit_tokens = {ut}): " + _examples(bad, lambda u: f"unit {u}"))
-    for key, got in (("tokens", int(length.sum())), ("truncated_samples", int((untrunc > length).sum()))):
+    keep = np.ones(n, dtype=bool)  # the counts describe the readable samples: dropped ones are rejects
+    keep[np.asarray(m.dropped_samples or [], dtype=np.int64)] = False
+    for key, got in (("tokens", int(length[keep].sum())), ("truncated_samples",
+                                                            int((untrunc > length)[keep].sum()))):
         if getattr(counts, key) != got:
             p.append(f"manifest counts.{key} = {getattr(counts, key)}, the tables give {got}")
     return p

@@ -98,6 +98,77 @@ class Counts:
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
 
 
+LAST_STATE_POST_NORM = "post_final_norm"  # Capture.last_state: the decoder's output after its final norm
+
+
+@dataclass(frozen=True)
+class MaskPolicy:
+    """Which rule made the loss masks, and the mask options (a trainer's answer to "what is supervised?").
+
+    ``rule``: ``generation_template`` (the template's own ``{% generation %}`` assistant mask)
+    or ``nemo_prefix`` (NeMo's prefix rule: each assistant turn from its role header to its
+    end-of-turn token). ``fallback``: with ``nemo_prefix``, ``full_render_alignment``, how a
+    turn is located where the template rewrites earlier turns and the prefix rule breaks.
+    """
+
+    rule: str | None = None
+    fallback: str | None = None
+    mask_reasoning_content: bool | None = None
+    mask_generation_prompt: bool | None = None
+
+
+@dataclass(frozen=True)
+class Capture:
+    """How the stored values were made: what a trainer needs to trust the cache without guessing.
+
+    Every field follows from inputs the identity already hashes (the target's config and
+    weights, the template, the mask options, the layer ids), so none of it is hashed itself.
+    ``final_norm_class`` comes from the loaded model: it is set once a run has loaded it.
+    """
+
+    last_state: str | None = None  # LAST_STATE_POST_NORM: ``last`` is taken after the final norm
+    final_norm_class: str | None = None  # e.g. Qwen3RMSNorm
+    layer_preset: str | None = None  # nemo | servable | explicit (model.layer_ids given)
+    mask: MaskPolicy | None = None
+    target_weights_dtype: str | None = None  # the checkpoint's floating dtype (safetensors headers, else config)
+    weights_fingerprint: str | None = None  # the identity's fingerprint of every weight file
+    fingerprint_kind: str | None = None  # full (every byte) or sampled
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Capture:
+        kw = {f.name: d.get(f.name) for f in dataclasses.fields(cls)}
+        mask = d.get("mask")
+        kw["mask"] = MaskPolicy(**{f.name: mask.get(f.name) for f in dataclasses.fields(MaskPolicy)}) \
+            if isinstance(mask, dict) else None
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class RunProvenance:
+    """Which command, software and machines wrote the cache (a run record: never hashed).
+
+    ``argv`` and ``overrides`` are the command line and Hydra overrides of the run that
+    finished the cache; ``versions`` its torch, transformers, zarr, numcodecs and
+    dspark_precompute; ``hosts`` every host that wrote a unit (from this run's ranks and the
+    commit records of units an earlier run wrote); ``world_size`` the finishing run's ranks.
+    """
+
+    argv: list[str] | None = None
+    overrides: list[str] | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    hosts: list[str] = field(default_factory=list)
+    world_size: int | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RunProvenance:
+        """From its JSON value (keys this version does not know are dropped)."""
+        return cls(argv=d.get("argv"), overrides=d.get("overrides"), versions=dict(d.get("versions") or {}),
+                   hosts=list(d.get("hosts") or []), world_size=d.get("world_size"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
 @dataclass
 class Manifest:
     """A cache's manifest.json as typed fields (build it, parse it, write it; never index a dict)."""
@@ -127,9 +198,25 @@ class Manifest:
     completed_at: str | None = None
     timing: dict[str, float] | None = None
     weights_sha256: str | None = None
-    provenance: dict[str, Any] | None = None
+    provenance: RunProvenance | None = None
+    capture: Capture | None = None  # absent in caches written before it was recorded
+    dropped_samples: list[int] | None = None  # stored samples whose states were not finite: not readable
+    nonfinite_values: dict[str, int] | None = None  # array -> NaN/Inf values found (all in dropped samples)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to DataLoader workers, inside a dataset) without the run record: it says which command and
+        software wrote the cache, which no reader of samples needs, and it names libraries a worker must not
+        be suspected of carrying (a pickle holding "zarr" would hint at a pickled zarr handle)."""
+        state = dict(self.__dict__)
+        state["provenance"] = None
+        return state
 
     # -- derived facts ----------------------------------------------------------------------
+    @property
+    def stored_samples(self) -> int:
+        """Rows of the sample tables: the readable samples and the dropped ones."""
+        return self.counts.samples + len(self.dropped_samples or [])
+
     @property
     def disk_dtype(self) -> np.dtype:
         return disk_dtype(self.storage_dtype)
@@ -173,7 +260,11 @@ class Manifest:
         out: dict[str, Any] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("completed_at", "timing", "weights_sha256", "provenance") and v is None:
+            if f.name in ("completed_at", "timing", "weights_sha256", "provenance", "capture", "dropped_samples",
+                          "nonfinite_values") and v is None:
+                continue
+            if isinstance(v, RunProvenance):
+                out[f.name] = v.to_json()
                 continue
             out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
         # derived, written for other tools (NeMo-style readers) and for people reading the file
@@ -200,6 +291,12 @@ class Manifest:
                                                         "supervised_tokens", "truncated_samples")},
                               rejected_by_reason={str(k): int(v) for k, v in c.get("rejected_by_reason", {}).items()})
         kw["layer_ids"] = [int(i) for i in data["layer_ids"]]
+        if data.get("dropped_samples") is not None:
+            kw["dropped_samples"] = [int(i) for i in data["dropped_samples"]]
+        if isinstance(data.get("provenance"), dict):
+            kw["provenance"] = RunProvenance.from_json(data["provenance"])
+        if isinstance(data.get("capture"), dict):
+            kw["capture"] = Capture.from_json(data["capture"])
         return cls(**kw)
 
     @classmethod
@@ -238,9 +335,11 @@ class Manifest:
         self.completed_at = None
 
     def mark_complete(self, timing: dict[str, float] | None = None, weights_sha256: str | None = None,
-                      provenance: dict[str, Any] | None = None) -> None:
+                      provenance: RunProvenance | dict[str, Any] | None = None) -> None:
         self.complete = True
         self.completed_at = now()
+        if isinstance(provenance, dict):
+            provenance = RunProvenance.from_json(provenance)
         self.timing, self.weights_sha256, self.provenance = timing, weights_sha256, provenance
 
     def run_independent_json(self) -> dict[str, Any]:
@@ -340,6 +439,9 @@ def manifest_problems(manifest: Any) -> list[str]:
     if "weights_sha256" in manifest and not (isinstance(sha, str) and len(sha) == 64 and set(sha) <= _HEX):
         problems.append(f"manifest weights_sha256 = {sha!r:.80} must be 64 lowercase hex digits (the sha256 of "
                         f"{WEIGHTS})")
+
+    problems += _capture_problems(manifest.get("capture")) if manifest.get("capture") is not None else []
+    problems += _provenance_problems(manifest.get("provenance")) if manifest.get("provenance") is not None else []
 
     hidden_ok = "hidden_size" in manifest and check_int("hidden_size", manifest["hidden_size"], 1, MAX_HIDDEN_SIZE,
                                                         "width of every hidden-state array")
@@ -467,16 +569,86 @@ def manifest_problems(manifest: Any) -> list[str]:
                             f"{got['tokens']}")
         if {"truncated_samples", "samples"} <= got.keys() and got["truncated_samples"] > got["samples"]:
             problems.append(f"manifest counts.truncated_samples = {got['truncated_samples']} exceeds counts.samples")
+        dropped: Any = manifest.get("dropped_samples")
+        n_dropped = 0
+        if dropped is not None and typed("dropped_samples", dropped, list, "a list of sample ids"):
+            if not all(is_int(i) and 0 <= i < MAX_TOKEN_SLOTS for i in dropped) or any(
+                    b <= a for a, b in zip(dropped, dropped[1:])):
+                problems.append(f"manifest dropped_samples = {dropped!r:.80} must be increasing sample ids")
+            else:
+                n_dropped = len(dropped)
+                if "samples" in got and dropped and dropped[-1] >= got["samples"] + n_dropped:
+                    problems.append(f"manifest dropped_samples names sample {dropped[-1]}, but the tables hold "
+                                    f"{got['samples'] + n_dropped} (counts.samples + dropped)")
+        nonfinite: Any = manifest.get("nonfinite_values")
+        if nonfinite is not None and typed("nonfinite_values", nonfinite, dict, "an object of array -> values") \
+                and not all(isinstance(k, str) and is_int(v) and v >= 0 for k, v in nonfinite.items()):
+            problems.append(f"manifest nonfinite_values = {nonfinite!r:.80} must map array names to counts")
         if layout_ok and "samples" in got:
             nu, total = int(layout["num_units"]), int(layout["total_token_slots"])
-            if not nu <= got["samples"] <= total or (got["samples"] == 0) != (nu == 0):
-                problems.append(f"manifest counts.samples = {got['samples']} does not fit layout.num_units = {nu} "
-                                f"and layout.total_token_slots = {total}")
+            stored = got["samples"] + n_dropped
+            if not nu <= stored <= total or (stored == 0) != (nu == 0):
+                extra = f" (+ {n_dropped} dropped)" if n_dropped else ""
+                problems.append(f"manifest counts.samples = {got['samples']}{extra} does not fit "
+                                f"layout.num_units = {nu} and layout.total_token_slots = {total}")
             if "tokens" in got and got["tokens"] > total:
                 problems.append(f"manifest counts.tokens = {got['tokens']} exceeds layout.total_token_slots = {total}")
     return problems
 
 
+
+def _optional_types(where: str, d: dict[str, Any], fields: dict[str, tuple[type, ...]],
+                    what: dict[str, str]) -> list[str]:
+    """Each present, non-null key of ``d`` whose value is not one of its types (bools are not ints)."""
+    out = []
+    for k, types in fields.items():
+        v = d.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            out.append(f"manifest {where}.{k} = {v!r:.80} ({_kind(v)}) must be {what[k]} or null")
+    return out
+
+
+def _str_list_problem(where: str, v: Any) -> str | None:
+    if v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+        return None
+    return f"manifest {where} = {v!r:.80} ({_kind(v)}) must be a list of strings or null"
+
+
+def _capture_problems(cap: Any) -> list[str]:
+    """Types of the optional ``capture`` section (what the stored values are: post-norm, masks, dtype)."""
+    if not isinstance(cap, dict):
+        return [f"manifest capture = {cap!r:.80} ({_kind(cap)}) must be an object or null"]
+    text = {k: "a string" for k in ("last_state", "final_norm_class", "layer_preset", "target_weights_dtype",
+                                    "weights_fingerprint", "fingerprint_kind")}
+    out = _optional_types("capture", cap, {k: (str,) for k in text}, text)
+    mask = cap.get("mask")
+    if mask is not None:
+        if not isinstance(mask, dict):
+            out.append(f"manifest capture.mask = {mask!r:.80} ({_kind(mask)}) must be an object or null")
+        else:
+            what = {"rule": "a string", "fallback": "a string", "mask_reasoning_content": "true or false",
+                    "mask_generation_prompt": "true or false"}
+            out += _optional_types("capture.mask", mask, {"rule": (str,), "fallback": (str,),
+                                                          "mask_reasoning_content": (bool,),
+                                                          "mask_generation_prompt": (bool,)}, what)
+    return out
+
+
+def _provenance_problems(prov: Any) -> list[str]:
+    """Types of the optional ``provenance`` run record (command line, versions, hosts, world size)."""
+    if not isinstance(prov, dict):
+        return [f"manifest provenance = {prov!r:.80} ({_kind(prov)}) must be an object or null"]
+    out = [p for k in ("argv", "overrides", "hosts") if (p := _str_list_problem(f"provenance.{k}", prov.get(k)))]
+    versions = prov.get("versions")
+    if versions is not None and not (isinstance(versions, dict)
+                                     and all(isinstance(v, str) for v in versions.values())):
+        out.append(f"manifest provenance.versions = {versions!r:.80} must map package names to version strings")
+    ws = prov.get("world_size")
+    if ws is not None and (p := _int_problem("provenance.world_size", ws, 1, 1 << 24, "ranks that wrote the cache")):
+        out.append(p)
+    return out
 
 
 def weights_problems(shapes: dict[str, tuple[int, ...]], m: Manifest,

@@ -54,6 +54,8 @@ STORAGE_DTYPES = {
     "fp16": (np.float16, "float16"),
     "fp32": (np.float32, "float32"),
 }
+# storage dtype name -> its safetensors dtype (the weights file holds the embedding in the storage dtype)
+SAFETENSORS_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 COORD = "coord"  # failure markers of a multi-rank job
 HYDRA_RECORD = ".hydra"  # the Hydra record (composed config, overrides) of the run that wrote the cache
 LOCK = ".writer.lock"

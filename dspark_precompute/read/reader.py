@@ -38,7 +38,7 @@ import torch
 
 from dspark_precompute.contract.arrays import ArrayMeta
 from dspark_precompute.contract.chunks import decode_chunk, get_many, read_array_metas, read_file
-from dspark_precompute.contract.commits import committed_units
+from dspark_precompute.contract.commits import CommitRecord, committed_units
 from dspark_precompute.contract.layout import SampleIndex, table_problems
 from dspark_precompute.contract.manifest import Manifest, listing, weights_problems
 from dspark_precompute.contract.spec import (
@@ -185,11 +185,26 @@ class CacheReader:
         self._untruncated = tables["samples/untruncated_length"]
         self._unit_start = tables["units/token_start"]
         self._unit_stop = tables["units/token_stop"]
-        if self.complete:
-            self.indices = np.arange(len(self._start), dtype=np.int64)
-        else:
-            self.indices = np.flatnonzero(np.isin(self._unit, sorted(committed))).astype(np.int64)
+        self._dropped = self._dropped_samples(committed)
+        self.indices = self._readable(None if self.complete else sorted(committed))
         self._supervised: np.ndarray | None = None
+
+    def _dropped_samples(self, committed: set[int]) -> np.ndarray:
+        """Samples whose states were not finite: the manifest lists them once complete, the commits before."""
+        if self.complete:
+            return np.asarray(self.manifest.dropped_samples or [], dtype=np.int64)
+        out = []
+        for u in sorted(committed):
+            rec = CommitRecord.read(self.store, u)
+            for d in (rec.extra.get("dropped") or []) if rec is not None else []:
+                out.append(int(d["sample"]))
+        return np.asarray(sorted(out), dtype=np.int64)
+
+    def _readable(self, units: list[int] | None) -> np.ndarray:
+        """Sample ids a reader may return: every sample (or those of ``units``), minus the dropped ones."""
+        ids = np.arange(len(self._start), dtype=np.int64) if units is None else np.flatnonzero(
+            np.isin(self._unit, units)).astype(np.int64)
+        return ids[~np.isin(ids, self._dropped)] if len(self._dropped) else ids
 
     # -- metadata --------------------------------------------------------------------------
     @property
@@ -604,7 +619,7 @@ class CacheReader:
                                    "have no commit record now (marked for repair?); open it again once the "
                                    "precompute run has rewritten them.")
         if units is not None:
-            fresh.indices = np.flatnonzero(np.isin(fresh._unit, units)).astype(np.int64)
+            fresh.indices = fresh._readable(units)
             fresh.complete = False
         if len(fresh) != state["samples"]:
             raise CacheFormatError(f"{state['path']}: {len(fresh)} samples are readable now, {state['samples']} "

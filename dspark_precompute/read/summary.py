@@ -6,6 +6,7 @@ for the bytes on disk (``repr`` never does).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,71 @@ def rejects_line(c: CacheReader) -> str:
     if r["rejected_by_reason"]:
         line += ": " + ", ".join(f"{k}={v:,}" for k, v in r["rejected_by_reason"].items())
     return line
+
+def provenance(c: CacheReader) -> dict[str, Any]:
+    """How the stored values were made and by what (the manifest's ``capture`` and ``provenance``).
+
+    Fields a cache written before they were recorded lacks are None.
+    """
+    m = c.manifest
+    cap, prov = m.capture, m.provenance
+    mask = cap.mask if cap is not None else None
+    return {
+        "last_state": cap.last_state if cap else None,
+        "final_norm_class": cap.final_norm_class if cap else None,
+        "layer_preset": cap.layer_preset if cap else None,
+        "mask_policy": dataclasses.asdict(mask) if mask is not None else None,
+        "target_weights_dtype": cap.target_weights_dtype if cap else None,
+        "weights_fingerprint": cap.weights_fingerprint if cap else m.identity.get("target", {}).get(
+            "weights_fingerprint"),
+        "fingerprint_kind": cap.fingerprint_kind if cap else m.identity.get("target", {}).get("fingerprint_kind"),
+        "compute_dtype": m.identity.get("compute_dtype"),
+        "argv": prov.argv if prov else None,
+        "overrides": prov.overrides if prov else None,
+        "versions": dict(prov.versions) if prov and prov.versions else None,
+        "hosts": list(prov.hosts) if prov and prov.hosts else None,
+        "world_size": prov.world_size if prov else None,
+    }
+
+
+def provenance_lines(c: CacheReader) -> list[str]:
+    """``describe()``'s provenance lines (``not recorded`` for what an older cache lacks)."""
+    p = provenance(c)
+    unknown = "not recorded"
+    if p["last_state"] == "post_final_norm":
+        last = f"after the final norm ({p['final_norm_class'] or 'norm class not recorded'})"
+    else:
+        last = p["last_state"] or unknown
+    mask = p["mask_policy"]
+    if mask:
+        rule = {"generation_template": "the template's {% generation %} mask",
+                "nemo_prefix": "NeMo's prefix rule"}.get(mask["rule"], str(mask["rule"]))
+        if mask.get("fallback") == "full_render_alignment":
+            rule += " (turns a template rewrites are aligned in the full render)"
+        masks = (f"{rule}; reasoning masked {'yes' if mask['mask_reasoning_content'] else 'no'}, generation "
+                 f"prompt masked {'yes' if mask['mask_generation_prompt'] else 'no'}")
+    else:
+        masks = unknown
+    fp = p["weights_fingerprint"]
+    weights = (f"{p['target_weights_dtype'] or 'dtype ' + unknown}, computed in {p['compute_dtype'] or unknown}; "
+               f"fingerprint {fp[:16] + '...' if fp else unknown} ({p['fingerprint_kind'] or unknown})")
+    if p["versions"]:
+        v = p["versions"]
+        software = ", ".join(f"{k} {v[k]}" for k in ("dspark_precompute", "torch", "transformers", "zarr",
+                                                   "numcodecs") if k in v)
+        where = f"{', '.join(p['hosts'] or []) or 'host ' + unknown} (world size {p['world_size'] or '?'})"
+        written = f"{software} on {where}"
+    else:
+        written = unknown
+    command = " ".join(p["argv"]) if p["argv"] else unknown
+    return [
+        f"  last state  {last}; layer preset {p['layer_preset'] or unknown}",
+        f"  masks       {masks}",
+        f"  weights     {weights}",
+        f"  written by  {written}",
+        f"  command     {command}",
+    ]
+
 
 def summary(c: CacheReader) -> dict[str, Any]:
     """What is in the cache and what it costs on disk (for ``info`` and notebooks; walks the store)."""
@@ -75,6 +141,7 @@ def summary(c: CacheReader) -> dict[str, Any]:
         "target": m.target_model,
         "target_model_type": m.target_model_type,
         "target_vocab_size": m.target_vocab_size,
+        **provenance(c),
     }
 
 def describe(c: CacheReader) -> str:
@@ -98,5 +165,6 @@ def describe(c: CacheReader) -> str:
         f"  storage     {s['dtype']}, {s['chunk_tokens']} tokens per chunk, {s['num_units']} unit(s)",
         f"  on disk     {human_bytes(s['bytes_on_disk'])} (token arrays {human_bytes(s['token_bytes_on_disk'])}"
         f" = {ratio} compression of {human_bytes(s['raw_token_bytes'])})",
+        *provenance_lines(c),
     ]
     return "\n".join(lines)

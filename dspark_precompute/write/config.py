@@ -16,7 +16,7 @@ from typing import Any
 
 from dspark_precompute.contract.spec import MAX_CHUNK_TOKENS, MAX_SEQ_LENGTH
 from dspark_precompute.errors import ConfigError
-from dspark_precompute.write.layers import layer_id_problems
+from dspark_precompute.write.layers import LAYER_PRESETS, layer_id_problems
 
 EMBEDDED = "embedded"  # data.path value: the chat set shipped inside the package
 TINY = "tiny"  # model.path value: a random-weight Qwen3 built from model.random
@@ -27,6 +27,7 @@ COMPRESSORS = ("none", "zstd", "blosc_zstd", "blosc_lz4")
 SHUFFLES = ("none", "byte", "bit")
 DATA_FORMATS = ("auto", "messages", "sharegpt")
 ON_INVALID = ("skip", "error")
+ON_NONFINITE = ("reject", "error")
 _SPLIT_RE = re.compile(r"^(\w+)(?:\[(-?\d*):(-?\d*)\])?$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
@@ -92,7 +93,8 @@ class ModelConfig:
     dtype: str = "auto"  # compute dtype; auto = bf16 on CUDA, fp32 on CPU
     device: str = "auto"
     device_map: str | None = None  # "auto" spreads a large target over the node's GPUs
-    layer_ids: list[int] | None = None  # null: NeMo's default for draft_num_hidden_layers
+    layer_ids: list[int] | None = None  # null: the layer_preset's ids for draft_num_hidden_layers
+    layer_preset: str = "nemo"  # nemo: NeMo AutoModel's formula; servable: no -1 and no N-1 (SGLang can serve it)
     draft_num_hidden_layers: int = 5
     attn_implementation: str | None = "sdpa"
     trust_remote_code: bool = False
@@ -111,6 +113,13 @@ class ModelConfig:
             out.append(f"model.draft_num_hidden_layers={self.draft_num_hidden_layers} must be >= 1")
         if self.layer_ids is not None:
             out += layer_id_problems(self.layer_ids)
+        if self.layer_preset not in LAYER_PRESETS:
+            out.append(f"model.layer_preset={self.layer_preset!r} is not one of {list(LAYER_PRESETS)} (nemo: NeMo "
+                       "AutoModel's default ids; servable: ids a serving engine can capture, no -1 and no N-1)")
+        elif self.layer_ids is not None and self.layer_preset != "nemo":
+            out.append(f"model.layer_ids={list(self.layer_ids)} and model.layer_preset={self.layer_preset!r} both "
+                       "choose the captured layers; drop model.layer_ids to use the preset, or drop "
+                       "model.layer_preset to keep the explicit ids")
         if self.fingerprint not in ("sampled", "full"):
             out.append(f"model.fingerprint={self.fingerprint!r} must be 'full' or 'sampled'")
         out += _device_problems(self.device)
@@ -151,9 +160,15 @@ class DataConfig:
     on_invalid: str = "skip"
     max_invalid_fraction: float = 0.01
     max_row_bytes: int = 1 << 20  # a larger row is a row_too_large reject, never parsed or tokenized
+    num_workers: int | None = None  # tokenizing processes; null = the cores this rank may use (when rows warrant)
+    on_nonfinite: str = "reject"  # a sample with NaN/Inf hidden states: reject (rejects.jsonl) | error
 
     def problems(self) -> list[str]:
         out = []
+        if self.num_workers is not None and self.num_workers < 0:
+            out.append(f"data.num_workers={self.num_workers} must be >= 0 (0 tokenizes in this process) or null")
+        if self.on_nonfinite not in ON_NONFINITE:
+            out.append(f"data.on_nonfinite={self.on_nonfinite!r} must be one of {list(ON_NONFINITE)}")
         if self.format not in DATA_FORMATS:
             out.append(f"data.format={self.format!r} is not one of {list(DATA_FORMATS)}")
         if not _SPLIT_RE.match(str(self.split)):
@@ -196,7 +211,8 @@ class StorageConfig:
     chunk_tokens: int | None = None  # null: about 1 MiB per chunk of the widest array (>= 512 tokens)
     unit_tokens: int | None = None  # null: as many chunks as fit in unit_mib
     unit_mib: int = 256
-    writer_slots: int = 2  # unit buffers in flight between the forward loop and the writer
+    writer_slots: int = 2  # unit buffers in flight between the forward loop and the writers
+    writers: int | None = None  # writer processes; null = the cores this rank may use, less one (at least 1)
 
     def problems(self) -> list[str]:
         out = []
@@ -227,6 +243,8 @@ class StorageConfig:
             out.append(f"storage.unit_mib={self.unit_mib} must be >= 1")
         if self.writer_slots < 1:
             out.append(f"storage.writer_slots={self.writer_slots} must be >= 1")
+        if self.writers is not None and self.writers < 1:
+            out.append(f"storage.writers={self.writers} must be >= 1, or null for one per spare core")
         if not str(self.root).strip():
             out.append("storage.root='' is empty; give a directory (or s3:// prefix) under which caches are derived")
         if self.path is not None:
@@ -267,6 +285,20 @@ class BatchConfig:
 
 
 @dataclass
+class PlanConfig:
+    """What ``dry_run=true`` assumes when it estimates a run's time (not part of the cache identity)."""
+
+    tokens_per_second: float | None = None  # real tokens/s of the whole job (as the progress bar shows); null: estimate
+
+    def problems(self) -> list[str]:
+        if self.tokens_per_second is not None and not float(self.tokens_per_second) > 0:
+            return [f"plan.tokens_per_second={self.tokens_per_second} must be a positive rate (real tokens per "
+                    "second, as the progress bar of an earlier run shows), or null to estimate it from the target's "
+                    "parameter count"]
+        return []
+
+
+@dataclass
 class PrecomputeConfig:
     """One precompute run. Constructing it validates everything that needs no weights."""
 
@@ -274,8 +306,10 @@ class PrecomputeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     seq_length: int = 2048
     overwrite: bool = False
+    dry_run: bool = False  # plan the run (data, tokens, rejects, bytes, time) without weights; write nothing
     log_level: str = "INFO"
     progress: bool = True
 
@@ -298,7 +332,7 @@ class PrecomputeConfig:
             )
         if str(self.log_level).upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             out.append(f"log_level={self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
-        for part in (self.model, self.data, self.storage, self.batch):
+        for part in (self.model, self.data, self.storage, self.batch, self.plan):
             out += part.problems()
         return out
 

@@ -79,6 +79,7 @@ class Reason:
     TEMPLATE_ERROR = "template_error"
     UNMASKABLE = "unmaskable_template"
     NO_SUPERVISED_TOKENS = "no_supervised_tokens"
+    NONFINITE = "nonfinite_hidden_states"  # found after the forward; the sample is dropped from the cache
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 
 from dspark_precompute import __version__
 from dspark_precompute.contract.layout import Layout
-from dspark_precompute.contract.manifest import Counts, Manifest, ManifestLayout, config_hash, now
+from dspark_precompute.contract.manifest import Capture, Counts, Manifest, ManifestLayout, config_hash, now
 from dspark_precompute.contract.spec import (
     FORMAT_VERSION,
     MAX_CHUNK_BYTES,
@@ -32,6 +32,7 @@ from dspark_precompute.write.chat import resolve_chat_template, sha256_text
 from dspark_precompute.write.config import EMBEDDED, DataConfig, PrecomputeConfig
 from dspark_precompute.write.data import resolve_source
 from dspark_precompute.write.layers import layer_id_problems, resolve_layer_ids
+from dspark_precompute.write.provenance import plan_capture
 from dspark_precompute.write.target import (
     TargetInfo,
     fit_problem,
@@ -66,7 +67,8 @@ def default_storage_path(cfg: PrecomputeConfig) -> str:
     data = "embedded" if d.path == EMBEDDED else Path(d.path.rstrip("/")).stem
     knobs = {
         "model": {k: v for k, v in cfg.to_dict()["model"].items()
-                  if k in ("path", "tokenizer", "revision", "dtype", "layer_ids", "draft_num_hidden_layers", "random")},
+                  if k in ("path", "tokenizer", "revision", "dtype", "layer_ids", "draft_num_hidden_layers", "random")
+                  or (k == "layer_preset" and v != "nemo")},  # the default keeps the paths of earlier caches
         "data": {k: v for k, v in cfg.to_dict()["data"].items()
                  if k in ("path", "format", "split", "shuffle_seed", "chat_template", "mask_reasoning_content",
                           "mask_generation_prompt", "max_samples")
@@ -99,8 +101,7 @@ class Plan:
     chunk_tokens: int
     unit_tokens: int
     data_sha256: str
-
-
+    capture: Capture | None = None  # the manifest's capture facts known before weights load
 
     def manifest(self, layout: Layout, counts: Counts, created_at: str = "") -> Manifest:
         """The cache's manifest for this plan (incomplete until the run marks it complete)."""
@@ -115,7 +116,7 @@ class Plan:
             counts=counts, complete=False, tied_embeddings=t.tied,
             pad_token_id=getattr(self.tokenizer, "pad_token_id", None),
             eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
-            tool_version=__version__, created_at=created_at or now(),
+            tool_version=__version__, created_at=created_at or now(), capture=self.capture,
         )
 
     @property
@@ -125,8 +126,12 @@ class Plan:
         return int(pad if pad is not None else (getattr(self.tokenizer, "eos_token_id", None) or 0))
 
 
-def prepare(cfg: PrecomputeConfig) -> Plan:
-    """Resolve paths, tokenizer, template and target identity; validate it all together."""
+def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
+    """Resolve paths, tokenizer, template and target identity; validate it all together.
+
+    ``fingerprint=False`` (a dry run) leaves the weight files unhashed: the identity then
+    lacks their fingerprint and must not be compared with a cache's.
+    """
     path = cfg.storage.path or default_storage_path(cfg)
     store = CacheStore(path)
     problems: list[str] = []
@@ -144,7 +149,7 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
         problems.append(str(exc))
     if tokenizer is not None:
         try:
-            target = inspect_target(cfg.model, tokenizer)
+            target = inspect_target(cfg.model, tokenizer, fingerprint)
         except TargetError as exc:
             problems.append(str(exc))
     layer_ids: list[int] = []
@@ -154,8 +159,10 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
         if not problems:
             try:
                 layer_ids = resolve_layer_ids(cfg.model.layer_ids, target.num_hidden_layers,
-                                              cfg.model.draft_num_hidden_layers)
-            except (ConfigError, ValueError) as exc:
+                                              cfg.model.draft_num_hidden_layers, cfg.model.layer_preset)
+            except ConfigError as exc:
+                problems += exc.problems
+            except ValueError as exc:
                 problems.append(str(exc))
         if len(tokenizer) > target.vocab_size:
             what = "model.random.vocab_size" if cfg.model.path == "tiny" else "the target's vocab_size (config.json)"
@@ -216,7 +223,10 @@ def prepare(cfg: PrecomputeConfig) -> Plan:
         },
         "seq_length": cfg.seq_length,
         "layer_ids": layer_ids,
+        # the preset that chose them; recorded only when not NeMo's, so earlier caches keep their hash
+        **({"layer_preset": cfg.model.layer_preset} if cfg.model.layer_preset != "nemo" else {}),
         "storage": storage_knobs,
     }
     return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,
-                config_hash(identity), specs, names, chunk, unit, data_sha)
+                config_hash(identity), specs, names, chunk, unit, data_sha,
+                plan_capture(cfg.model, cfg.data, template, target, cfg.model.fingerprint))

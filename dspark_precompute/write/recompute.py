@@ -73,9 +73,53 @@ def paths_inside(cfgd: dict[str, Any], root: str) -> list[str]:
     return inside
 
 
-def _as_torch(a: np.ndarray, storage_dtype: str) -> torch.Tensor:
+def stored_as_torch(a: np.ndarray, storage_dtype: str) -> torch.Tensor:
     a = np.ascontiguousarray(a)
     return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if storage_dtype == "bf16" else torch.from_numpy(a)
+
+
+def safe_run_config(m: Manifest, store: CacheStore, *, model: str | None = None, trust_remote_code: bool = False,
+                    device: str | None = None, what: str = "recompute") -> tuple[dict[str, Any] | None, list[str],
+                                                                               str | None]:
+    """The manifest's resolved run config, made safe to load from: ``(config, notes, problem)``.
+
+    The recorded ``model.trust_remote_code`` is replaced by the caller's own flag, ``model``
+    (``--model PATH``) replaces the recorded target path, paths that lie inside the cache
+    are refused (``problem``), the compute dtype is the recorded one and ``device`` the
+    caller's. ``what`` names the command in the messages.
+    """
+    notes: list[str] = []
+    cfgd = copy.deepcopy(m.config)
+    if not isinstance(cfgd.get("storage"), dict) or not isinstance(cfgd.get("model"), dict):
+        return None, notes, ("the manifest holds no resolved config (config.model, config.storage): the run cannot "
+                             "be rebuilt")
+    cfgd["storage"]["path"] = store.path
+    cfgd.update(overwrite=False, progress=False)
+    if cfgd["model"].get("trust_remote_code") and not trust_remote_code:
+        notes.append(f"the cache was written with model.trust_remote_code=true; {what} loads without it "
+                     "(pass --trust-remote-code to verify if you trust that code)")
+    cfgd["model"]["trust_remote_code"] = bool(trust_remote_code)  # only the user's own flag
+    if model:
+        cfgd["model"]["path"] = model
+    if not store.url:
+        inside = paths_inside(cfgd, store.root)
+        if inside:
+            return None, notes, (f"the manifest points {', '.join(inside)} inside the cache itself; a cache never "
+                                 "holds the target, its tokenizer, data or template, so nothing there is loaded. Pass "
+                                 f"--model PATH for the target, or run {what} from the original run's files")
+    recorded = _COMPUTE_NAME.get(str(m.identity.get("compute_dtype", "")))
+    if recorded:
+        cfgd["model"]["dtype"] = recorded  # same arithmetic as the run, whatever this machine's default
+    if device:
+        cfgd["model"]["device"] = device
+    return cfgd, notes, None
+
+
+def changed_identity(recorded: dict[str, Any], now: dict[str, Any], moved_target: bool) -> list[tuple[str, Any, Any]]:
+    """Identity fields that differ; with ``--model PATH`` (``moved_target``) the target's path may differ, not its
+    config or weights."""
+    diffs = identity_differences(recorded, now)
+    return [d for d in diffs if not (moved_target and d[0] == "target.path")]
 
 
 def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0, device: str | None = None,
@@ -88,38 +132,19 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
     except CacheFormatError as exc:
         out.add(f"skipped: {exc}")
         return out
-    cfgd = copy.deepcopy(m.config)
-    if not isinstance(cfgd.get("storage"), dict) or not isinstance(cfgd.get("model"), dict):
-        out.add("the manifest holds no resolved config (config.model, config.storage): the run cannot be rebuilt")
+    cfgd, notes, problem = safe_run_config(m, store, model=model, trust_remote_code=trust_remote_code, device=device)
+    out.notes += notes
+    if problem or cfgd is None:
+        out.add(problem or "the run cannot be rebuilt")
         return out
-    cfgd["storage"]["path"] = store.path
-    cfgd.update(overwrite=False, progress=False)
-    if cfgd["model"].get("trust_remote_code") and not trust_remote_code:
-        out.notes.append("the cache was written with model.trust_remote_code=true; recompute loads without it "
-                         "(pass --trust-remote-code to verify if you trust that code)")
-    cfgd["model"]["trust_remote_code"] = bool(trust_remote_code)  # only the user's own flag
-    if model:
-        cfgd["model"]["path"] = model
-    if not store.url:
-        inside = paths_inside(cfgd, store.root)
-        if inside:
-            out.add(f"the manifest points {', '.join(inside)} inside the cache itself; a cache never holds the "
-                    "target, its tokenizer, data or template, so nothing there is loaded. Pass --model PATH for the "
-                    "target, or recompute from the original run's files")
-            return out
-    recorded = _COMPUTE_NAME.get(str(m.identity.get("compute_dtype", "")))
-    if recorded:
-        cfgd["model"]["dtype"] = recorded  # same arithmetic as the run, whatever this machine's default
-    if device:
-        cfgd["model"]["device"] = device
     try:
         cfg = from_dict(cfgd)
         plan = prepare(cfg)
     except DsparkError as exc:
         out.add(f"cannot rebuild the run from the manifest's config: {exc}")
         return out
-    if plan.config_hash != m.config_hash:
-        diffs = identity_differences(m.identity, plan.identity)
+    diffs = changed_identity(m.identity, plan.identity, bool(model))
+    if diffs:
         listed = "; ".join(f"{k}: recorded {a!r}, now {b!r}" for k, a, b in diffs[:6])
         out.add(f"the target, tokenizer or data named in the manifest changed since the cache was written "
                 f"({listed}); recomputing would compare against a different run")
@@ -186,7 +211,7 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
             checks.append(("last (post-norm)", m.last_array, last))
             for label, arr_name, t in checks:
                 want_t = t[r, :length].detach().cpu()
-                got_t = _as_torch(got_all[arr_name], sdtype)
+                got_t = stored_as_torch(got_all[arr_name], sdtype)
                 exact = exact and torch.equal(got_t, want_t.to(_TORCH[sdtype]))
                 wf = want_t.float()
                 steps = (got_t.float() - wf).abs() / (wf.abs().clamp_min(floor) * step)

@@ -36,8 +36,10 @@ from dspark_precompute.contract.spec import (
 from dspark_precompute.contract.store import CacheStore, is_url
 from dspark_precompute.errors import (
     CacheFormatError,
+    ConfigError,
     ForeignDirectoryError,
     InterruptedRunError,
+    NonFiniteStatesError,
     RankFailedError,
     StoppedBySignal,
     StorageWriteError,
@@ -49,12 +51,15 @@ from dspark_precompute.write.batching import batch_inputs, make_batches
 from dspark_precompute.write.capture import HiddenStateCapture, export_weights
 from dspark_precompute.write.chat import Encoded
 from dspark_precompute.write.config import PrecomputeConfig
+from dspark_precompute.write.data import Reason, Reject
 from dspark_precompute.write.distributed import Coordinator, Ranks, assign_units, init_ranks
 from dspark_precompute.write.plan import Plan, prepare
 from dspark_precompute.write.progress import Progress
+from dspark_precompute.write.provenance import run_record, with_loaded_model
 from dspark_precompute.write.target import load_target
 from dspark_precompute.write.tokenize import Tokenized, ensure_encoded, reason_counts, tokenize, warn_about_rejects
-from dspark_precompute.write.writer import UnitWriter, allocate
+from dspark_precompute.write.transfer import UnitCheck, UnitTransfer, zero_samples
+from dspark_precompute.write.writer import UnitWriter, allocate, resolve_writers
 
 log = logging.getLogger(__name__)
 TORCH_STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -85,6 +90,9 @@ def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunR
     command line, Hydra overrides and composed config) is recorded in the cache this run
     finishes; Hydra's own files are never read back, so the record is always this run's.
     """
+    if cfg.dry_run:  # planning writes nothing, so it never goes through the run
+        raise ConfigError(["dry_run=true plans a run without running it: call dspark_precompute.run(cfg) or "
+                           "dspark_precompute.write.dryrun.dry_run(cfg), or drop dry_run to run"])
     ranks = init_ranks()
     logging.getLogger("dspark_precompute").setLevel(cfg.log_level.upper() if ranks.main else "WARNING")
     clean = False
@@ -157,8 +165,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]) -> Run
                     raise StorageWriteError(
                         f"allocating the cache in {plan.path} failed: {exc}. Free space or fix the storage, then "
                         "re-run the same command: an interrupted allocation is started again.") from exc
-                _put(store, REJECTS, "".join(json.dumps(r.to_json(), sort_keys=True) + "\n"
-                                                  for r in tok.rejects).encode())
+                _put(store, REJECTS, _rejects_bytes(tok))
                 _write_manifest(store, fresh)
                 return fresh.created_at, set()
             resume.check_same_layout(store, layout, tables, manifest)
@@ -193,7 +200,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]) -> Run
             raise
         timing["forward_write_s"] = time.perf_counter() - t0
         try:  # the end barrier: a peer that died (any way) closes its sockets and gloo raises here
-            ranks.gather(None)
+            hosts = ranks.gather(socket.gethostname())
         except RuntimeError as exc:
             raise RankFailedError(f"a peer rank ended before finishing its units: {exc}") from exc
         coord.check()
@@ -207,9 +214,17 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]) -> Run
                                    "re-run the same command to write them")
         coord.cleanup()
         _write_provenance(store, provenance)
+        dropped = _dropped_samples(store, layout.num_units)
+        if dropped:  # samples whose states were not finite: rejects now, so rows_in = samples + rejected holds
+            counts = _counts(tok, dropped)
+            _put(store, REJECTS, _rejects_bytes(tok, dropped))
         timing["wall_s"] = time.perf_counter() - t_start
         final = plan.manifest(layout, counts, created)
-        final.mark_complete(timing, store.sha256(WEIGHTS), {k: v for k, v in provenance.items() if k != "files"})
+        if dropped:
+            final.dropped_samples = sorted(dropped)
+            final.nonfinite_values = _nonfinite_totals(dropped)
+        final.capture = with_loaded_model(final.capture, model)
+        final.mark_complete(timing, store.sha256(WEIGHTS), run_record(provenance, hosts, ranks.world, store, done))
         _write_manifest(store, final)
         nbytes = store.nbytes()
         result = RunResult(plan.path, counts.samples, counts.tokens, counts.supervised_tokens,
@@ -222,11 +237,45 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]) -> Run
             lock.release()
 
 
-def _counts(tok: Tokenized) -> Counts:
-    return Counts(rows_in=tok.rows_in, samples=len(tok.lengths), rejected=len(tok.rejects),
-                  tokens=int(tok.lengths.sum()), supervised_tokens=int(tok.supervised.sum()),
-                  truncated_samples=int((tok.untruncated > tok.lengths).sum()),
-                  rejected_by_reason=reason_counts(tok.rejects))
+def _counts(tok: Tokenized, dropped: dict[int, dict[str, int]] | None = None) -> Counts:
+    """The accounting of the selection; ``dropped`` samples (non-finite states) count as rejects."""
+    keep = np.ones(len(tok.lengths), dtype=bool)
+    keep[list(dropped or {})] = False
+    by = reason_counts(tok.rejects)
+    if dropped:
+        by[Reason.NONFINITE] = by.get(Reason.NONFINITE, 0) + len(dropped)
+    return Counts(rows_in=tok.rows_in, samples=int(keep.sum()), rejected=len(tok.rejects) + len(dropped or {}),
+                  tokens=int(tok.lengths[keep].sum()), supervised_tokens=int(tok.supervised[keep].sum()),
+                  truncated_samples=int((tok.untruncated > tok.lengths)[keep].sum()), rejected_by_reason=by)
+
+
+def _rejects_bytes(tok: Tokenized, dropped: dict[int, dict[str, int]] | None = None) -> bytes:
+    """rejects.jsonl: the tokenizer's rejects, then the dropped samples, in selection order (deterministic)."""
+    rows = [r.to_json() for r in tok.rejects]
+    for s, arrays in sorted((dropped or {}).items()):
+        row = int(tok.sample_rows[s])
+        rows.append(Reject(row, Reason.NONFINITE, "the target's hidden states for this row are not finite ("
+                           + ", ".join(f"{k}: {v} values" for k, v in sorted(arrays.items())) + ")").to_json())
+    rows.sort(key=lambda r: r["row"])
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+
+
+def _dropped_samples(store: CacheStore, num_units: int) -> dict[int, dict[str, int]]:
+    """Samples the units' commit records say were dropped, with their non-finite counts per array."""
+    out: dict[int, dict[str, int]] = {}
+    for u in range(num_units):
+        rec = CommitRecord.read(store, u)
+        for d in (rec.extra.get("dropped") or []) if rec is not None else []:
+            out[int(d["sample"])] = {str(k): int(v) for k, v in d["nonfinite"].items()}
+    return out
+
+
+def _nonfinite_totals(dropped: dict[int, dict[str, int]]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for arrays in dropped.values():
+        for k, v in arrays.items():
+            totals[k] = totals.get(k, 0) + v
+    return dict(sorted(totals.items()))
 
 
 def _put(store: CacheStore, key: str, data: bytes) -> None:
@@ -270,23 +319,25 @@ def _write_provenance(store: CacheStore, provenance: dict[str, Any]) -> None:
 
 def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: Layout, todo: list[int],
                    timing: dict[str, float], coord: Coordinator, device: torch.device) -> int:
-    """Forward every unit in ``todo`` and hand it to the writer; fills ``timing`` per stage.
+    """Forward every unit in ``todo`` and hand it to the writers; fills ``timing`` per stage.
 
-    A first SIGINT/SIGTERM drops the unit in flight, lets the writer finish the units it
-    already holds, and raises :class:`StoppedBySignal`; a second one raises at once.
+    A sample whose states hold NaN/Inf is dropped (its states zeroed, its id in the unit's
+    commit record) or stops the run, per ``data.on_nonfinite``. A first SIGINT/SIGTERM
+    drops the unit in flight, lets the writers finish the units they already hold, and
+    raises :class:`StoppedBySignal`; a second one raises at once.
     """
     cfg = plan.cfg
     capture = HiddenStateCapture(model, plan.layer_ids)
-    storage_dtype = TORCH_STORAGE[cfg.storage.dtype]
     lengths = layout.length.astype(np.int64)
-    pad_id = plan.pad_id
     total_tok = int(sum(layout.unit_stop[u] - layout.unit_start[u] for u in todo))
     total_smp = int(sum(len(layout.unit_order[u]) for u in todo))
     progress = Progress(total_smp, total_tok, enabled=cfg.progress)
-    writer = UnitWriter(plan.store, plan.specs, layout, cfg.storage.writer_slots, todo)
-    hidden_specs = [s for s in plan.specs if s.width]
+    n_writers = resolve_writers(cfg.storage.writers)
+    writer = UnitWriter(plan.store, plan.specs, layout, cfg.storage.writer_slots, todo, writers=n_writers,
+                        pin_memory=device.type == "cuda")
+    hidden = [(s.name, int(s.layer_id), s.dtype == "uint16") for s in plan.specs if s.width and s.layer_id is not None]
+    transfer = UnitTransfer(hidden, TORCH_STORAGE[cfg.storage.dtype], device)
     t_batch = t_forward = t_copy = 0.0
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     stop = signals.STATE
     try:
         with signals.graceful():
@@ -296,10 +347,9 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
                 coord.check()
                 slot = writer.acquire()
                 bufs = writer.buffers(slot)
+                transfer.start(bufs)
                 base = int(layout.unit_start[u])
                 order = layout.unit_order[u]
-                views = {s.name: torch.from_numpy(bufs[s.name].view(np.int16) if s.dtype == "uint16"
-                                                  else bufs[s.name]) for s in hidden_specs}
                 for s in order:
                     a = int(layout.start[s]) - base
                     bufs[INPUT_IDS][a:a + lengths[s]] = samples[s].input_ids
@@ -309,28 +359,26 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
                         break
                     c0 = time.perf_counter()
                     blens = lengths[batch]
-                    ids, rows = batch_inputs(samples, batch, lengths, pad_id, device)
+                    ids, _ = batch_inputs(samples, batch, lengths, plan.pad_id, device)
                     c1 = time.perf_counter()
                     states, last = capture(ids)
-                    sync()
                     c2 = time.perf_counter()
-                    a = int(layout.start[batch[0]]) - base
-                    n = int(blens.sum())
-                    for spec in hidden_specs:
-                        t = states[spec.layer_id] if spec.layer_id in states else last
-                        flat = (t[rows] if rows is not None else t.reshape(-1, t.shape[-1])).to(storage_dtype)
-                        if spec.dtype == "uint16":
-                            flat = flat.view(torch.int16)
-                        views[spec.name][a:a + n].copy_(flat)
+                    transfer.add(batch, blens, ids.shape[1], states, last, int(layout.start[batch[0]]) - base)
                     c3 = time.perf_counter()
                     t_batch, t_forward, t_copy = t_batch + (c1 - c0), t_forward + (c2 - c1), t_copy + (c3 - c2)
-                    progress.update(samples=len(batch), tokens=n, bytes_written=writer.raw_bytes)
+                    progress.update(samples=len(batch), tokens=int(blens.sum()), bytes_written=writer.raw_bytes)
                     writer.poll()
-                if stop.signum is not None:  # drop the unit in flight, keep the ones the writer holds
+                if stop.signum is not None:  # drop the unit in flight, keep the ones the writers hold
+                    transfer.finish()
                     writer.release(slot)
                     break
+                c4 = time.perf_counter()
+                check = transfer.finish()  # on CUDA: the unit's copies are done
+                t_copy += time.perf_counter() - c4
                 n_tok = int(layout.unit_stop[u] - layout.unit_start[u])
                 record = CommitRecord(u, base, base + n_tok, len(order), socket.gethostname())
+                if check.bad_samples:
+                    _drop_nonfinite(plan, check, layout, bufs, base, [name for name, _, _ in hidden], record)
                 writer.submit(u, slot, n_tok, record)
                 fault_point("unit_submitted")
             writer.drain()
@@ -339,11 +387,33 @@ def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: 
         progress.update(bytes_written=writer.raw_bytes)
         progress.close()
         timing.update(batch_s=t_batch, forward_s=t_forward, copy_s=t_copy, writer_wait_s=writer.wait_s,
-                      writer_busy_s=writer.busy_s)
+                      writer_busy_s=writer.busy_s, writers=float(n_writers))
     finally:
         writer.close()
         capture.close()
     return len(todo)
+
+
+def _drop_nonfinite(plan: Plan, check: UnitCheck, layout: Layout, bufs: dict[str, np.ndarray], base: int,
+                    names: list[str], record: CommitRecord) -> None:
+    """Samples whose states are not finite: stop (``data.on_nonfinite=error``) or drop them from the cache.
+
+    A dropped sample's states are zeroed (no Inf is ever stored) and its id goes into the
+    unit's commit record; the run's end moves it from the samples to the rejects.
+    """
+    bad = check.bad_samples
+    if plan.cfg.data.on_nonfinite == "error":
+        s = min(bad)
+        raise NonFiniteStatesError(
+            f"sample {s} has non-finite hidden states ({', '.join(f'{k}: {v} values' for k, v in bad[s].items())}) "
+            f"and {len(bad) - 1} more sample(s) of unit {record.unit} too; a {plan.cfg.model.dtype} forward "
+            "overflowed or the target is broken. Use model.dtype=bf16 or fp32 instead of fp16, or pass "
+            "data.on_nonfinite=reject to drop such samples (listed in rejects.jsonl); committed units are kept.")
+    spans = [(int(layout.start[s]) - base, int(layout.start[s] + layout.length[s]) - base) for s in sorted(bad)]
+    zero_samples(bufs, names, spans)
+    record.extra["dropped"] = [{"sample": s, "nonfinite": bad[s]} for s in sorted(bad)]
+    log.warning("unit %d: %d sample(s) with non-finite hidden states dropped (%s)", record.unit, len(bad),
+                ", ".join(f"{k}={v}" for k, v in check.nonfinite.items()))
 
 
 def _log_summary(r: RunResult) -> None:

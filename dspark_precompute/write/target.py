@@ -221,14 +221,9 @@ def _causal_lm_problem(cfg: ModelConfig, cdict: dict[str, Any], model_type: str)
             "transformers version that supports it")
 
 
-def safetensors_parameter_bytes(files: list[Path], dtype_itemsize: int) -> int:
-    """Bytes the weights take at the compute dtype, from the safetensors headers alone (no tensor read).
-
-    Floating tensors are cast to the compute dtype on load; others keep their stored size.
-    """
-    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-             "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-    total = 0
+def safetensors_numel_by_dtype(files: list[Path]) -> dict[str, int]:
+    """Elements per safetensors dtype (``BF16``, ``F32``, ...) over ``files``, from their headers alone."""
+    out: dict[str, int] = {}
     for f in files:
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
@@ -245,15 +240,39 @@ def safetensors_parameter_bytes(files: list[Path], dtype_itemsize: int) -> int:
             for d in t.get("shape", []):
                 numel *= int(d)
             kind = str(t.get("dtype", ""))
-            total += numel * (dtype_itemsize if kind.startswith(("F", "BF")) else sizes.get(kind, 4))
-    return total
+            out[kind] = out.get(kind, 0) + numel
+    return out
 
 
-def inspect_target(cfg: ModelConfig, tokenizer: Any) -> TargetInfo:
+def safetensors_parameter_bytes(files: list[Path], dtype_itemsize: int) -> int:
+    """Bytes the weights take at the compute dtype, from the safetensors headers alone (no tensor read).
+
+    Floating tensors are cast to the compute dtype on load; others keep their stored size.
+    """
+    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+             "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+    return sum(numel * (dtype_itemsize if kind.startswith(("F", "BF")) else sizes.get(kind, 4))
+               for kind, numel in safetensors_numel_by_dtype(files).items())
+
+
+def parameter_count(cfg: ModelConfig, info: TargetInfo) -> int:
+    """The target's parameters (elements of every stored tensor; a meta-device build for ``tiny``)."""
+    if info.weight_files:
+        return sum(safetensors_numel_by_dtype(info.weight_files).values())
+    config = tiny.build_config(cfg.random, info.vocab_size)
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def inspect_target(cfg: ModelConfig, tokenizer: Any, fingerprint: bool = True) -> TargetInfo:
     """Read the target's config and fingerprint its weight files; raise on targets this tool cannot run.
 
     Everything here reads small files only (config, safetensors headers) plus the weight
-    hashes, so an unsupported target is refused before any weights load.
+    hashes, so an unsupported target is refused before any weights load. ``fingerprint=False``
+    (a dry run) skips the hashes: nothing is read beyond the headers and nothing is remembered.
     """
     if cfg.path == TINY:
         return _tiny_info(cfg, tokenizer)
@@ -303,7 +322,7 @@ def inspect_target(cfg: ModelConfig, tokenizer: Any) -> TargetInfo:
         hidden_size=hidden,
         vocab_size=vocab,
         config_sha256=hashlib.sha256(config_file.read_bytes()).hexdigest(),
-        weights_fingerprint=fingerprint_files(weights, cfg.fingerprint),
+        weights_fingerprint=fingerprint_files(weights, cfg.fingerprint) if fingerprint else "",
         local_dir=local,
         tied=bool(text.get("tie_word_embeddings", cdict.get("tie_word_embeddings", True))),
         weight_files=weights,

@@ -7,7 +7,9 @@ sample or a typed reject; too many invalid rows stop the run, and many rejects w
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +17,11 @@ import numpy as np
 
 from dspark_precompute.errors import CacheFormatError, DataError, InvalidRowError
 from dspark_precompute.faults import fault_point
-from dspark_precompute.write.chat import ChatEncoder, Encoded
-from dspark_precompute.write.data import Conversation, Reason, Reject, iter_rows, normalize, resolve_source
+from dspark_precompute.write import processes
+from dspark_precompute.write.chat import Encoded
+from dspark_precompute.write.data import RawRow, Reason, Reject, iter_rows, resolve_source
 from dspark_precompute.write.distributed import Ranks
+from dspark_precompute.write.encode import EncoderPool, RowEncoder
 from dspark_precompute.write.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -52,51 +56,99 @@ class Tokenized:
     encoded: dict[int, Encoded]  # sample id -> tokens, for the samples this rank tokenized
 
 
-def _encoder(plan: Plan) -> ChatEncoder:
+def _check_invalid(plan: Plan, raw: RawRow, item: Encoded | Reject) -> None:
+    if isinstance(item, Reject) and plan.cfg.data.on_invalid == "error" and item.reason not in FILTERED_REASONS:
+        where = ", ".join(x for x in (f"file {raw.file}" if raw.file else "",
+                                      f"line {raw.line}" if raw.line else "") if x)
+        raise InvalidRowError(str(plan.cfg.data.path), raw.row, item.reason,
+                              item.message + (f" ({where})" if where else ""))
+
+
+INLINE_ROWS = 2000  # rows tokenized in the main process before workers start: a small selection never pays for them
+CHUNK_ROWS = 64  # rows per task sent to a worker
+
+
+def tokenizing_workers(plan: Plan) -> int:
+    """``data.num_workers``: null = the cores this rank may use (the forward has not started yet)."""
+    n = plan.cfg.data.num_workers
+    if n is not None:
+        return int(n)
+    cores = processes.available_cores()
+    return cores if cores > 1 else 0
+
+
+def encode_selection(plan: Plan, pairs: Iterator[tuple[int, RawRow]], workers: int | None = None
+                     ) -> Iterator[tuple[int, RawRow | None, Encoded | Reject]]:
+    """Encode ``(selection index, row)`` pairs in order; the first rows in this process, the rest in workers.
+
+    Results are identical to encoding every row here (the same tokenizer and template in each
+    worker), in the same order; memory holds at most two chunks per worker beyond what the
+    caller keeps. The raw row comes back only for rows encoded here (for ``on_invalid=error``).
+    """
     d = plan.cfg.data
-    return ChatEncoder(plan.tokenizer, plan.template, plan.cfg.seq_length, d.mask_reasoning_content,
-                       d.mask_generation_prompt)
+    spec = RowEncoder(plan.template, plan.cfg.seq_length, d.mask_reasoning_content, d.mask_generation_prompt,
+                      d.format)
+    encoder = spec.build(plan.tokenizer)
+    workers = tokenizing_workers(plan) if workers is None else workers
+    head = list(itertools.islice(pairs, INLINE_ROWS if workers > 0 else None))
+    for sel, raw in head:
+        fault_point("tokenize_row")
+        item = spec.encode(encoder, raw, sel)
+        _check_invalid(plan, raw, item)
+        yield sel, raw, item
+    if workers <= 0 or len(head) < INLINE_ROWS:
+        return
+    log.info("tokenizing the rest of the selection in %d worker processes (data.num_workers)", workers)
+    pool = EncoderPool(spec, plan.tokenizer, workers)
+    try:
+        def chunks() -> Iterator[list[tuple[int, RawRow]]]:
+            while True:
+                chunk = list(itertools.islice(pairs, CHUNK_ROWS))
+                if not chunk:
+                    return
+                yield chunk
+
+        raws: dict[int, RawRow] = {}
+        for sel, item in pool.map(_remember(chunks(), raws)):
+            raw = raws.pop(sel)
+            _check_invalid(plan, raw, item)
+            yield sel, None, item
+    finally:
+        pool.close()
 
 
-def _encode_row(plan: Plan, encoder: ChatEncoder, raw: Any, sel: int) -> Encoded | Reject:
-    item: Conversation | Encoded | Reject = normalize(raw, plan.cfg.data.format)
-    if isinstance(item, Conversation):
-        item = encoder.encode(item, raw.row)
-    if isinstance(item, Reject):
-        # row: index in the selection (what samples/source_row counts); file/file_row/line: the source
-        item.row, item.line, item.file = sel, raw.line, raw.file
-        item.file_row = raw.row if raw.file_row is None else raw.file_row
-        if plan.cfg.data.on_invalid == "error" and item.reason not in FILTERED_REASONS:
-            where = ", ".join(x for x in (f"file {raw.file}" if raw.file else "",
-                                          f"line {raw.line}" if raw.line else "") if x)
-            raise InvalidRowError(str(plan.cfg.data.path), raw.row, item.reason,
-                                  item.message + (f" ({where})" if where else ""))
-    assert not isinstance(item, Conversation)
-    return item
+def _remember(chunks: Iterator[list[tuple[int, RawRow]]], raws: dict[int, RawRow]
+              ) -> Iterator[list[tuple[int, RawRow]]]:
+    """Keep each in-flight row's source position (not its record) for error messages."""
+    for chunk in chunks:
+        for sel, raw in chunk:
+            raws[sel] = RawRow(raw.row, raw.line, file=raw.file, file_row=raw.file_row)
+        yield chunk
 
 
 def tokenize(plan: Plan, ranks: Ranks | None = None) -> Tokenized:
     """Tokenize the selection (rank r takes rows r, r+W, ...) and agree on the sample tables."""
     ranks = ranks or Ranks()
     cfg = plan.cfg
-    encoder = _encoder(plan)
 
     def mine() -> tuple[int, list[tuple[int, Any]], dict[int, Encoded]]:
         info: list[tuple[int, Any]] = []
         own: dict[int, Encoded] = {}
-        n = 0
-        for sel, raw in enumerate(iter_rows(resolve_source(cfg.data.path), cfg.data)):
-            n += 1
-            if sel % ranks.world != ranks.rank:
-                continue
-            fault_point("tokenize_row")
-            item = _encode_row(plan, encoder, raw, sel)
+        counter = {"n": 0}
+
+        def pairs() -> Iterator[tuple[int, RawRow]]:
+            for sel, raw in enumerate(iter_rows(resolve_source(cfg.data.path), cfg.data)):
+                counter["n"] += 1
+                if sel % ranks.world == ranks.rank:
+                    yield sel, raw
+
+        for sel, _raw, item in encode_selection(plan, pairs()):
             if isinstance(item, Reject):
                 info.append((sel, item))
             else:
                 own[sel] = item
                 info.append((sel, (len(item.input_ids), item.untruncated_length, int(item.loss_mask.sum()))))
-        return n, info, own
+        return counter["n"], info, own
 
     n, info, own = ranks.together(mine)
     merged = sorted((x for part in ranks.gather(info) for x in part), key=lambda x: x[0])
@@ -128,15 +180,16 @@ def ensure_encoded(plan: Plan, tok: Tokenized, sample_ids: set[int]) -> None:
     missing = {int(tok.sample_rows[s]): s for s in sample_ids if s not in tok.encoded}
     if not missing:
         return
-    encoder = _encoder(plan)
-    for sel, raw in enumerate(iter_rows(resolve_source(plan.cfg.data.path), plan.cfg.data)):
-        if sel in missing:
-            item = _encode_row(plan, encoder, raw, sel)
-            assert isinstance(item, Encoded), (sel, item)
-            tok.encoded[missing.pop(sel)] = item
-            if not missing:
-                return
-    raise CacheFormatError(f"rows {sorted(missing)[:5]} vanished from data.path between two reads")
+    wanted = set(missing)
+    pairs = ((sel, raw) for sel, raw in enumerate(iter_rows(resolve_source(plan.cfg.data.path), plan.cfg.data))
+             if sel in wanted)
+    for sel, _raw, item in encode_selection(plan, pairs):
+        if not isinstance(item, Encoded):
+            raise CacheFormatError(f"row {sel} of data.path encoded differently on a second read ({item.reason}); "
+                                   "the data or tokenizer changed during the run")
+        tok.encoded[missing.pop(sel)] = item
+    if missing:
+        raise CacheFormatError(f"rows {sorted(missing)[:5]} vanished from data.path between two reads")
 
 
 def _where(r: Reject) -> str:

@@ -1,9 +1,11 @@
 """Writes the cache: allocate every array up front, then one whole unit at a time.
 
-The forward loop fills a unit buffer in shared memory; a separate writer process
-(not a thread: compression would fight the forward loop for the GIL) compresses the
-unit's chunk-aligned region of every array, then writes the unit's commit record. A
-unit is visible to readers only once its commit record exists.
+The forward loop fills a unit buffer in shared memory; ``storage.writers`` writer
+processes (not threads: compression would fight the forward loop for the GIL) split the
+unit into pieces (a chunk-aligned range of one array each), compress and write them in
+parallel, and once every piece of the unit is written the forward loop's process writes
+the unit's commit record. A unit is visible to readers only once that record exists, so
+it stays all-or-nothing however many writers wrote it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -28,6 +30,7 @@ from dspark_precompute.contract.spec import FINAL_NORM, HIDDEN_GROUP, INPUT_IDS,
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import StorageWriteError
 from dspark_precompute.faults import fault_point
+from dspark_precompute.write import processes
 from dspark_precompute.write.config import StorageConfig
 
 log = logging.getLogger(__name__)
@@ -177,28 +180,15 @@ class _Slot:
             m.close()
 
 
-def _writer_main(path: str, specs: list[ArraySpec], slot_list: list[_Slot], unit_start: np.ndarray,
-                 chunk: int, tasks: Any, done: Any, env: dict[str, str]) -> None:
-    """Writer process: one task = one unit buffer to compress, write and commit."""
+def _writer_main(index: int, path: str, specs: list[ArraySpec], slot_list: list[_Slot], tasks: Any, done: Any,
+                 env: dict[str, str]) -> None:
+    """Writer process: one task = one piece (a chunk-aligned token range of one array) to write."""
     import zarr
 
-    from dspark_precompute import faults
-    from dspark_precompute.write import signals
-
-    # forked from a server that may predate this run: take the run's environment (storage
-    # credentials and endpoints, fault injection) as the forward loop has it now
-    os.environ.clear()
-    os.environ.update(env)
-    faults.reload()
-
-    # Ctrl-C / scancel reach the whole process group: the forward loop decides when to stop,
-    # the writer finishes the units it was given (the None sentinel, or orphan detection).
-    signals.ignore()
-    # numcodecs' blosc takes a multiprocessing.Lock of the default context on first use; in a
-    # spawned child that is a named semaphore, which a SIGKILL of the group would leave in
-    # /dev/shm. This process starts no others: the fork context unlinks its semaphores at once.
-    mp.set_start_method("fork", force=True)
+    processes.child_setup(env)
     try:
+        # one core per writer: parallelism comes from the writers, not from codec threads
+        zarr.config.set({"threading.max_workers": 1})
         store = CacheStore(path)
         group = zarr.open_group(store.zarr_store(), mode="r+")
         # write_empty_chunks is a runtime setting, not stored metadata: set it on every handle
@@ -206,12 +196,12 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_list: list[_Slot], unit
         arrays = {name: arr.with_config({"write_empty_chunks": True}) for name, arr in members.items()}
         slots = [slot.arrays for slot in slot_list]
     except BaseException as exc:
-        done.send(("error", -1, -1, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        _send_error(done, -1, -1, exc)
         return
     parent = mp.parent_process()
 
     def orphaned() -> bool:
-        # A killed forward loop must not leave a writer that commits behind a resumed run.
+        # A killed forward loop must not leave a writer that keeps writing behind a resumed run.
         return parent is not None and not parent.is_alive()
 
     while True:
@@ -225,25 +215,14 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_list: list[_Slot], unit
             break
         if task is None:
             break
-        unit, slot, n_tokens, record = task
+        unit, slot, name, t0, lo, hi = task  # token slots [lo, hi) of the unit starting at t0
         try:
             busy = time.perf_counter()
-            t0 = int(unit_start[unit])
-            n_slots = -(-n_tokens // chunk) * chunk
-            raw = 0
-            for s in specs:
-                buf = slots[slot][s.name]
-                buf[n_tokens:n_slots] = 0  # slot buffers are reused: the chunk tail must be zeros
-                arrays[s.name][t0:t0 + n_slots] = buf[:n_slots]
-                raw += n_slots * s.row_bytes
-                fault_point("writer_array")
-                if orphaned():
-                    raise SystemExit(1)
-            fault_point("writer_before_commit")
             if orphaned():
                 raise SystemExit(1)
-            record.write(store)
-            done.send(("done", unit, slot, (raw, time.perf_counter() - busy)))
+            arrays[name][t0 + lo:t0 + hi] = slots[slot][name][lo:hi]
+            fault_point("writer_array")
+            done.send(("done", unit, slot, ((hi - lo) * _row_bytes(specs, name), time.perf_counter() - busy)))
         except SystemExit:
             break
         except (EOFError, OSError, BrokenPipeError) as exc:
@@ -255,8 +234,12 @@ def _writer_main(path: str, specs: list[ArraySpec], slot_list: list[_Slot], unit
             _send_error(done, unit, slot, exc)
             break
     del slots, arrays
-    for slot in slot_list:
-        slot.close()
+    for slot_ in slot_list:
+        slot_.close()
+
+
+def _row_bytes(specs: list[ArraySpec], name: str) -> int:
+    return next(s.row_bytes for s in specs if s.name == name)
 
 
 def _send_error(done: Any, unit: int, slot: int, exc: BaseException) -> None:
@@ -266,91 +249,141 @@ def _send_error(done: Any, unit: int, slot: int, exc: BaseException) -> None:
         pass
 
 
-def writer_context() -> Any:
-    """The multiprocessing context writer processes start from: a fork server with this module preloaded.
+def resolve_writers(writers: int | None) -> int:
+    """``storage.writers``: null = the cores this rank may use, less one for the forward loop (at least 1)."""
+    return max(1, int(writers)) if writers else max(1, processes.available_cores() - 1)
 
-    The server is a fresh interpreter (never a fork of a process that holds CUDA or torch
-    threads) that imports numpy, zarr and this module once; each writer is then forked from
-    it in milliseconds instead of importing them again (several writers per run, several
-    runs per process in tests and sweeps).
+
+def split_unit(specs: list[ArraySpec], n_slots: int, chunk: int, writers: int) -> list[list[tuple[str, int, int]]]:
+    """The pieces of one unit, dealt to ``writers`` writers with balanced bytes.
+
+    Each piece is a chunk-aligned token range ``[lo, hi)`` of one array, so no two writers
+    ever touch the same chunk. Each array's range is cut into at most ``writers`` parts
+    (one part per array with a single writer), largest pieces first onto the least loaded.
     """
-    if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - not Linux/macOS
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["numpy", "zarr", "dspark_precompute.write.writer"])
-    return ctx
+    n_chunks = n_slots // chunk
+    pieces: list[tuple[int, str, int, int]] = []
+    for s in specs:
+        parts = max(1, min(writers, n_chunks))
+        for k in range(parts):
+            c0, c1 = k * n_chunks // parts, (k + 1) * n_chunks // parts
+            if c1 > c0:
+                pieces.append(((c1 - c0) * chunk * s.row_bytes, s.name, c0 * chunk, c1 * chunk))
+    load = [0] * writers
+    out: list[list[tuple[str, int, int]]] = [[] for _ in range(writers)]
+    for nbytes, name, lo, hi in sorted(pieces, key=lambda p: -p[0]):
+        w = min(range(writers), key=lambda i: (load[i], i))
+        out[w].append((name, lo, hi))
+        load[w] += nbytes
+    return out
 
 
 class UnitWriter:
-    """Main-process side: hands out free unit buffers and collects finished units."""
+    """Main-process side: hands out free unit buffers, deals units to the writers, commits whole units."""
 
     def __init__(self, store: CacheStore, specs: list[ArraySpec], layout: Layout, n_slots: int = 2,
-                 todo: list[int] | None = None):
+                 todo: list[int] | None = None, writers: int = 1, pin_memory: bool = False):
         self.specs = specs
+        self.store = store
         self.path = store.path
+        self.layout = layout
         self.todo = list(range(layout.num_units)) if todo is None else list(todo)
         row = sum(s.row_bytes for s in specs)
         self.unit_bytes = {u: layout.unit_slots(u) * row for u in self.todo}
         capacity = max([layout.unit_slots(u) for u in range(layout.num_units)] or [layout.chunk_tokens])
         self.slots = [_Slot(specs, capacity) for _ in range(max(1, n_slots))]
+        self.pinned = pin_memory and _pin(self.slots)
         self.free = list(range(len(self.slots)))
-        ctx = writer_context()
+        self.n_writers = max(1, int(writers))
+        ctx = processes.context()
         # Pipes, not Queues: a spawn-context Queue carries named semaphores that a SIGKILL of the
         # process group would leave in /dev/shm; pipes are plain file descriptors.
-        tasks_out, self.tasks = ctx.Pipe(duplex=False)
-        self.done, done_in = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(
-            target=_writer_main,
-            args=(store.path, specs, self.slots, layout.unit_start, layout.chunk_tokens, tasks_out, done_in,
-                  dict(os.environ)),
-            daemon=True, name="dspark-writer",
-        )
-        self.proc.start()
-        tasks_out.close()  # the writer holds its ends now: when it dies, recv() here sees EOF
-        done_in.close()
-        self.pending = 0
+        self.tasks: list[Any] = []
+        self.done: list[Any] = []
+        self.procs: list[Any] = []
+        env = dict(os.environ)
+        for i in range(self.n_writers):
+            tasks_out, tasks_in = ctx.Pipe(duplex=False)
+            done_out, done_in = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_writer_main, args=(i, store.path, specs, self.slots, tasks_out, done_in, env),
+                               daemon=True, name=f"dspark-writer-{i}")
+            processes.start(proc)
+            tasks_out.close()  # the writer holds its ends now: when it dies, recv() here sees EOF
+            done_in.close()
+            self.tasks.append(tasks_in)
+            self.done.append(done_out)
+            self.procs.append(proc)
+        self.waiting: dict[int, int] = {}  # unit -> pieces not yet written
+        self.unit_slot: dict[int, int] = {}
+        self.records: dict[int, CommitRecord] = {}
+        self.pending = 0  # units handed to the writers, not yet committed
         self.raw_bytes = 0
-        self.busy_s = 0.0  # seconds the writer process spent compressing and writing
+        self.busy_s = 0.0  # seconds the writers spent compressing and writing (summed over writers)
         self.wait_s = 0.0  # seconds the forward loop waited for a free unit buffer
         self.committed: list[int] = []
 
     def buffers(self, slot: int) -> dict[str, np.ndarray]:
         return self.slots[slot].arrays
 
+    def _dead_writer(self) -> StorageWriteError:
+        for p in self.procs:
+            p.join(0.1)
+        codes = [p.exitcode for p in self.procs if p.exitcode is not None]
+        return StorageWriteError(f"a writer process died (exit codes {codes}); the cache is resumable: re-run the "
+                                 "same command")
+
     def _collect(self, block: bool) -> None:
+        """Take the writers' reports; commit each unit whose pieces are all written. Returns after one commit
+        (or at once when nothing is ready and ``block`` is false)."""
+        from multiprocessing.connection import wait
+
         while True:
-            try:
-                if not self.done.poll(1.0 if block else 0):
-                    if not block:
-                        return
-                    if self.proc.is_alive():
-                        continue
-                    raise EOFError
-                msg = self.done.recv()
-            except (EOFError, OSError):
-                self.proc.join(5)
-                raise StorageWriteError(
-                    f"the writer process died (exit code {self.proc.exitcode}); the cache is resumable: "
-                    "re-run the same command") from None
-            kind, unit, slot, payload = msg
-            if kind == "error":
-                log.debug("writer traceback:\n%s", payload[1])
-                left = sum(self.unit_bytes[u] for u in self.todo if u not in self.committed)
-                what = f"writing unit {unit} of {self.path}" if unit >= 0 else f"opening {self.path} for writing"
-                raise StorageWriteError(
-                    f"{what} failed: {payload[0]}. About {left / 1e6:,.1f} MB "
-                    "(uncompressed) are still to be written; free space or fix the storage, then re-run the "
-                    "same command: committed units are kept and the cache resumes."
-                )
-            self.pending -= 1
-            self.free.append(slot)
-            self.raw_bytes += int(payload[0])
-            self.busy_s += float(payload[1])
-            self.committed.append(unit)
-            return
+            ready = wait(self.done, timeout=1.0 if block else 0)
+            if not ready:
+                if not block:
+                    return
+                if all(p.is_alive() for p in self.procs):
+                    continue
+                raise self._dead_writer()
+            committed_one = False
+            for conn in ready:
+                try:
+                    kind, unit, slot, payload = cast(Any, conn).recv()
+                except (EOFError, OSError):
+                    raise self._dead_writer() from None
+                if kind == "error":
+                    log.debug("writer traceback:\n%s", payload[1])
+                    left = sum(self.unit_bytes[u] for u in self.todo if u not in self.committed)
+                    what = f"writing unit {unit} of {self.path}" if unit >= 0 else f"opening {self.path} for writing"
+                    raise StorageWriteError(
+                        f"{what} failed: {payload[0]}. About {left / 1e6:,.1f} MB "
+                        "(uncompressed) are still to be written; free space or fix the storage, then re-run the "
+                        "same command: committed units are kept and the cache resumes.")
+                self.raw_bytes += int(payload[0])
+                self.busy_s += float(payload[1])
+                self.waiting[unit] -= 1
+                if self.waiting[unit] == 0:
+                    self._commit(unit)
+                    committed_one = True
+            if committed_one:
+                return
+
+    def _commit(self, unit: int) -> None:
+        """Every piece of ``unit`` is written: its record makes it visible, and its buffer is free again."""
+        fault_point("writer_before_commit")
+        record = self.records.pop(unit)
+        try:
+            record.write(self.store)
+        except OSError as exc:
+            raise StorageWriteError(f"writing the commit record of unit {unit} in {self.path} failed: {exc}. Free "
+                                    "space or fix the storage, then re-run the same command.") from exc
+        del self.waiting[unit]
+        self.free.append(self.unit_slot.pop(unit))
+        self.pending -= 1
+        self.committed.append(unit)
 
     def acquire(self) -> int:
-        self._collect(block=False)
+        self.poll()
         t0 = time.perf_counter()
         while not self.free:
             self._collect(block=True)
@@ -362,14 +395,28 @@ class UnitWriter:
         self.free.append(slot)
 
     def submit(self, unit: int, slot: int, n_tokens: int, record: CommitRecord) -> None:
-        try:
-            self.tasks.send((unit, slot, n_tokens, record))
-        except OSError:
-            self._collect(block=True)  # the writer is gone: report why
+        """Hand unit ``unit`` (its first ``n_tokens`` slots of buffer ``slot`` filled) to the writers."""
+        chunk = self.layout.chunk_tokens
+        n_slots = -(-n_tokens // chunk) * chunk
+        bufs = self.slots[slot].arrays
+        for s in self.specs:
+            bufs[s.name][n_tokens:n_slots] = 0  # buffers are reused: the last chunk's tail must be zeros
+        t0 = int(self.layout.unit_start[unit])
+        shares = split_unit(self.specs, n_slots, chunk, self.n_writers)
+        self.waiting[unit] = sum(len(share) for share in shares)
+        self.unit_slot[unit] = slot
+        self.records[unit] = record
         self.pending += 1
+        for w, share in enumerate(shares):
+            for name, lo, hi in share:
+                try:
+                    self.tasks[w].send((unit, slot, name, t0, lo, hi))
+                except OSError:
+                    self._collect(block=True)  # the writer is gone: report why
+                    raise self._dead_writer() from None
 
     def poll(self) -> None:
-        while True:
+        while self.pending:
             before = self.pending
             self._collect(block=False)
             if self.pending == before:
@@ -383,17 +430,50 @@ class UnitWriter:
 
     def close(self, timeout: float = 30.0) -> None:
         try:
-            if self.proc.is_alive():
+            for conn in self.tasks:
                 try:
-                    self.tasks.send(None)
+                    conn.send(None)
                 except OSError:
                     pass
-                self.proc.join(timeout)
-            if self.proc.is_alive():
-                self.proc.terminate()
-                self.proc.join(5)
+            deadline = time.monotonic() + timeout
+            for p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            for p in self.procs:
+                if p.is_alive():  # SIGKILL: writers ignore SIGTERM; an uncommitted unit is simply rewritten
+                    p.kill()
+                    p.join(5)
         finally:
-            self.tasks.close()
-            self.done.close()
+            for conn in (*self.tasks, *self.done):
+                conn.close()
+            if self.pinned:
+                _unpin(self.slots)
             for s in self.slots:
                 s.close()
+
+
+def _pin(slots: list[_Slot]) -> bool:
+    """Page-lock the unit buffers for CUDA, so device-to-host copies into them run asynchronously."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    cudart = torch.cuda.cudart()
+    for slot in slots:
+        for arr in slot.arrays.values():
+            if arr.nbytes:
+                err = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, 0)
+                if int(err) != 0:  # not fatal: the copies are synchronous then
+                    log.warning("could not pin a unit buffer for CUDA (error %s); device-to-host copies will be "
+                                "synchronous", err)
+                    return False
+    return True
+
+
+def _unpin(slots: list[_Slot]) -> None:
+    import torch
+
+    cudart = torch.cuda.cudart()
+    for slot in slots:
+        for arr in slot.arrays.values():
+            if arr.nbytes:
+                cudart.cudaHostUnregister(arr.ctypes.data)

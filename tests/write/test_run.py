@@ -125,11 +125,12 @@ def test_resuming_with_a_changed_hashed_field_is_refused_naming_it(default_run, 
     assert field.split(".")[-1] in str(err.value) and "overwrite=true" in str(err.value)
 
 
-def test_batch_size_and_device_are_not_part_of_the_identity(default_run, no_weights):
+def test_batch_size_device_and_process_counts_are_not_part_of_the_identity(default_run, no_weights):
     cfg, result = default_run
     overrides = small(Path(result.path).parent, "storage.chunk_tokens=256", "storage.unit_tokens=1024",
                       name=Path(result.path).name)
-    again = run(compose([*overrides, "batch.max_tokens=2048", "batch.max_samples=2", "model.device=cpu"]))
+    again = run(compose([*overrides, "batch.max_tokens=2048", "batch.max_samples=2", "model.device=cpu",
+                         "storage.writers=3", "data.num_workers=0", "data.on_nonfinite=error"]))
     assert again.units_written == 0
 
 
@@ -167,3 +168,70 @@ def test_invalid_values_are_all_reported_before_any_weights_load(tmp_path, no_we
         compose(small(tmp_path, f"storage.path={tmp_path / 'afile'}"))
     with pytest.raises(ConfigError, match="outside"):
         run(compose(small(tmp_path, "model.layer_ids=[0,9]")))
+
+
+def poison_second_batch(monkeypatch) -> None:
+    """The first real token of the second forward batch gets an Inf in its first captured layer."""
+    from dspark_precompute.write.capture import HiddenStateCapture
+
+    real = HiddenStateCapture.__call__
+    calls = {"n": 0}
+
+    def poisoned(self, input_ids, attention_mask=None):
+        states, last = real(self, input_ids, attention_mask)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            k = min(states)
+            states[k] = states[k].clone()
+            states[k][0, 0, 0] = float("inf")
+        return states, last
+    monkeypatch.setattr(HiddenStateCapture, "__call__", poisoned)
+
+
+@pytest.mark.e2e
+def test_a_sample_with_inf_states_is_dropped_accounted_and_never_read(tmp_path, default_run, monkeypatch):
+    from dspark_precompute.read.export import export_nemo
+    from dspark_precompute.read.verify import verify_cache
+
+    _, ref = default_run
+    poison_second_batch(monkeypatch)
+    result = run(compose(small(tmp_path, *UNITS)))
+    c, r = open_cache(result.path), open_cache(ref.path)
+    m = c.manifest
+    assert len(m.dropped_samples) == 1 and sum(m.nonfinite_values.values()) == 1
+    dropped = m.dropped_samples[0]
+    assert m.counts.samples == len(r) - 1 == len(c) and m.counts.rejected == r.manifest.counts.rejected + 1
+    assert m.counts.rejected_by_reason["nonfinite_hidden_states"] == 1
+    assert m.counts.rows_in == m.counts.samples + m.counts.rejected
+    assert dropped not in set(c.indices.tolist())
+    rejects = [json.loads(x) for x in (Path(result.path) / fmt.REJECTS).read_text().splitlines()]
+    bad_row = int(zarr.open_group(result.path, mode="r")["samples/source_row"][dropped])
+    assert [x["row"] for x in rejects if x["reason"] == "nonfinite_hidden_states"] == [bad_row]
+    assert bad_row not in set(c.source_row.tolist())
+    for i, row in enumerate(c.source_row):  # every other sample equals the clean run's
+        j = int(np.flatnonzero(r.source_row == row)[0])
+        got, want = c[i], r[j]
+        for k in want:
+            assert torch_equal(got[k], want[k]), (row, k)
+        assert all(bool(v.float().isfinite().all()) for v in got.values())
+    report = verify_cache(result.path)
+    assert report.ok, report.problems
+    assert export_nemo(result.path, tmp_path / "nemo").num_samples == len(c)
+
+
+def torch_equal(a, b) -> bool:
+    return bool(a.float().eq(b.float()).all())
+
+
+@pytest.mark.e2e
+def test_on_nonfinite_error_stops_naming_the_sample_and_a_reject_run_then_completes(tmp_path, monkeypatch):
+    from dspark_precompute.errors import NonFiniteStatesError
+
+    poison_second_batch(monkeypatch)
+    overrides = small(tmp_path, *UNITS)
+    with pytest.raises(NonFiniteStatesError, match=r"sample \d+ has non-finite hidden states.*on_nonfinite=reject"):
+        run(compose([*overrides, "data.on_nonfinite=error"]))
+    monkeypatch.undo()
+    poison_second_batch(monkeypatch)  # the resumed run meets an Inf too, and drops that sample
+    m = open_cache(run(compose(overrides)).path).manifest
+    assert len(m.dropped_samples) == 1 and m.counts.rows_in == m.counts.samples + m.counts.rejected

@@ -11,8 +11,9 @@ from dspark_precompute.contract.commits import CommitRecord, committed_units
 from dspark_precompute.contract.layout import build_layout
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import StorageWriteError
+from dspark_precompute.write import processes
 from dspark_precompute.write.config import StorageConfig
-from dspark_precompute.write.writer import SharedBuffer, UnitWriter, allocate, token_array_specs, writer_context
+from dspark_precompute.write.writer import SharedBuffer, UnitWriter, allocate, token_array_specs
 
 
 def _fill(buf_bytes: SharedBuffer, value: int) -> None:
@@ -26,7 +27,7 @@ def _child_reads_and_writes(buf: SharedBuffer, q) -> None:  # runs in the writer
 
 
 def test_a_unit_buffer_is_the_same_memory_in_the_writer_process():
-    ctx = writer_context()
+    ctx = processes.context()
     buf = SharedBuffer(4096)
     _fill(buf, 1)
     q = ctx.SimpleQueue()

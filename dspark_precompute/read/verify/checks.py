@@ -357,11 +357,14 @@ def check_counts(ctx: Context) -> None:
     if not m.complete:
         return
     length, untrunc = ctx.table("samples/length"), ctx.table("samples/untruncated_length")
-    n = len(length)
+    keep = np.ones(len(length), dtype=bool)  # dropped samples (non-finite states) count as rejects
+    keep[np.asarray(m.dropped_samples or [], dtype=np.int64)] = False
+    n = int(keep.sum())
     counts = m.counts
-    checks = {"samples": n, "tokens": int(length.sum()), "truncated_samples": int((untrunc > length).sum())}
+    checks = {"samples": n, "tokens": int(length[keep].sum()),
+              "truncated_samples": int((untrunc > length)[keep].sum())}
     if ctx.mask_ok and ctx.offsets_ok and ctx.supervised is not None:
-        checks["supervised_tokens"] = int(ctx.supervised.sum())
+        checks["supervised_tokens"] = int(ctx.supervised[keep].sum())
     for k, v in checks.items():
         if getattr(counts, k) != v:
             bad.add("counts", f"manifest counts.{k} = {getattr(counts, k)!r}, the cache holds {v}")

@@ -31,12 +31,29 @@ class VerifyReport:
     recomputed: int = 0
     recompute_exact: int = 0
     recompute_max_steps: float = 0.0
+    teacher_positions: int = 0  # verify --teacher: positions whose logits were compared
+    teacher_samples: int = 0
+    teacher_top1: float | None = None  # share of positions where lm_head(stored state) has the target's argmax
+    teacher_max_logit_diff: float | None = None
+    teacher_tv_mean: float | None = None  # total-variation distance between the two softmaxes
+    teacher_tv_max: float | None = None
+    teacher_rel_error_mean: float | None = None  # ||target logits - lm_head(stored)|| / ||target logits||
+    teacher_rel_error_max: float | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # worth knowing, not a problem
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def teacher_json(self) -> dict[str, Any] | None:
+        """The teacher check's numbers (``verify --teacher``), or None when it did not run."""
+        if not self.teacher_positions:
+            return None
+        return {"positions": self.teacher_positions, "samples": self.teacher_samples,
+                "top1_agreement": self.teacher_top1, "max_logit_diff": self.teacher_max_logit_diff,
+                "tv_mean": self.teacher_tv_mean, "tv_max": self.teacher_tv_max,
+                "rel_error_mean": self.teacher_rel_error_mean, "rel_error_max": self.teacher_rel_error_max}
 
     def damaged_units(self) -> list[int]:
         return sorted({p.unit for p in self.problems if p.unit is not None})
@@ -48,7 +65,14 @@ class VerifyReport:
             head += (f", {self.recomputed} samples recomputed ({self.recompute_exact} bit-exact, worst "
                      f"{self.recompute_max_steps:.2f} storage steps)")
         head += f" in {self.seconds:.1f}s"
-        lines = [head] + [f"  note: {n}" for n in self.notes] + [f"  {p}" for p in self.problems]
+        lines = [head]
+        if self.teacher_positions:
+            lines.append(f"  teacher: {self.teacher_positions} positions in {self.teacher_samples} samples, top-1 "
+                         f"agreement {self.teacher_top1:.2%}, relative logit error mean "
+                         f"{self.teacher_rel_error_mean:.3g} / max {self.teacher_rel_error_max:.3g}, max |logit "
+                         f"difference| {self.teacher_max_logit_diff:.3g}, total variation mean "
+                         f"{self.teacher_tv_mean:.3g} / max {self.teacher_tv_max:.3g}")
+        lines += [f"  note: {n}" for n in self.notes] + [f"  {p}" for p in self.problems]
         if self.problems:
             lines.append(f"{len(self.problems)} problem(s).")
         return "\n".join(lines)

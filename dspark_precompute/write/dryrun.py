@@ -1,0 +1,304 @@
+"""``dry_run=true``: plan a run before paying for it, without weights and without writing anything.
+
+Everything that needs no weights runs exactly as in the real run (the config checks, the
+data reading, the tokenization with the real masks, the rejects, the layout); the weight
+files are not even hashed. The plan gives rows, samples, rejects by reason, real and
+supervised tokens, truncated samples, units, the exact uncompressed bytes of the cache, an
+*estimate* of its size after compression (from measured ratios, below) and of its time.
+Nothing is written to ``storage.path`` (no directory, no lock) or anywhere else: only
+Hydra's own output directory is created, by Hydra.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dspark_precompute.contract.commits import committed_units
+from dspark_precompute.contract.layout import Layout, build_layout
+from dspark_precompute.contract.manifest import Manifest, identity_differences
+from dspark_precompute.contract.spec import (
+    INPUT_IDS,
+    LOSS_MASK,
+    SAFETENSORS_DTYPES,
+    SAMPLE_ARRAYS,
+    UNIT_ARRAYS,
+    bytes_per_token,
+    disk_dtype,
+)
+from dspark_precompute.errors import DsparkError
+from dspark_precompute.humanize import human_bytes
+from dspark_precompute.write import resume, signals
+from dspark_precompute.write.batching import make_batches
+from dspark_precompute.write.config import PrecomputeConfig
+from dspark_precompute.write.plan import Plan, prepare
+from dspark_precompute.write.target import parameter_count
+from dspark_precompute.write.tokenize import reason_counts, tokenize, warn_about_rejects
+
+log = logging.getLogger(__name__)
+
+# Compression ratios (raw bytes / stored bytes) of the writer's own codec chains at level 1 (1 MiB blosc
+# blocks, crc32c), keyed by (storage.compressor, storage.shuffle). Measured 2026-12-03 on this project's
+# machine: hidden states of layers 1, 6 and 11 captured from a random-weight Qwen3 (hidden 512, 12 layers,
+# Qwen3's vocabulary and tokenizer) over the first 48 rows of the shared chat mix (12,572 tokens at
+# seq_length 512), cast to each storage dtype; input_ids and loss_mask of the same rows. The bf16 hidden
+# ratio under the default chain (1.56) matches docs/benchmarks.md (1.58 on the same target). Random
+# weights: real activations may compress differently, so the size after compression is an estimate.
+COMPRESSION_RATIOS: dict[tuple[str, str], dict[str, float]] = {
+    ("blosc_zstd", "byte"): {"bf16": 1.56, "fp16": 1.19, "fp32": 1.22, INPUT_IDS: 2.30, LOSS_MASK: 14.4},
+    ("blosc_zstd", "bit"): {"bf16": 1.46, "fp16": 1.16, "fp32": 1.18, INPUT_IDS: 2.01, LOSS_MASK: 13.2},
+    ("blosc_zstd", "none"): {"bf16": 1.29, "fp16": 1.09, "fp32": 1.08, INPUT_IDS: 2.24, LOSS_MASK: 14.4},
+    ("blosc_lz4", "byte"): {"bf16": 1.16, "fp16": 1.00, "fp32": 1.07, INPUT_IDS: 1.81, LOSS_MASK: 11.9},
+    ("blosc_lz4", "bit"): {"bf16": 1.28, "fp16": 1.06, "fp32": 1.12, INPUT_IDS: 1.83, LOSS_MASK: 10.8},
+    ("blosc_lz4", "none"): {"bf16": 1.00, "fp16": 1.00, "fp32": 1.00, INPUT_IDS: 1.08, LOSS_MASK: 11.9},
+    ("zstd", "*"): {"bf16": 1.29, "fp16": 1.09, "fp32": 1.08, INPUT_IDS: 2.27, LOSS_MASK: 22.3},  # no shuffle
+}
+CRC32C_BYTES = 4  # per stored chunk
+# The time estimate when plan.tokens_per_second is not given: 2 x (parameters outside the embedding and
+# lm_head, which the capture never multiplies) FLOP per forward token, attention's quadratic term left out,
+# at an assumed 300 TFLOP/s sustained bf16 per H100/H200-class GPU (about 40% of peak). An assumption, not a
+# measurement: measure with scripts/bench.py --device cuda and pass plan.tokens_per_second.
+ASSUMED_GPU_FLOPS = 300e12
+
+
+def compression_ratio(compressor: str, shuffle: str, kind: str) -> float | None:
+    """The measured ratio of one array kind (a storage dtype for hidden states, else the array's name), or None."""
+    if compressor == "none":
+        return 1.0
+    ratios = COMPRESSION_RATIOS.get((compressor, "*" if compressor == "zstd" else shuffle))
+    return ratios.get(kind) if ratios else None
+
+
+@dataclass
+class ArrayPlan:
+    """One token array: ``rows x row_bytes`` uncompressed (exact) and its estimated stored bytes."""
+
+    name: str
+    dtype: str
+    row_bytes: int
+    rows: int
+    raw_bytes: int
+    estimated_bytes: int
+    ratio: float | None
+
+
+@dataclass
+class DryRunPlan:
+    """What the run would do and cost. Every count and raw byte is exact; ``estimated_*`` and time are estimates."""
+
+    path: str
+    storage_state: str
+    target: str
+    layer_ids: list[int]
+    layer_preset: str
+    rows_in: int
+    samples: int
+    rejected: int
+    rejected_by_reason: dict[str, int]
+    tokens: int
+    supervised_tokens: int
+    truncated_samples: int
+    max_length: int
+    num_units: int
+    chunk_tokens: int
+    unit_tokens: int
+    total_token_slots: int
+    forward_tokens: int  # tokens the forward passes process, padding of the length-sorted batches included
+    arrays: list[ArrayPlan] = field(default_factory=list)
+    bytes_per_token: int = 0
+    token_array_bytes: int = 0  # sum over stored token arrays of rows x row bytes
+    table_bytes: int = 0
+    weights_file_bytes: int = 0
+    rejects_file_bytes: int = 0
+    raw_bytes: int = 0
+    estimated_bytes: int = 0
+    estimate_note: str = ""
+    parameters: int = 0
+    tokens_per_second: float = 0.0
+    rate_note: str = ""
+    estimated_seconds: float = 0.0
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The plan as (label, value) lines: the CLI's table and the log's report."""
+        n = self.rejected_by_reason
+        why = (": " + ", ".join(f"{k}={v:,}" for k, v in sorted(n.items(), key=lambda kv: (-kv[1], kv[0])))) if n \
+            else ""
+        pct = 100.0 * self.supervised_tokens / max(1, self.tokens)
+        pad = 100.0 * (self.forward_tokens - self.tokens) / max(1, self.forward_tokens)
+        arrays = ", ".join(f"{a.name} {a.row_bytes} B" for a in self.arrays)
+        return [
+            ("storage.path", f"{self.path} ({self.storage_state})"),
+            ("target", self.target),
+            ("layers", f"{self.layer_ids} (preset {self.layer_preset})"),
+            ("rows", f"{self.rows_in:,} read: {self.samples:,} samples, {self.rejected:,} rejected{why}"),
+            ("real tokens", f"{self.tokens:,} (mean {self.tokens / max(1, self.samples):,.1f}, longest "
+                            f"{self.max_length:,})"),
+            ("supervised tokens", f"{self.supervised_tokens:,} ({pct:.1f}%)"),
+            ("truncated samples", f"{self.truncated_samples:,}"),
+            ("units", f"{self.num_units:,} of up to {self.unit_tokens:,} tokens, chunks of {self.chunk_tokens:,}; "
+                      f"{self.total_token_slots:,} token slots"),
+            ("forward tokens", f"{self.forward_tokens:,} ({pad:.1f}% padding in the length-sorted batches)"),
+            ("token arrays", f"{self.token_array_bytes:,} B ({human_bytes(self.token_array_bytes)}) uncompressed, "
+                             f"exact: {self.total_token_slots:,} slots x {sum(a.row_bytes for a in self.arrays)} B "
+                             f"({arrays}); real tokens {self.tokens * self.bytes_per_token:,} B"),
+            ("other files", f"{self.table_bytes:,} B of sample/unit tables, {self.weights_file_bytes:,} B "
+                            f"target_weights.safetensors, {self.rejects_file_bytes:,} B rejects.jsonl (exact; "
+                            "plus a few KB of metadata)"),
+            ("uncompressed", f"{self.raw_bytes:,} B ({human_bytes(self.raw_bytes)}), exact"),
+            ("on disk (estimate)", f"about {human_bytes(self.estimated_bytes)} ({self.estimate_note})"),
+            ("time (estimate)", f"about {_duration(self.estimated_seconds)} at {self.tokens_per_second:,.0f} "
+                                f"tokens/s ({self.rate_note}); weights loading and tokenization come on top"),
+        ]
+
+    def table(self) -> str:
+        """The plan as a plain-text table (what ``python -m dspark_precompute ... dry_run=true`` prints)."""
+        rows = self.rows()
+        width = max(len(k) for k, _ in rows)
+        head = "dry run: nothing was written; this is what the run would do"
+        return "\n".join([head] + [f"  {k.ljust(width)}  {v}" for k, v in rows]) + "\n"
+
+
+def _count(n: int) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def storage_state(plan: Plan) -> str:
+    """What the real run would find at ``storage.path`` (read only; the weights fingerprint is not compared)."""
+    store, cfg = plan.store, plan.cfg
+    names = store.top_level_names()
+    if not names:
+        return "new cache"
+    problem = resume.directory_problem(store, plan.path, deleting=cfg.overwrite)
+    if problem:
+        return f"the run would be refused: {problem}"
+    try:
+        m = Manifest.read_if_present(store)
+    except DsparkError as exc:
+        return f"holds a damaged manifest: the run would be refused ({str(exc).splitlines()[0]})"
+    if m is None:
+        return "holds an unfinished allocation: the run would start it again" if not cfg.overwrite else \
+            "overwrite=true: its contents would be deleted"
+    if cfg.overwrite:
+        return "overwrite=true: the cache there would be deleted and written again"
+    diffs = [d for d in identity_differences(m.identity, plan.identity) if d[0] != "target.weights_fingerprint"]
+    if diffs:
+        listed = "; ".join(f"{k}: recorded {a!r}, requested {b!r}" for k, a, b in diffs[:4])
+        return f"holds a cache written with other settings ({listed}): the run would be refused"
+    if m.complete:
+        return "holds this cache, complete: the run would have nothing to do (if the weights are unchanged)"
+    done = len(committed_units(store, m.layout.num_units))
+    return f"holds this cache with {done} of {m.layout.num_units} units committed: the run would resume it"
+
+
+def weights_file_bytes(plan: Plan) -> int:
+    """Exact size of ``target_weights.safetensors``: header (compact JSON, padded to 8 bytes) plus the tensors."""
+    t, sdt = plan.target, plan.cfg.storage.dtype
+    n = t.vocab_size * t.hidden_size * disk_dtype(sdt).itemsize
+    names = ["embed_tokens.weight"] + ([] if t.tied else ["lm_head.weight"])
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for i, name in enumerate(names):
+        header[name] = {"dtype": SAFETENSORS_DTYPES[sdt], "shape": [t.vocab_size, t.hidden_size],
+                        "data_offsets": [i * n, (i + 1) * n]}
+    text = len(json.dumps(header, separators=(",", ":")).encode())
+    return 8 + -(-text // 8) * 8 + n * len(names)
+
+
+def forward_tokens(plan: Plan, layout: Layout) -> int:
+    """Tokens the forward passes process: each unit's batches (the run's own batching), rows x longest row."""
+    lengths = layout.length.astype(np.int64)
+    b = plan.cfg.batch
+    return int(sum(len(batch) * int(lengths[batch].max()) for u in range(layout.num_units)
+                   for batch in make_batches(layout.unit_order[u], lengths, b.max_tokens, b.max_samples)))
+
+
+def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
+    """Plan the run ``cfg`` describes: everything that needs no weights, nothing written. Logs the report."""
+    logging.getLogger("dspark_precompute").setLevel(cfg.log_level.upper())
+    with signals.handled():
+        plan = prepare(cfg, fingerprint=False)
+        state = storage_state(plan)
+        tok = tokenize(plan)
+    warn_about_rejects(tok)
+    layout = build_layout(tok.lengths, plan.chunk_tokens, plan.unit_tokens)
+    s = cfg.storage
+    t = plan.target
+    slots = layout.total_slots
+    tokens = int(tok.lengths.sum())
+    arrays, notes = [], set()
+    for spec in plan.specs:
+        kind = spec.name if spec.width is None else s.dtype
+        ratio = compression_ratio(s.compressor, s.shuffle, kind)
+        raw = slots * spec.row_bytes
+        chunks = -(-slots // layout.chunk_tokens)
+        if ratio is None:
+            notes.add(f"no measured ratio for {s.compressor} with shuffle={s.shuffle} and {kind}: counted uncompressed")
+            est = raw
+        elif s.compressor == "none":
+            est = raw
+        else:  # the unit tails' slack is zeros, which compress to next to nothing
+            est = int(tokens * spec.row_bytes / ratio)
+        arrays.append(ArrayPlan(spec.name, spec.dtype, spec.row_bytes, slots, raw, est + chunks * CRC32C_BYTES, ratio))
+    token_bytes = sum(a.raw_bytes for a in arrays)
+    n, u = len(tok.lengths), layout.num_units
+    table_bytes = sum(n * np.dtype(d).itemsize for d in SAMPLE_ARRAYS.values()) + \
+        sum(u * np.dtype(d).itemsize for d in UNIT_ARRAYS.values())
+    wbytes = weights_file_bytes(plan)
+    rbytes = sum(len((json.dumps(r.to_json(), sort_keys=True) + "\n").encode()) for r in tok.rejects)
+    raw_total = token_bytes + table_bytes + wbytes + rbytes
+    hidden_ratio = compression_ratio(s.compressor, s.shuffle, s.dtype)
+    note = (f"{s.compressor} level {s.compression_level}: hidden states {hidden_ratio:.2f}x as measured at level 1 "
+            "on a random-weight Qwen3; real activations may compress differently" if s.compressor != "none"
+            else "storage.compressor=none: the raw bytes plus checksums")
+    note = "; ".join([note, *sorted(notes)])
+    n_hidden = sum(1 for spec in plan.specs if spec.width)
+    fwd = forward_tokens(plan, layout)
+    params = parameter_count(cfg.model, t)
+    if cfg.plan.tokens_per_second:
+        rate = float(cfg.plan.tokens_per_second)
+        seconds = tokens / rate
+        rate_note = "plan.tokens_per_second, real tokens"
+    else:
+        matmul = max(1, params - t.vocab_size * t.hidden_size * (1 if t.tied else 2))
+        rate = ASSUMED_GPU_FLOPS / (2 * matmul)
+        seconds = fwd / rate
+        rate_note = (f"estimated for one GPU: 2 x {_count(matmul)} parameters FLOP per forward token at an assumed "
+                     f"{ASSUMED_GPU_FLOPS / 1e12:.0f} TFLOP/s; N data-parallel GPUs take about 1/N of it; set "
+                     "plan.tokens_per_second to use a measured rate")
+    out = DryRunPlan(
+        path=plan.path, storage_state=state,
+        target=(f"{t.path} ({t.model_type}): {t.num_hidden_layers} layers, hidden {t.hidden_size}, vocab "
+                f"{t.vocab_size:,}, {_count(params)} parameters"),
+        layer_ids=list(plan.layer_ids),
+        layer_preset="explicit" if cfg.model.layer_ids is not None else cfg.model.layer_preset,
+        rows_in=tok.rows_in, samples=n, rejected=len(tok.rejects), rejected_by_reason=reason_counts(tok.rejects),
+        tokens=tokens, supervised_tokens=int(tok.supervised.sum()),
+        truncated_samples=int((tok.untruncated > tok.lengths).sum()), max_length=int(tok.lengths.max()),
+        num_units=u, chunk_tokens=layout.chunk_tokens, unit_tokens=layout.unit_tokens, total_token_slots=slots,
+        forward_tokens=fwd, arrays=arrays,
+        bytes_per_token=bytes_per_token(t.hidden_size, disk_dtype(s.dtype).itemsize, n_hidden),
+        token_array_bytes=token_bytes, table_bytes=table_bytes, weights_file_bytes=wbytes, rejects_file_bytes=rbytes,
+        raw_bytes=raw_total, estimated_bytes=sum(a.estimated_bytes for a in arrays) + table_bytes + wbytes + rbytes,
+        estimate_note=note, parameters=params, tokens_per_second=rate, rate_note=rate_note,
+        estimated_seconds=seconds,
+    )
+    for k, v in out.rows():
+        log.info("dry run: %s: %s", k, v)
+    for a in arrays:
+        log.info("dry run: array %s: %s x %d B = %s B uncompressed, about %s stored", a.name, f"{a.rows:,}",
+                 a.row_bytes, f"{a.raw_bytes:,}", human_bytes(a.estimated_bytes))
+    return out

@@ -1,0 +1,187 @@
+"""Rows -> samples in worker processes: the encoding of one row, and a pool that runs it in order.
+
+Kept apart from ``tokenize`` so a worker imports the chat encoder and the tokenizer's
+classes only (never torch or the target); the pool's processes come from the writers'
+fork server and talk over pipes, so nothing named is left behind by a killed run.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any, cast
+
+from dspark_precompute.errors import DataError
+from dspark_precompute.faults import fault_point
+from dspark_precompute.write import processes
+from dspark_precompute.write.chat import ChatEncoder, Encoded
+from dspark_precompute.write.data import Conversation, RawRow, Reject, normalize
+
+
+@dataclass(frozen=True)
+class RowEncoder:
+    """How to turn one input row into a sample or a reject; picklable, so a worker process can rebuild it."""
+
+    template: str
+    seq_length: int
+    mask_reasoning_content: bool
+    mask_generation_prompt: bool
+    data_format: str
+
+    def build(self, tokenizer: Any) -> ChatEncoder:
+        return ChatEncoder(tokenizer, self.template, self.seq_length, self.mask_reasoning_content,
+                           self.mask_generation_prompt)
+
+    def encode(self, encoder: ChatEncoder, raw: RawRow, sel: int) -> Encoded | Reject:
+        item: Conversation | Encoded | Reject = normalize(raw, self.data_format)
+        if isinstance(item, Conversation):
+            item = encoder.encode(item, raw.row)
+        if isinstance(item, Reject):
+            # row: index in the selection (what samples/source_row counts); file/file_row/line: the source
+            item.row, item.line, item.file = sel, raw.line, raw.file
+            item.file_row = raw.row if raw.file_row is None else raw.file_row
+        assert not isinstance(item, Conversation)
+        return item
+
+
+def _worker(spec: RowEncoder, tasks: Any, results: Any, env: dict[str, str]) -> None:
+    """A tokenizing process: chunks of (selection index, row) in, (index, sample or reject) out."""
+    processes.child_setup(env)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: parallelism comes from the workers
+    try:
+        encoder = spec.build(tasks.recv())  # the main process's own tokenizer: never a second load from disk
+    except BaseException as exc:  # noqa: BLE001 - reported to the main process, which raises it typed
+        results.send(("error", -1, f"{type(exc).__name__}: {exc}"))
+        return
+    while True:
+        try:
+            task = tasks.recv()
+        except (EOFError, OSError):  # the main process is gone
+            return
+        if task is None:
+            return
+        chunk_id, pairs = task
+        try:
+            out = []
+            for sel, raw in pairs:
+                fault_point("tokenize_row")
+                out.append((sel, spec.encode(encoder, raw, sel)))
+            results.send(("done", chunk_id, out))
+        except (EOFError, OSError):
+            return
+        except BaseException as exc:  # noqa: BLE001
+            results.send(("error", chunk_id, f"{type(exc).__name__}: {exc}"))
+            return
+
+
+class EncoderPool:
+    """``n`` tokenizing processes fed over pipes (no named semaphores), results in submission order."""
+
+    def __init__(self, spec: RowEncoder, tokenizer: Any, n: int):
+        ctx = processes.context()
+        self.finished = False
+        self.tasks: list[Any] = []
+        self.results: list[Any] = []
+        self.procs: list[Any] = []
+        env = dict(os.environ)
+        for i in range(n):
+            t_out, t_in = ctx.Pipe(duplex=False)
+            r_out, r_in = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, args=(spec, t_out, r_in, env), daemon=True,
+                            name=f"dspark-tokenize-{i}")
+            processes.start(p)
+            t_out.close()
+            r_in.close()
+            self.tasks.append(t_in)
+            self.results.append(r_out)
+            self.procs.append(p)
+        for t in self.tasks:  # after every start: the workers rebuild it in parallel (~1 s for Qwen3's)
+            t.send(tokenizer)
+
+    def map(self, chunks: Iterator[list[tuple[int, RawRow]]]) -> Iterator[tuple[int, Encoded | Reject]]:
+        """Encode every chunk; yield (selection index, item) in input order.
+
+        A feeder thread sends the chunks (at most two per worker not yet consumed), so this
+        thread never blocks on a full task pipe while a worker blocks on a full result pipe.
+        """
+        n = len(self.procs)
+        room = threading.Semaphore(2 * n)
+        stop = threading.Event()
+        fed: dict[str, Any] = {"sent": 0, "done": False, "error": None}
+
+        def feed() -> None:
+            try:
+                for i, chunk in enumerate(chunks):
+                    while not room.acquire(timeout=0.2):
+                        if stop.is_set():
+                            return
+                    if stop.is_set():
+                        return
+                    self.tasks[i % n].send((i, chunk))
+                    fed["sent"] = i + 1
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the consuming thread
+                fed["error"] = exc
+            finally:
+                fed["done"] = True
+
+        feeder = threading.Thread(target=feed, name="dspark-tokenize-feeder", daemon=True)
+        feeder.start()
+        ready: dict[int, list[tuple[int, Encoded | Reject]]] = {}
+        next_out = 0
+        try:
+            while True:
+                while next_out in ready:
+                    yield from ready.pop(next_out)
+                    room.release()
+                    next_out += 1
+                if fed["done"]:
+                    if fed["error"] is not None:
+                        if isinstance(fed["error"], (BrokenPipeError, ConnectionError)):
+                            raise self._died()
+                        raise fed["error"]
+                    if next_out >= fed["sent"]:
+                        self.finished = True
+                        return
+                for conn in wait(self.results, timeout=0.2):
+                    try:
+                        kind, chunk_id, payload = cast(Any, conn).recv()
+                    except (EOFError, OSError):
+                        raise self._died() from None
+                    if kind == "error":
+                        raise DataError(f"tokenizing failed in a worker process: {payload}")
+                    ready[chunk_id] = payload
+                if not all(p.is_alive() for p in self.procs) and not any(c.poll() for c in self.results):
+                    raise self._died()
+        finally:
+            stop.set()
+            if not self.finished:  # stopped early: the feeder may be blocked on a worker that is blocked on us
+                self._kill()
+            feeder.join(5)
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()  # SIGKILL: helper processes ignore SIGTERM (see processes.child_setup)
+        for p in self.procs:
+            p.join(5)
+
+    @staticmethod
+    def _died() -> DataError:
+        return DataError("a tokenizing process died; re-run the same command (or set data.num_workers=0 to "
+                         "tokenize in the main process)")
+
+    def close(self) -> None:
+        """Stop the workers: a clean stop after a finished map, else at once (they may be blocked on a pipe)."""
+        for t in self.tasks if self.finished else ():
+            try:
+                t.send(None)
+            except OSError:
+                pass
+        for p in self.procs if self.finished else ():
+            p.join(10)
+        self._kill()
+        for c in (*self.tasks, *self.results):
+            c.close()

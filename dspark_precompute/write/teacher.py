@@ -1,0 +1,254 @@
+"""``dspark-cache verify --teacher N``: is the stored final state the one the trainer needs?
+
+A DSpark / EAGLE-3 trainer gets the target's logits by applying ``lm_head`` to
+``target_last_hidden_states``. This check loads the target, runs its own full forward
+with the vocabulary projection (the CausalLM's logits, unpadded, one sample at a time) on N
+token positions sampled across the cache's samples (seeded), and compares them with the
+target's ``lm_head`` applied to the stored final state at the same positions: top-1
+agreement, the largest logit difference and the total-variation distance between the two
+softmaxes. A state taken before the final norm, from another layer or at the wrong
+position fails it.
+
+The target is rebuilt under :mod:`dspark_precompute.write.recompute`'s rules: the user's
+``--trust-remote-code`` only, never a path inside the cache, ``--model PATH`` for a target
+that moved (its config and weights must still be the recorded ones). The data is not needed:
+the stored ``input_ids`` are the inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark_precompute.contract.chunks import read_array_metas, read_slots
+from dspark_precompute.contract.commits import committed_units
+from dspark_precompute.contract.manifest import Manifest
+from dspark_precompute.contract.spec import INPUT_IDS, SAMPLE_ARRAYS
+from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.errors import CacheFormatError, DsparkError
+from dspark_precompute.write.config import TINY, from_dict
+from dspark_precompute.write.provenance import final_norm_of
+from dspark_precompute.write.recompute import changed_identity, safe_run_config, stored_as_torch
+from dspark_precompute.write.target import (
+    inspect_target,
+    load_target,
+    load_tokenizer,
+    resolve_compute_dtype,
+    resolve_device,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MIN_TOP1 = 0.95  # share of positions whose argmax must agree
+DEFAULT_MAX_TV = 0.10  # largest mean total-variation distance between the two softmaxes
+# Largest mean relative logit error ||t - s|| / ||t||, in steps (eps) of the storage and compute dtypes:
+# 4 x (2^-7 + 2^-23) = 0.031 for bf16 storage of an fp32 forward, 0.0625 for a bf16 forward. Measured on the
+# tiny target (fp32 forward, bf16 storage): 0.0015 for the stored post-norm state; 0.069 for the last decoder
+# layer's output before the norm; 0.13-0.16 for another layer's output. Top-1 and TV alone cannot tell those
+# apart there (a random target's near-unit norm keeps every argmax), real targets' pre-norm states have other
+# scales altogether.
+REL_STEPS = 4
+POSITIONS_PER_FORWARD = 512  # logits of at most this many positions at once (memory: positions x vocab)
+
+
+@dataclass
+class TeacherResult:
+    """What the check measured; problems as dicts with ``check, message, array, sample`` (the verify report's)."""
+
+    problems: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    positions: list[tuple[int, int]] = field(default_factory=list)  # (sample, token) pairs compared
+    samples: int = 0
+    top1_agreement: float | None = None  # share of positions whose argmax agrees
+    max_logit_diff: float | None = None  # largest |logit difference| over positions and vocabulary
+    tv_mean: float | None = None  # total-variation distance between the softmaxes, mean over positions
+    tv_max: float | None = None
+    rel_error_mean: float | None = None  # ||teacher - stored logits|| / ||teacher logits||, mean over positions
+    rel_error_max: float | None = None
+    normed_top1_agreement: float | None = None  # diagnosis: agreement after applying the final norm once more
+
+    def add(self, message: str, **where: Any) -> None:
+        self.problems.append({"check": "teacher", "message": message, **where})
+
+
+def sample_positions(lengths: np.ndarray, readable: np.ndarray, n: int, seed: int) -> list[tuple[int, int]]:
+    """``n`` distinct (sample, token) pairs drawn uniformly over every token of the ``readable`` samples."""
+    lens = lengths[readable].astype(np.int64)
+    total = int(lens.sum())
+    if total == 0 or n <= 0:
+        return []
+    flat = np.sort(np.random.default_rng(seed).choice(total, size=min(int(n), total), replace=False))
+    ends = np.cumsum(lens)
+    which = np.searchsorted(ends, flat, side="right")
+    starts = ends - lens
+    return [(int(readable[w]), int(f - starts[w])) for w, f in zip(which, flat)]
+
+
+def _teacher_logits(model: Any, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The CausalLM's own logits at ``pos`` of one unpadded sequence (float32, ``[len(pos), vocab]``)."""
+    try:
+        out = model(input_ids=ids[None], use_cache=False, logits_to_keep=pos)
+        return out.logits[0].float()
+    except TypeError:  # a model class without logits_to_keep: project every position, keep the picked ones
+        return model(input_ids=ids[None], use_cache=False).logits[0, pos].float()
+
+
+def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None = None, model: str | None = None,
+                  trust_remote_code: bool = False, min_top1: float = DEFAULT_MIN_TOP1,
+                  max_tv: float = DEFAULT_MAX_TV, max_rel: float | None = None) -> TeacherResult:
+    """Compare the target's own logits with ``lm_head(stored final state)`` at ``n`` seeded positions.
+
+    It fails (a problem) when the top-1 agreement is below ``min_top1``, the mean total-variation
+    distance above ``max_tv`` or the mean relative logit error above ``max_rel`` (default:
+    :data:`REL_STEPS` steps of the storage and compute dtypes).
+    """
+    out = TeacherResult()
+    store = CacheStore(str(path))
+    try:
+        m = Manifest.read(store)
+    except CacheFormatError as exc:
+        out.add(f"skipped: {exc}")
+        return out
+    cfgd, notes, problem = safe_run_config(m, store, model=model, trust_remote_code=trust_remote_code,
+                                           device=device, what="the teacher check")
+    out.notes += notes
+    if problem or cfgd is None:
+        out.add(problem or "the run cannot be rebuilt")
+        return out
+    cfgd["data"] = {}  # the stored input_ids are the inputs: the data need not exist any more
+    try:
+        cfg = from_dict(cfgd)
+        tokenizer = load_tokenizer(cfg.model) if cfg.model.path == TINY else None
+        info = inspect_target(cfg.model, tokenizer)
+    except DsparkError as exc:
+        out.add(f"cannot load the target the manifest names: {exc}")
+        return out
+    now = {"target": {**m.identity.get("target", {}), "path": info.path, "model_type": info.model_type,
+                      "config_sha256": info.config_sha256, "weights_fingerprint": info.weights_fingerprint}}
+    diffs = changed_identity({"target": m.identity.get("target", {})}, now, bool(model))
+    if diffs:
+        listed = "; ".join(f"{k}: recorded {a!r}, now {b!r}" for k, a, b in diffs[:6])
+        out.add(f"the target changed since the cache was written ({listed}); its logits would not be the ones the "
+                "cache was made with. Pass --model PATH for the original target")
+        return out
+
+    zstore = store.zarr_store(read_only=True) if store.url else None
+    metas, meta_problems = read_array_metas(store, m, zstore)
+    if meta_problems:
+        out.add(f"skipped: the arrays disagree with the manifest ({meta_problems[0][1]})")
+        return out
+    tables = {name: read_slots(store, metas, [name], 0, metas[name].shape[0], zstore)[name].astype(np.int64)
+              for name in SAMPLE_ARRAYS}
+    lengths, start = tables["samples/length"], tables["samples/start"]
+    readable = np.arange(len(lengths)) if m.complete else np.flatnonzero(
+        np.isin(tables["samples/unit"], sorted(committed_units(store, m.layout.num_units))))
+    picked = sample_positions(lengths, readable, n, seed)
+    if not picked:
+        out.notes.append("the teacher check found no readable token to compare")
+        return out
+
+    dev = resolve_device(cfg.model.device)
+    dtype = resolve_compute_dtype(cfg.model.dtype, dev)
+    target = load_target(cfg.model, info, len(tokenizer) if tokenizer is not None else info.vocab_size, dev, dtype)
+    head = target.get_output_embeddings()
+    norm = final_norm_of(target)
+    norm_class = type(norm).__name__ if norm is not None else None
+    recorded_norm = m.capture.final_norm_class if m.capture is not None else None
+    if recorded_norm and norm_class and recorded_norm != norm_class:
+        out.notes.append(f"the manifest records the final norm as {recorded_norm}, the loaded target's is "
+                         f"{norm_class}")
+    last = m.last_array
+    by_sample: dict[int, list[int]] = {}
+    for s, t in picked:
+        by_sample.setdefault(s, []).append(t)
+    acc = _Accumulator()
+    with torch.inference_mode():
+        for s, toks in by_sample.items():
+            a, length = int(start[s]), int(lengths[s])
+            try:
+                got = read_slots(store, metas, [INPUT_IDS, last], a, a + length, zstore)
+            except CacheFormatError as exc:
+                out.add(f"sample {s}: cannot read it ({exc})", sample=s, array=getattr(exc, "array", None))
+                continue
+            ids = torch.from_numpy(got[INPUT_IDS].astype(np.int64)).to(dev)
+            for b in range(0, len(toks), POSITIONS_PER_FORWARD):
+                block = toks[b:b + POSITIONS_PER_FORWARD]
+                teacher = _teacher_logits(target, ids, torch.tensor(block, dtype=torch.long, device=dev))
+                stored = stored_as_torch(got[last][block], m.storage_dtype)
+                acc.storage_eps = float(torch.finfo(stored.dtype).eps)
+                stored = stored.to(dev, dtype)
+                normed = head(norm(stored)).float() if norm is not None else None
+                acc.add(s, block, teacher, head(stored).float(), normed)
+    if not acc.positions:
+        return out
+    tol = max_rel if max_rel is not None else REL_STEPS * (acc.storage_eps + float(torch.finfo(dtype).eps))
+    acc.finish(out)
+    failed = []
+    if out.top1_agreement is not None and out.top1_agreement < min_top1:
+        failed.append(f"top-1 agreement {out.top1_agreement:.1%} (at least {min_top1:.0%} required)")
+    if out.tv_mean is not None and out.tv_mean > max_tv:
+        failed.append(f"mean total-variation distance {out.tv_mean:.3g} (at most {max_tv:g})")
+    if out.rel_error_mean is not None and out.rel_error_mean > tol:
+        why = f", {REL_STEPS} steps of the storage and compute dtypes" if max_rel is None else ""
+        failed.append(f"mean relative logit error {out.rel_error_mean:.3g} (at most {tol:.3g}{why})")
+    if failed:
+        hint = ""
+        if acc.normed_rel and float(np.mean(acc.normed_rel)) <= tol and (out.normed_top1_agreement or 0) >= min_top1:
+            hint = (f" Applying the target's {norm_class} to the stored state once more brings the relative error to "
+                    f"{float(np.mean(acc.normed_rel)):.3g}: the stored state was taken before the final norm.")
+        s_w, t_w, rel_w = acc.worst
+        out.add(f"lm_head applied to the stored final state ({last!r}) does not reproduce the target's own logits "
+                f"over {len(out.positions)} positions in {out.samples} samples: {'; '.join(failed)}; largest logit "
+                f"difference {out.max_logit_diff:.3g}, worst at sample {s_w}, token {t_w} (relative error "
+                f"{rel_w:.3g}). The stored state is not the target's post-norm state at the right position, so a "
+                "trainer would learn from wrong target logits. Re-create the cache (re-run the precompute command "
+                f"with overwrite=true).{hint}", array=last, sample=s_w)
+    log.info("teacher check: %d positions in %d samples, top-1 agreement %.2f%%, mean relative logit error %.3g, "
+             "mean TV %.3g", len(out.positions), out.samples, 100 * (out.top1_agreement or 0.0),
+             out.rel_error_mean, out.tv_mean)
+    return out
+
+
+class _Accumulator:
+    """Per-position comparisons of teacher and stored-state logits, summed up into a :class:`TeacherResult`."""
+
+    def __init__(self) -> None:
+        self.positions: list[tuple[int, int]] = []
+        self.top1: list[bool] = []
+        self.normed_top1: list[bool] = []
+        self.tv: list[float] = []
+        self.rel: list[float] = []
+        self.normed_rel: list[float] = []
+        self.max_diff = 0.0
+        self.worst = (-1, -1, -1.0)  # (sample, token, relative error)
+        self.storage_eps = 0.0
+
+    def add(self, sample: int, tokens: list[int], teacher: torch.Tensor, student: torch.Tensor,
+            normed: torch.Tensor | None) -> None:
+        scale = teacher.norm(dim=-1).clamp_min(torch.finfo(teacher.dtype).tiny)
+        rel = ((teacher - student).norm(dim=-1) / scale).tolist()
+        self.positions += [(sample, t) for t in tokens]
+        self.top1 += (teacher.argmax(-1) == student.argmax(-1)).tolist()
+        self.tv += (0.5 * (torch.softmax(teacher, -1) - torch.softmax(student, -1)).abs().sum(-1)).tolist()
+        self.rel += rel
+        self.max_diff = max(self.max_diff, float((teacher - student).abs().max()))
+        k = int(np.argmax(rel))
+        if rel[k] > self.worst[2]:
+            self.worst = (sample, tokens[k], float(rel[k]))
+        if normed is not None:
+            self.normed_top1 += (teacher.argmax(-1) == normed.argmax(-1)).tolist()
+            self.normed_rel += ((teacher - normed).norm(dim=-1) / scale).tolist()
+
+    def finish(self, out: TeacherResult) -> None:
+        out.positions = list(self.positions)
+        out.samples = len({s for s, _ in self.positions})
+        out.top1_agreement = float(np.mean(self.top1))
+        out.max_logit_diff = self.max_diff
+        out.tv_mean, out.tv_max = float(np.mean(self.tv)), float(np.max(self.tv))
+        out.rel_error_mean, out.rel_error_max = float(np.mean(self.rel)), float(np.max(self.rel))
+        out.normed_top1_agreement = float(np.mean(self.normed_top1)) if self.normed_top1 else None

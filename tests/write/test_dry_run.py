@@ -1,0 +1,148 @@
+"""``dry_run=true``: the real run's counts and exact raw bytes, before any weights load, and nothing written."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from helpers import compose, small
+
+import dspark_precompute
+from dspark_precompute import open_cache
+from dspark_precompute.contract import spec as fmt
+from dspark_precompute.errors import ConfigError
+from dspark_precompute.write import tiny
+from dspark_precompute.write.config import RandomTargetConfig
+from dspark_precompute.write.dryrun import DryRunPlan, dry_run
+from dspark_precompute.write.run import run
+
+TABLES = (*fmt.SAMPLE_ARRAYS, *fmt.UNIT_ARRAYS)
+
+
+def stored_bytes(path: str) -> dict[str, int]:
+    """The oracle: every array's rows x row bytes as zarr holds it, and the small files' sizes."""
+    g = zarr.open_group(path, mode="r")
+    names = [fmt.INPUT_IDS, fmt.LOSS_MASK] + [f"{fmt.HIDDEN_GROUP}/{n}" for n, _ in g[fmt.HIDDEN_GROUP].arrays()]
+    row = {n: int(np.prod(g[n].shape[1:])) * g[n].dtype.itemsize for n in names}
+    return {"token_arrays": sum(g[n].shape[0] * row[n] for n in names),
+            "tables": sum(g[n].shape[0] * g[n].dtype.itemsize for n in TABLES),
+            "weights": (Path(path) / fmt.WEIGHTS).stat().st_size,
+            "rejects": (Path(path) / fmt.REJECTS).stat().st_size}
+
+
+def assert_plan_matches(plan: DryRunPlan, path: str) -> None:
+    c = open_cache(path)
+    m = c.manifest
+    counts = m.counts
+    assert (plan.rows_in, plan.samples, plan.rejected, plan.tokens, plan.supervised_tokens,
+            plan.truncated_samples) == (counts.rows_in, counts.samples, counts.rejected, counts.tokens,
+                                        counts.supervised_tokens, counts.truncated_samples)
+    assert plan.rejected_by_reason == counts.rejected_by_reason
+    assert (plan.num_units, plan.chunk_tokens, plan.unit_tokens, plan.total_token_slots) == (
+        m.layout.num_units, m.layout.chunk_tokens, m.layout.unit_tokens, m.layout.total_token_slots)
+    assert plan.layer_ids == m.layer_ids and plan.max_length == int(c.lengths().max())
+    got = stored_bytes(path)
+    assert plan.token_array_bytes == got["token_arrays"] == m.layout.total_token_slots * m.bytes_per_token
+    assert plan.bytes_per_token == m.bytes_per_token  # real tokens x it: the bytes the samples themselves hold
+    assert (plan.table_bytes, plan.weights_file_bytes, plan.rejects_file_bytes) == (
+        got["tables"], got["weights"], got["rejects"])
+    assert plan.raw_bytes == sum(got.values())
+
+
+def test_a_dry_run_predicts_the_real_runs_counts_and_exact_uncompressed_bytes(default_run, monkeypatch):
+    cfg, result = default_run
+    monkeypatch.setattr("dspark_precompute.write.target.load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    plan = dry_run(dataclasses.replace(cfg, dry_run=True))
+    assert_plan_matches(plan, result.path)
+    assert "complete: the run would have nothing to do" in plan.storage_state
+    on_disk = sum(f.stat().st_size for d in ("input_ids", "loss_mask", "hidden_states")
+                  for f in (Path(result.path) / d).rglob("*") if f.is_file() and f.name != "zarr.json")
+    est_tokens = sum(a.estimated_bytes for a in plan.arrays)
+    assert 0.5 < est_tokens / on_disk < 2  # an estimate from a measured ratio, not a promise
+    text = plan.table()
+    assert f"{result.samples:,} samples" in text and f"{plan.raw_bytes:,} B" in text and "(estimate)" in text
+
+
+def test_the_time_comes_from_plan_tokens_per_second_or_from_the_parameter_count(default_run):
+    cfg, _ = default_run
+    given = dry_run(dataclasses.replace(cfg, dry_run=True, plan=dataclasses.replace(cfg.plan, tokens_per_second=500)))
+    assert given.estimated_seconds == pytest.approx(given.tokens / 500) and "plan.tokens_per_second" in given.rate_note
+    est = dry_run(dataclasses.replace(cfg, dry_run=True))
+    model = tiny.build_target(cfg.model.random, len(tiny.build_tokenizer()))
+    assert est.parameters == sum(p.numel() for p in model.parameters())
+    matmul = est.parameters - model.get_input_embeddings().weight.numel()  # tied: the head is the embedding
+    assert est.tokens_per_second == pytest.approx(300e12 / (2 * matmul))
+    assert est.estimated_seconds == pytest.approx(est.forward_tokens / est.tokens_per_second)
+    assert "assumed 300 TFLOP/s" in est.rate_note and est.forward_tokens >= est.tokens
+    with pytest.raises(ConfigError, match="plan.tokens_per_second=0.0 must be a positive rate"):
+        compose(["plan.tokens_per_second=0"])
+
+
+def test_a_dry_run_says_what_the_run_would_find_at_storage_path(default_run, tmp_path):
+    cfg, result = default_run
+    fresh = dry_run(compose(small(tmp_path, "dry_run=true", name="new")))
+    assert fresh.storage_state == "new cache" and not (tmp_path / "new").exists()
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    foreign = dry_run(compose(small(tmp_path, "dry_run=true", name="foreign")))
+    assert "the run would be refused" in foreign.storage_state and "notes.txt" in foreign.storage_state
+    other = dry_run(dataclasses.replace(cfg, dry_run=True, seq_length=200))
+    assert "other settings" in other.storage_state and "seq_length: recorded 256, requested 200" in other.storage_state
+
+
+def test_the_run_function_refuses_a_dry_run_and_the_package_entry_point_plans_it(tmp_path):
+    cfg = compose(small(tmp_path, "dry_run=true", "data.max_samples=2"))
+    with pytest.raises(ConfigError, match="dry_run=true plans a run without running it"):
+        run(cfg)
+    assert isinstance(dspark_precompute.run(cfg), DryRunPlan)
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.e2e
+def test_a_dry_run_writes_nothing_but_hydras_output_directory(tmp_path):
+    tok = tiny.build_tokenizer()
+    target = tmp_path / "target"  # a checkpoint on disk: a real run would hash it and remember the hash
+    tiny.build_target(RandomTargetConfig(), len(tok)).save_pretrained(target, safe_serialization=True)
+    tok.save_pretrained(target)
+    work = tmp_path / "work"
+    work.mkdir()
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    env = {**os.environ, "DSPARK_CACHE_DIR": str(tmp_path / "hashes"), "HF_HOME": str(tmp_path / "hf")}
+    args = [f"storage.path={tmp_path / 'cache'}", f"model.path={target}", "seq_length=256",
+            "batch.max_tokens=1024", "data.max_samples=6", "dry_run=true"]
+    proc = subprocess.run([sys.executable, "-m", "dspark_precompute", *args], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = proc.stdout[proc.stdout.index("dry run: nothing was written"):]  # after Hydra's console log
+    assert "  uncompressed  " in table and "  on disk (estimate)  " in table and "  time (estimate)  " in table
+    after = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    changed = sorted(str(p.relative_to(tmp_path)) for p in after if before.get(p) != after[p])
+    hydra_dir = work / "outputs"
+    assert changed and all(Path(tmp_path / c) == work or hydra_dir in (tmp_path / c).parents
+                           or tmp_path / c == hydra_dir for c in changed), changed
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "hashes").exists()
+    # the same command without dry_run: the plan's numbers are the run's
+    real = subprocess.run([sys.executable, "-m", "dspark_precompute", *args[:-1]], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert real.returncode == 0, real.stderr[-2000:]
+    plan = dry_run(compose(args))
+    assert f"  uncompressed        {plan.raw_bytes:,} B" in table  # the same plan as the command printed
+    assert_plan_matches(plan, str(tmp_path / "cache"))
+
+
+@pytest.mark.e2e
+def test_a_dry_run_of_a_servable_untied_fp16_cache_predicts_its_exact_bytes(tmp_path):
+    overrides = small(tmp_path, "model.random.num_hidden_layers=6", "model.random.tie_word_embeddings=false",
+                      "model.layer_preset=servable", "model.draft_num_hidden_layers=2", "storage.dtype=fp16",
+                      "storage.chunk_tokens=128", "storage.unit_tokens=512", "data.max_samples=10")
+    plan = dry_run(compose([*overrides, "dry_run=true"]))
+    assert not (tmp_path / "cache").exists()
+    run(compose(overrides))
+    assert_plan_matches(plan, str(tmp_path / "cache"))
+    assert [a.name for a in plan.arrays][-1] == "hidden_states/final_norm" and plan.num_units > 1
