@@ -144,6 +144,7 @@ def test_the_device_prefetcher_delivers_the_same_batches(default_run):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_batches_reach_the_gpu_from_pinned_memory_equal_to_the_host_batches(default_run):
     _, result = default_run
     for workers in (0, 2):
