@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]

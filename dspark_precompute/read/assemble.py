@@ -19,6 +19,7 @@ The batches equal what ``collate`` makes of ``CacheDataset`` items (tested).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,10 +57,17 @@ def _buffer(nbytes: int, memory: str) -> tuple[torch.Tensor, bool]:
     """A flat uint8 tensor of ``nbytes`` and whether it is known to read as zeros."""
     if memory == "shared":
         storage, zeroed = _shared_storage(nbytes)
-        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,)), zeroed
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)), zeroed
     if memory == "pinned":
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)), True  # calloc: the kernel's zero pages
+
+
+def _zero(a: np.ndarray) -> None:
+    """Zero a contiguous array with memset: about twice as fast as numpy's ``a[...] = 0`` on batch-sized pads."""
+    if a.size:
+        assert a.flags.c_contiguous
+        ctypes.memset(a.ctypes.data, 0, a.nbytes)
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,8 @@ class BatchAssembler:
 
     def layout(self, b: int, width: int) -> tuple[list[_Field], int]:
         h, nl = self.hidden, len(self.layer_names)
-        fields = [(k, torch.int64, (b, width)) for k in ("input_ids", "attention_mask", "loss_mask")]
+        fields: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
+            (k, torch.int64, (b, width)) for k in ("input_ids", "attention_mask", "loss_mask")]
         fields += [("target_hidden_states", self.dtype, (b, width, nl * h)),
                    ("target_last_hidden_states", self.dtype, (b, width, h))]
         out, off = [], 0
@@ -219,10 +228,8 @@ class BatchAssembler:
             att[r, :n] = 1
             ids[r, n:] = self.pad_id
             if not zeroed:
-                att[r, n:] = 0
-                mask[r, n:] = 0
-                hid[r, n:] = 0
-                last[r, n:] = 0
+                for pads in (att[r, n:], mask[r, n:], hid[r, n:], last[r, n:]):
+                    _zero(pads)
             for c in range(a // ct, (a + n - 1) // ct + 1):
                 lo, hi = max(a, c * ct), min(a + n, (c + 1) * ct)
                 src, dst = slice(lo - c * ct, hi - c * ct), slice(lo - a, hi - a)

@@ -12,6 +12,7 @@ fetched at once, so a wrong guess costs requests, never a wrong or missing chunk
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import deque
@@ -145,7 +146,7 @@ class ChunkPrefetcher:
             except BaseException as exc:  # noqa: BLE001 - handed to whoever takes it
                 self._landed(e, None, exc)
                 continue
-            fut.add_done_callback(lambda f, e=e: self._on_done(e, f))
+            fut.add_done_callback(functools.partial(self._on_done, e))
 
     def _landed(self, e: _Entry, data: bytes | None, error: BaseException | None) -> None:
         self._inflight -= 1

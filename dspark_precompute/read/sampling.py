@@ -297,8 +297,9 @@ class CacheBatchSampler(Sampler[list[int]]):
             return list(tb)
         from torch.utils.data.distributed import DistributedSampler
 
-        ds = DistributedSampler(range(n), num_replicas=self.num_replicas, rank=rank, shuffle=shuffle,
-                                seed=self.seed, drop_last=self.drop_last)
+        ds: DistributedSampler[int] = DistributedSampler(
+            range(n), num_replicas=self.num_replicas, rank=rank, shuffle=shuffle,  # type: ignore[arg-type]
+            seed=self.seed, drop_last=self.drop_last)
         ds.set_epoch(epoch)
         assert self.batch_size is not None
         return _cut(list(ds), self.batch_size, self.drop_last)

@@ -418,3 +418,139 @@ def test_a_cache_behind_a_url_is_read_ahead_into_the_same_batches_as_on_disk(def
             assert pf.wasted == 0  # the plan was right: nothing fetched twice or thrown away
     finally:
         fsspec.filesystem("memory").rm(f"/loader-url-{workers}-{shuffle}", recursive=True)
+
+
+# -- what a reader must never do ----------------------------------------------------------------
+def drop_sample(path, victim: int) -> None:
+    """Mark stored sample ``victim`` dropped (non-finite states), with counts that stay consistent."""
+    import zarr
+
+    m = json.loads((path / "manifest.json").read_text())
+    g = zarr.open_group(str(path), mode="r")
+    start, n = int(g["samples/start"][victim]), int(g["samples/length"][victim])
+    c = m["counts"]
+    c["samples"] -= 1
+    c["tokens"] -= n
+    c["supervised_tokens"] -= int(g["loss_mask"][start:start + n].sum())
+    c["truncated_samples"] -= int(g["samples/untruncated_length"][victim] > n)
+    c["rejected"] += 1
+    c["rejected_by_reason"]["nonfinite_hidden_states"] = 1
+    m["dropped_samples"] = [victim]
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("shuffle,workers", [(True, 0), ("block", 2), (False, 0)])
+def test_a_dropped_sample_never_comes_out_of_the_loader(cache_copy, shuffle, workers):
+    drop_sample(cache_copy, 5)
+    c = open_cache(cache_copy)
+    assert 5 not in c.indices.tolist()
+    want = Counter(tuple(c[i]["input_ids"].tolist()) for i in range(len(c)))
+    for kw in ({"batch_size": 3}, {"max_tokens": 600}):
+        loader = build_dataloader(cache_copy, shuffle=shuffle, num_workers=workers, block_chunks=1, **kw)
+        assert Counter(r for b in loader for r in rows(b)) == want
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_missing_chunk_stops_the_loader_with_a_missing_chunk_error_never_zeros(cache_copy, workers):
+    from dspark_precompute.errors import MissingChunkError
+
+    c = open_cache(cache_copy)
+    layer = c.array_names[str(c.layer_ids[0])]
+    (cache_copy / layer / "c" / "1" / "0").unlink()
+    for shuffle in (True, "block"):
+        loader = build_dataloader(cache_copy, batch_size=4, shuffle=shuffle, num_workers=workers, block_chunks=1)
+        with pytest.raises(MissingChunkError, match=rf"array '{layer}' chunk \(1, 0\) is missing"):
+            list(loader)
+
+
+def test_a_held_batch_is_never_overwritten_while_the_shared_region_recycles_and_overflows(default_run):
+    _, result = default_run
+    ds = CacheDataset(result.path)
+    plan = build_dataloader(ds, batch_size=2, seed=1)
+    biggest = max(BatchAssembler(ds.cache).nbytes(b) for b in plan.sampler.batches())
+    loader = build_dataloader(ds, batch_size=2, seed=1, num_workers=2, shared_memory_bytes=4 * biggest)
+    arena = loader.arena
+    assert arena is not None
+    kept = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for k, (batch, idx) in enumerate(zip(loader, loader.sampler.batches(epoch))):
+            assert_same_batch(batch, per_sample(ds, idx))
+            if k % 3 == 0:
+                kept.append((batch, idx))  # held, as a step (or a pending device copy) holds it
+    for batch, idx in kept:  # still intact after every later batch was built
+        assert_same_batch(batch, per_sample(ds, idx))
+    assert arena.fallbacks > 0 and arena.peak <= arena.nbytes
+    del kept, batch
+    import gc
+
+    gc.collect()
+    assert arena.in_use == 0  # every extent came back once its tensors were freed
+
+
+TRAIN = r'''
+import json, os, sys, time
+from dspark_precompute.read.training import build_dataloader
+
+path, ckpt, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+loader = build_dataloader(path, batch_size=1, shuffle="block", seed=7, num_workers=2, block_chunks=1, window_blocks=2)
+seen = []
+if os.path.exists(ckpt):  # restart after preemption: the last checkpoint's history and loader position
+    saved = json.load(open(ckpt))
+    seen = saved["seen"]
+    loader.load_state_dict(saved["loader"])
+for epoch in range(loader.epoch, epochs):
+    loader.set_epoch(epoch)
+    for batch in loader:
+        time.sleep(0.15)  # the step
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        seen.append([epoch, [ids[r][mask[r].bool()].tolist() for r in range(len(ids))]])
+        tmp = ckpt + ".tmp"  # checkpoint after every step, atomically
+        with open(tmp, "w") as f:
+            json.dump({"seen": seen, "loader": loader.state_dict()}, f)
+        os.replace(tmp, ckpt)
+'''
+
+
+@pytest.mark.e2e
+def test_a_job_killed_mid_epoch_resumes_without_repeating_or_skipping_a_sample(default_run, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    _, result = default_run
+    ckpt = tmp_path / "ckpt.json"
+    ref = build_dataloader(result.path, batch_size=1, shuffle="block", seed=7, block_chunks=1, window_blocks=2)
+    want = []
+    for epoch in range(2):
+        ref.set_epoch(epoch)
+        want += [[epoch, [list(r) for r in rows(b)]] for b in ref]
+    per_epoch = len(want) // 2
+    cmd = [sys.executable, "-c", TRAIN, str(result.path), str(ckpt), "2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    job = subprocess.Popen(cmd, env=env)
+    deadline = time.time() + 120
+    done = 0
+    while time.time() < deadline and job.poll() is None:
+        if ckpt.exists():
+            done = len(json.loads(ckpt.read_text())["seen"])
+            if done >= per_epoch // 2:
+                break
+        time.sleep(0.02)
+    workers = [p.pid for p in psutil.Process(job.pid).children(recursive=True)]
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    killed_at = json.loads(ckpt.read_text())
+    assert 0 < len(killed_at["seen"]) < per_epoch, "the kill did not land in the middle of the first epoch"
+    assert killed_at["loader"]["epoch"] == 0 and killed_at["loader"]["batches_done"] == len(killed_at["seen"])
+    assert len(workers) == 2
+    gone = time.time() + 30  # orphaned workers notice their parent is gone and exit
+    while time.time() < gone and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                     for p in workers):
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in workers)
+    subprocess.run(cmd, env=env, check=True, timeout=300)
+    assert json.loads(ckpt.read_text())["seen"] == want
