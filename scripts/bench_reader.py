@@ -7,22 +7,25 @@
 One cache (``scripts/conf/model/bench_read.yaml``: random Qwen3 with hidden 1024 and Qwen3's
 real tokenizer, layers [0, 1, 2] of 3 captured, so 3 hidden arrays: 6 KB of bf16 hidden
 states per token) over ``../shared/data/chat/mix.messages.jsonl`` at seq_length 1024, and its
-NeMo export. Every case reads whole epochs; cases alternate within each repeat and the
-medians are reported:
+NeMo export. Every case is warmed up with one whole epoch (another seed), then one whole epoch
+is timed; cases alternate within each repeat and the medians are reported:
 
 * ours: ``build_dataloader`` with 0, 1 and 2 workers, exact and block shuffle, fixed batch 8
   and a token budget;
 * NeMo: ``CachedDSparkDataset`` + its collate re-implemented from its source (as
   ``tests/read/test_training.py`` does), fixed batch 8, shuffle, 2 persistent workers;
 * the decode limit: one core reading, checking (crc32c) and decoding every chunk of the
-  cache, once, times the number of workers.
+  cache, once, times the number of workers (0 workers counts as 1).
 
 Each delivered batch is consumed the way a training step would find it: its real tokens
 counted and every memory page of every tensor read once (a host-to-device copy reads
 them all). Throughput is real (unpadded) tokens per second; GB/s is that times the bytes a
-token takes in the cache decoded (ids, mask, the 3 hidden arrays: 6,149 B). The page cache
-is warmed with both datasets before timing. ``--s3`` adds the loader over the same cache
-uploaded to a moto S3 server (a separate process), with and without read-ahead.
+token takes in the cache decoded (ids, mask, the 3 hidden arrays: 6,149 B). CPU per token
+counts this process and its workers; *decode share of CPU* is the decode limit's CPU time per
+token over the loader's, a ratio that other jobs on the machine change much less than wall time. The page cache is
+warmed with both datasets before timing. ``--s3`` adds the loader over the same cache
+uploaded to a moto S3 server (a separate process), with and without read-ahead, as it is
+and with a delay added to every request (``--s3-latency-ms``, a remote store's latency).
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "chat" / "mix.messages.jsonl"
 NEMO_KEYS = ("input_ids", "attention_mask", "loss_mask", "target_hidden_states", "target_last_hidden_states")
-WARMUP_BATCHES = 24
 
 
 def log(msg: str) -> None:
@@ -136,13 +138,11 @@ def consume(batch: dict[str, torch.Tensor]) -> int:
 
 
 def time_epoch(loader: Any, epoch: int, set_epoch: Any = None) -> dict[str, float]:
-    """Warm the loader (workers, memory) on a few batches of another epoch, then time one whole epoch."""
+    """Warm the loader up with one whole epoch of another seed (workers started, batch memory touched, as in
+    every epoch of a training run after the first), then time one whole epoch."""
     (set_epoch or loader.set_epoch)(1000 + epoch)
-    it = iter(loader)
-    for _ in range(WARMUP_BATCHES):
-        if next(it, None) is None:
-            break
-    del it
+    for _ in loader:
+        pass
     (set_epoch or loader.set_epoch)(epoch)
     p0, c0, t0 = cpu_pressure(), cpu_seconds(), time.perf_counter()
     tokens = batches = 0
@@ -163,7 +163,7 @@ def decode_limit(cache: Any) -> dict[str, float]:
     from dspark_precompute.contract.chunks import decode_chunk, read_file
 
     names = list(dict.fromkeys(["input_ids", "loss_mask", *cache.array_names.values()]))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     nbytes = 0
     for name in names:
         m = cache._metas[name]
@@ -172,9 +172,10 @@ def decode_limit(cache: Any) -> dict[str, float]:
             idx = m.chunk_index(k)
             raw = read_file(root / m.chunk_key(idx), m.max_stored_bytes())
             nbytes += decode_chunk(m, idx, raw).nbytes
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     slots = cache.manifest.layout.total_token_slots
-    return {"wall_s": wall, "tokens_per_s": slots / wall, "decoded_bytes": nbytes}
+    return {"wall_s": wall, "tokens_per_s": slots / wall, "cpu_us_per_token": cpu / slots * 1e6,
+            "decoded_bytes": nbytes}
 
 
 # -- object storage ------------------------------------------------------------------------------
@@ -184,11 +185,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_moto(tmp: Path) -> tuple[subprocess.Popen, str]:
+MOTO = r"""
+import sys, time
+from werkzeug.serving import run_simple
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+host, port, control = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+app = DomainDispatcherApplication(create_backend_app)
+def delayed(environ, start_response):  # a remote store's first-byte latency (ms in the control file), no CPU used
+    with open(control) as f:
+        delay = float(f.read() or 0) / 1000
+    if delay:
+        time.sleep(delay)
+    return app(environ, start_response)
+run_simple(host, port, delayed, threaded=True, request_handler=MotoRequestHandler)
+"""
+
+
+def start_moto(tmp: Path, control: Path) -> tuple[subprocess.Popen, str]:
+    """moto's S3 server in its own process (threaded, as ``moto_server`` runs it); each request is delayed by
+    the milliseconds written in ``control``."""
     port = free_port()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
            "AWS_DEFAULT_REGION": "us-east-1"}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+    proc = subprocess.Popen([sys.executable, "-c", MOTO, "127.0.0.1", str(port), str(control)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp)
     endpoint = f"http://127.0.0.1:{port}"
     for _ in range(200):
@@ -227,6 +246,8 @@ def main() -> None:
     ap.add_argument("--workers", default="0,1,2")
     ap.add_argument("--s3", action="store_true", help="also read the cache from a moto S3 server")
     ap.add_argument("--s3-batches", type=int, default=60, help="batches timed per S3 case")
+    ap.add_argument("--s3-latency-ms", default="0,25", help="delays added to every S3 request (a remote store's)")
+    ap.add_argument("--s3-only", action="store_true", help="only the S3 cases")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     args = ap.parse_args()
@@ -248,6 +269,15 @@ def main() -> None:
     lengths = cache.lengths()
     token_bytes = cache.token_bytes
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    if args.s3_only:
+        s3 = run_s3(args, build_dataloader, token_bytes)
+        md = s3_markdown(s3, args)
+        sys.stdout.write(md)
+        if args.json:
+            args.json.write_text(json.dumps({"s3": s3, "repeats": args.repeats}, indent=1))
+        if args.markdown:
+            args.markdown.write_text(md)
+        return
 
     def ours(shuffle: str, w: int, **kw: Any) -> Any:
         return lambda: build_dataloader(args.cache, shuffle=shuffle, num_workers=w, seed=0, **kw)
@@ -284,6 +314,7 @@ def main() -> None:
             del loader
 
     limit = statistics.median(x["tokens_per_s"] for x in limits)
+    limit_cpu = statistics.median(x["cpu_us_per_token"] for x in limits)
     table = []
     for name, rs in results.items():
         tps = statistics.median(r["tokens_per_s"] for r in rs)
@@ -292,6 +323,7 @@ def main() -> None:
                       "cpu_us_per_token": statistics.median(r["cpu_us_per_token"] for r in rs),
                       "contention": statistics.median(r.get("contention", 0.0) for r in rs),
                       "of_decode_limit": tps / (limit * max(1, w)), "repeats": [r["tokens_per_s"] for r in rs]})
+        table[-1]["decode_share_of_cpu"] = limit_cpu / table[-1]["cpu_us_per_token"]
     by = {row["case"]: row for row in table}
     nemo_tps = by[f"NeMo CachedDSparkDataset, batch {args.batch_size}, 2 workers"]["tokens_per_s"]
     for row in table:
@@ -304,7 +336,8 @@ def main() -> None:
                      "chunk_tokens": cache.chunk_tokens,
                      "bytes_on_disk": sum(f.stat().st_size for f in args.cache.rglob("*") if f.is_file()),
                      "nemo_bytes": sum(f.stat().st_size for f in nemo_dir.rglob("*") if f.is_file())},
-           "decode_limit_tokens_per_s": limit, "cases": table, "s3": s3, "repeats": args.repeats}
+           "decode_limit_tokens_per_s": limit, "decode_limit_cpu_us_per_token": limit_cpu, "cases": table,
+           "s3": s3, "repeats": args.repeats}
     md = markdown(out, args)
     sys.stdout.write(md)
     if args.json:
@@ -318,7 +351,9 @@ def run_s3(args: argparse.Namespace, build_dataloader: Any, token_bytes: int) ->
     import uuid
 
     tmp = Path(tempfile.mkdtemp(prefix="dspark-moto-"))
-    proc, endpoint = start_moto(tmp)
+    control = tmp / "latency_ms"
+    control.write_text("0")
+    proc, endpoint = start_moto(tmp, control)
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                             "AWS_DEFAULT_REGION")}
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
@@ -331,11 +366,14 @@ def run_s3(args: argparse.Namespace, build_dataloader: Any, token_bytes: int) ->
         url = f"s3://{bucket}/cache"
         up = upload(args.cache, url)
         log(f"uploaded the cache to moto in {up:.0f}s")
-        cases = {"exact, read-ahead off": ("exact", 0), "exact, read-ahead 256 MiB / 16 requests": ("exact", 256 << 20),
-                 "block, read-ahead off": ("block", 0), "block, read-ahead 256 MiB / 16 requests": ("block", 256 << 20)}
-        res: dict[str, list[dict[str, float]]] = {k: [] for k in cases}
+        latencies = [float(x) for x in args.s3_latency_ms.split(",") if x.strip()]
+        cases = {(lat, shuffle, pf): f"{shuffle}, +{lat:g} ms per request, read-ahead "
+                 + (f"{pf >> 20} MiB / 16 requests" if pf else "off")
+                 for lat in latencies for shuffle in ("exact", "block") for pf in (0, 256 << 20)}
+        res: dict[str, list[dict[str, float]]] = {k: [] for k in cases.values()}
         for _ in range(args.repeats):
-            for name, (shuffle, pf) in cases.items():
+            for (lat, shuffle, pf), name in cases.items():
+                control.write_text(f"{lat:g}")
                 loader = build_dataloader(url, batch_size=args.batch_size, shuffle=shuffle, num_workers=2,
                                           prefetch_bytes=pf)
                 it = iter(loader)
@@ -372,24 +410,30 @@ def markdown(out: dict[str, Any], args: argparse.Namespace) -> str:
         f"{c['seq_length']}), layers {c['layers']} x {c['hidden']} bf16, {c['token_bytes']:,} B per token decoded, "
         f"chunks of {c['chunk_tokens']} tokens; {c['bytes_on_disk'] / 1e9:.2f} GB on disk, NeMo export "
         f"{c['nemo_bytes'] / 1e9:.1f} GB. Machine: {out['machine']['cpus']} CPUs. Medians of {out['repeats']} "
-        "alternating repeats of one whole epoch each, warm page cache.",
+        "alternating repeats of one whole epoch each after a warm-up epoch, warm page cache.",
         "",
         f"Decode limit (one core reading, checking and decoding every chunk once): **{lim:,.0f} tokens/s** "
-        f"({lim * c['token_bytes'] / 1e9:.2f} GB/s) per core.",
+        f"({lim * c['token_bytes'] / 1e9:.2f} GB/s) per core; {out['decode_limit_cpu_us_per_token']:.1f} CPU us per "
+        "token slot.",
         "",
-        "| loader | real tokens/s | GB/s | vs NeMo | of decode limit x workers | CPU us / token | CPU contention |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| loader | real tokens/s | GB/s | vs NeMo | of decode limit x workers | CPU us / token | decode share of CPU "
+        "| CPU contention |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in out["cases"]:
         lines.append(f"| {row['case']} | {row['tokens_per_s']:,.0f} | {row['GBps']:.2f} | {row['vs_nemo']:.2f}x | "
-                     f"{row['of_decode_limit']:.0%} | {row['cpu_us_per_token']:.1f} | {row['contention']:.0%} |")
+                     f"{row['of_decode_limit']:.0%} | {row['cpu_us_per_token']:.1f} | "
+                     f"{row['decode_share_of_cpu']:.0%} | {row['contention']:.0%} |")
     if out.get("s3"):
-        s3 = out["s3"]
-        lines += ["", f"Object storage ({s3['endpoint']}; 2 workers, batch {args.batch_size}, "
-                  f"{s3['batches']} batches timed after 4):", "",
-                  "| case | real tokens/s | GB/s |", "|---|---:|---:|"]
-        for name, r in s3["cases"].items():
-            lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['GBps']:.2f} |")
+        lines += ["", *s3_markdown(out["s3"], args).splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def s3_markdown(s3: dict[str, Any], args: argparse.Namespace) -> str:
+    lines = [f"Object storage ({s3['endpoint']}; 2 workers, batch {args.batch_size}, {s3['batches']} batches timed "
+             f"after 4, medians of {args.repeats}):", "", "| case | real tokens/s | GB/s |", "|---|---:|---:|"]
+    for name, r in s3["cases"].items():
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['GBps']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

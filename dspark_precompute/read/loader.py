@@ -217,6 +217,8 @@ class CacheLoader:
         self._index = _TaskIndex(sampler, self.runner)
         self.dataloader: DataLoader | None = None
         kwargs: dict[str, Any] = {"persistent_workers": True, "pin_memory": self.pin_memory}
+        if num_workers > 0 and sampler.mode == "block":
+            kwargs["prefetch_factor"] = 1  # a task is a window of batches: one queued per worker keeps them busy
         if self.pin_memory and on_cuda:
             kwargs["pin_memory_device"] = str(self.device)
         kwargs.update(dataloader_kwargs)

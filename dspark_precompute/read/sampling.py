@@ -198,6 +198,11 @@ class CacheBatchSampler(Sampler[list[int]]):
       cut into *windows* of ``window_blocks`` blocks whose samples are shuffled (fixed size:
       cut into batches; token budget: packed longest first, then the batch order shuffled).
       A window is one task, so one worker decodes each of its chunks once.
+      The randomness given up: a batch draws its samples from one window (``window_blocks x
+      block_chunks x chunk_tokens`` tokens) rather than from the whole dataset, so two samples
+      share a batch only if they lie that close on disk, where neighbours come from
+      neighbouring input rows and, inside a unit, have similar lengths. Every order of the
+      blocks stays possible, and a window's samples come in any order.
     * ``False``/``"none"``: index order.
 
     Plans depend only on the cache's tables, the arguments and the epoch: every process
