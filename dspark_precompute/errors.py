@@ -87,6 +87,11 @@ class MissingChunkError(CacheFormatError):
         super().__init__(message)
 
 
+class LoaderStateError(DsparkError, ValueError):
+    """A saved loader position does not fit this loader (another cache, plan or world size): resuming would
+    repeat or skip samples."""
+
+
 class DataError(DsparkError):
     """The input data cannot be read or too many of its rows are invalid."""
 

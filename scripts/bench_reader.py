@@ -1,44 +1,86 @@
-"""Reader throughput: our zarr cache vs the exported NeMo shards, measured in the same run.
+"""Reader throughput: our training loader vs NeMo AutoModel's cached loader over our NeMo export, one run.
 
-    python scripts/bench_reader.py                      # builds a bench_mid cache + export under /tmp
-    python scripts/bench_reader.py --cache PATH [--nemo OUT] [--repeats 5] [--random 200]
+    python scripts/bench_reader.py                       # builds the bench_read cache + export under /tmp
+    python scripts/bench_reader.py --repeats 3 --markdown docs/reader.md --json reader.json
+    python scripts/bench_reader.py --s3                  # plus object storage (a moto server on 127.0.0.1)
 
-Reports, as medians of ``--repeats`` runs on a warm page cache:
+One cache (``scripts/conf/model/bench_read.yaml``: random Qwen3 with hidden 1024 and Qwen3's
+real tokenizer, layers [0, 1, 2] of 3 captured, so 3 hidden arrays: 6 KB of bf16 hidden
+states per token) over ``../shared/data/chat/mix.messages.jsonl`` at seq_length 1024, and its
+NeMo export. Every case is warmed up with one whole epoch (another seed), then one whole epoch
+is timed; cases alternate within each repeat and the medians are reported:
 
-* random access: samples/s reading ``--random`` seeded random samples (all layers + last),
-  ours with no chunk reuse (``chunk_cache_bytes=0``, the worst case of a huge cache) and
-  with the default chunk cache; NeMo the way ``CachedDSparkDataset`` reads
-  (``safe_open(shard).get_slice(key)[row]`` for its five keys);
-* sequential: every sample in index order, as MB/s of *useful* payload (real tokens:
-  int64 ids + int64 mask + hidden states), the same bytes for both formats; NeMo also
-  as raw MB/s including the padding it reads.
+* ours: ``build_dataloader`` with 0, 1 and 2 workers, exact and block shuffle, fixed batch 8
+  and a token budget;
+* NeMo: ``CachedDSparkDataset`` + its collate re-implemented from its source (as
+  ``tests/read/test_training.py`` does), fixed batch 8, shuffle, 2 persistent workers;
+* the decode limit: one core reading, checking (crc32c) and decoding every chunk of the
+  cache, once, times the number of workers (0 workers counts as 1).
+
+Each delivered batch is consumed the way a training step would find it: its real tokens
+counted and every memory page of every tensor read once (a host-to-device copy reads
+them all). Throughput is real (unpadded) tokens per second; GB/s is that times the bytes a
+token takes in the cache decoded (ids, mask, the 3 hidden arrays: 6,149 B). CPU per token
+counts this process and its workers; *decode share of CPU* is the decode limit's CPU time per
+token over the loader's, a ratio that other jobs on the machine change much less than wall time. The page cache is
+warmed with both datasets before timing. ``--s3`` adds the loader over the same cache
+uploaded to a moto S3 server (a separate process), with and without read-ahead, as it is
+and with a delay added to every request (``--s3-latency-ms``, a remote store's latency).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "chat" / "mix.messages.jsonl"
 NEMO_KEYS = ("input_ids", "attention_mask", "loss_mask", "target_hidden_states", "target_last_hidden_states")
 
 
-def build_cache(path: Path) -> None:
-    cmd = [sys.executable, "-m", "dspark_precompute", "model=bench_mid", f"storage.path={path}", "progress=false",
-           "log_level=WARNING", f"hydra.run.dir={path.parent / 'hydra'}"]  # Hydra's record stays out of the repo
-    sys.stderr.write(f"building the benchmark cache: {' '.join(cmd)}\n")
-    subprocess.run(cmd, cwd=REPO, check=True)
+def log(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
 
 
-class Nemo:
-    """NeMo's CachedDSparkDataset read path (handles kept open, one get_slice per key)."""
+# -- the cache and its export -------------------------------------------------------------------
+def build_cache(path: Path, target: str, data: str, seq_length: int, rows: int | None) -> None:
+    import bench
+
+    from dspark_precompute.write.run import run
+
+    overrides = bench.tool_overrides(target, None if data == "embedded" else Path(data), seq_length, rows, path)
+    overrides = [o for o in overrides if o != "overwrite=true"]
+    log(f"building the benchmark cache: {' '.join(overrides)}")
+    run(bench.compose(overrides))
+
+
+def warm(*dirs: Path) -> int:
+    """Read every file once (page cache); returns the bytes read."""
+    total = 0
+    for d in dirs:
+        for f in sorted(Path(d).rglob("*")):
+            if f.is_file():
+                with open(f, "rb", buffering=0) as fh:
+                    while block := fh.read(1 << 24):
+                        total += len(block)
+    return total
+
+
+class NemoDataset(torch.utils.data.Dataset):
+    """NeMo AutoModel's ``CachedDSparkDataset``: ``safe_open(shard).get_slice(key)[i % shard_size]`` per key."""
 
     def __init__(self, d: Path):
         from safetensors import safe_open
@@ -46,89 +88,353 @@ class Nemo:
         m = json.loads((d / "manifest.json").read_text())
         self.n, self.shard_size = int(m["num_samples"]), int(m["shard_size"])
         shards = -(-self.n // self.shard_size)
-        self.h = [safe_open(str(d / f"shard-{k:06d}.safetensors"), framework="pt") for k in range(shards)]
+        self.handles = {k: safe_open(str(d / f"shard-{k:06d}.safetensors"), framework="pt") for k in range(shards)}
 
-    def __getitem__(self, i: int):
-        h = self.h[i // self.shard_size]
-        return {k: h.get_slice(k)[i % self.shard_size] for k in NEMO_KEYS}
+    def __len__(self) -> int:
+        return self.n
 
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        h = self.handles[i // self.shard_size]
+        return {key: h.get_slice(key)[i % self.shard_size] for key in NEMO_KEYS}
 
 
+def nemo_collate(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """NeMo's ``_collate_cached``: stack each key."""
+    return {key: torch.stack([f[key] for f in features], dim=0) for key in NEMO_KEYS}
+
+
+# -- measuring ---------------------------------------------------------------------------------
+def cpu_pressure() -> int | None:
+    try:
+        return int(Path("/proc/pressure/cpu").read_text().splitlines()[0].rsplit("total=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its children (workers), user + system."""
+    import psutil
+
+    p = psutil.Process()
+    t = p.cpu_times()
+    total = t.user + t.system
+    for c in p.children(recursive=True):
+        try:
+            ct = c.cpu_times()
+            total += ct.user + ct.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def consume(batch: dict[str, torch.Tensor]) -> int:
+    """Real tokens of the batch, after reading one byte of every 4 KiB page of every tensor."""
+    for v in batch.values():
+        flat = v.reshape(-1)
+        if flat.dtype in (torch.bfloat16, torch.float16):
+            flat = flat.view(torch.int16)
+        flat.view(torch.uint8)[::4096].sum()
+    return int(batch["attention_mask"].sum())
+
+
+def time_epoch(loader: Any, epoch: int, set_epoch: Any = None) -> dict[str, float]:
+    """Warm the loader up with one whole epoch of another seed (workers started, batch memory touched, as in
+    every epoch of a training run after the first), then time one whole epoch."""
+    (set_epoch or loader.set_epoch)(1000 + epoch)
+    for _ in loader:
+        pass
+    (set_epoch or loader.set_epoch)(epoch)
+    p0, c0, t0 = cpu_pressure(), cpu_seconds(), time.perf_counter()
+    tokens = batches = 0
+    for batch in loader:
+        tokens += consume(batch)
+        batches += 1
+    wall = time.perf_counter() - t0
+    cpu, p1 = cpu_seconds() - c0, cpu_pressure()
+    out = {"tokens": tokens, "batches": batches, "wall_s": wall, "tokens_per_s": tokens / wall,
+           "cpu_us_per_token": cpu / max(1, tokens) * 1e6}
+    if p0 is not None and p1 is not None:
+        out["contention"] = (p1 - p0) / 1e6 / wall
+    return out
+
+
+def decode_limit(cache: Any) -> dict[str, float]:
+    """One core: read, crc32c-check and decode every chunk of every token array once."""
+    from dspark_precompute.contract.chunks import decode_chunk, read_file
+
+    names = list(dict.fromkeys(["input_ids", "loss_mask", *cache.array_names.values()]))
+    t0, c0 = time.perf_counter(), time.thread_time()
+    nbytes = 0
+    for name in names:
+        m = cache._metas[name]
+        root = Path(cache.store.root) / name
+        for k in range(m.num_chunks):
+            idx = m.chunk_index(k)
+            raw = read_file(root / m.chunk_key(idx), m.max_stored_bytes())
+            nbytes += decode_chunk(m, idx, raw).nbytes
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    slots = cache.manifest.layout.total_token_slots
+    return {"wall_s": wall, "tokens_per_s": slots / wall, "cpu_us_per_token": cpu / slots * 1e6,
+            "decoded_bytes": nbytes}
+
+
+# -- object storage ------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+MOTO = r"""
+import sys, time
+from werkzeug.serving import run_simple
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+host, port, control = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+app = DomainDispatcherApplication(create_backend_app)
+def delayed(environ, start_response):  # a remote store's first-byte latency (ms in the control file), no CPU used
+    with open(control) as f:
+        delay = float(f.read() or 0) / 1000
+    if delay:
+        time.sleep(delay)
+    return app(environ, start_response)
+run_simple(host, port, delayed, threaded=True, request_handler=MotoRequestHandler)
+"""
+
+
+def start_moto(tmp: Path, control: Path) -> tuple[subprocess.Popen, str]:
+    """moto's S3 server in its own process (threaded, as ``moto_server`` runs it); each request is delayed by
+    the milliseconds written in ``control``."""
+    port = free_port()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    proc = subprocess.Popen([sys.executable, "-c", MOTO, "127.0.0.1", str(port), str(control)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp)
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, endpoint
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto server did not start")
+
+
+def upload(local: Path, url: str) -> float:
+    from dspark_precompute.contract.store import CacheStore
+
+    store = CacheStore(url)
+    t0 = time.perf_counter()
+    files = [f for f in sorted(local.rglob("*")) if f.is_file() and not f.name.startswith(".")]
+    puts = {f"{store.root}/{f.relative_to(local).as_posix()}": f.read_bytes() for f in files}
+    store.fs.pipe(puts)
+    return time.perf_counter() - t0
+
+
+# -- the run -----------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cache", type=Path, default=Path("/tmp/dspark_bench/cache"))
-    ap.add_argument("--nemo", type=Path, default=None, help="an export of --cache (default: made next to it)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--random", type=int, default=200, help="random samples per repeat")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache", type=Path, default=Path("/tmp/dspark_bench_reader/cache"))
+    ap.add_argument("--nemo", type=Path, default=None, help="its NeMo export (default: made next to it)")
+    ap.add_argument("--target", default="bench_read", help="model group of the cache built when --cache is absent")
+    ap.add_argument("--data", default=str(DEFAULT_DATA), help="data.path, or 'embedded'")
+    ap.add_argument("--seq-length", type=int, default=1024)
+    ap.add_argument("--rows", type=int, default=None, help="data.max_samples (default: every row)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=8192)
+    ap.add_argument("--workers", default="0,1,2")
+    ap.add_argument("--s3", action="store_true", help="also read the cache from a moto S3 server")
+    ap.add_argument("--s3-batches", type=int, default=60, help="batches timed per S3 case")
+    ap.add_argument("--s3-latency-ms", default="0,25", help="delays added to every S3 request (a remote store's)")
+    ap.add_argument("--s3-only", action="store_true", help="only the S3 cases")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None)
     args = ap.parse_args()
+    torch.set_num_threads(1)
 
     from dspark_precompute import open_cache
     from dspark_precompute.read.export import export_nemo
+    from dspark_precompute.read.training import build_dataloader
 
     if not (args.cache / "manifest.json").exists():
-        build_cache(args.cache)
+        build_cache(args.cache, args.target, args.data, args.seq_length, args.rows)
     nemo_dir = args.nemo or args.cache.with_name(args.cache.name + "_nemo")
     if not (nemo_dir / "manifest.json").exists():
         t0 = time.perf_counter()
         r = export_nemo(args.cache, nemo_dir, overwrite=True)
-        sys.stderr.write(f"exported {r.num_samples} samples ({r.bytes_written / 1e6:.0f} MB) in "
-                         f"{time.perf_counter() - t0:.1f}s\n")
-    c = open_cache(args.cache)
-    n = len(c)
-    lengths = c.lengths().astype(np.int64)
-    itemsize = {"bf16": 2, "fp16": 2, "fp32": 4}[c.storage_dtype]
-    per_token = 8 + 8 + (len(c.layer_ids) + 1) * c.hidden_size * itemsize  # ids, mask, hidden, last
-    useful = int(lengths.sum()) * per_token
-    S = c.seq_length
-    nemo_raw = n * S * (3 * 8 + (len(c.layer_ids) + 1) * c.hidden_size * itemsize)
-    rng = np.random.default_rng(args.seed)
-    picks = rng.integers(0, n, size=args.random)
-    nemo = Nemo(nemo_dir)
+        log(f"exported {r.num_samples} samples ({r.bytes_written / 1e9:.1f} GB) in {time.perf_counter() - t0:.0f}s")
+    cache = open_cache(args.cache)
+    log(f"warming the page cache: {warm(args.cache, nemo_dir) / 1e9:.1f} GB read")
+    lengths = cache.lengths()
+    token_bytes = cache.token_bytes
+    workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    if args.s3_only:
+        s3 = run_s3(args, build_dataloader, token_bytes)
+        md = s3_markdown(s3, args)
+        sys.stdout.write(md)
+        if args.json:
+            args.json.write_text(json.dumps({"s3": s3, "repeats": args.repeats}, indent=1))
+        if args.markdown:
+            args.markdown.write_text(md)
+        return
 
-    def read_all(get, order):
-        for i in order:
-            get(int(i))
+    def ours(shuffle: str, w: int, **kw: Any) -> Any:
+        return lambda: build_dataloader(args.cache, shuffle=shuffle, num_workers=w, seed=0, **kw)
 
-    cold = open_cache(args.cache, chunk_cache_bytes=0)
-    results = {}
-    for label, getter in (("ours (no chunk reuse)", cold.sample), ("ours (default chunk cache)", c.sample),
-                          ("nemo shards", nemo.__getitem__)):
-        read_all(getter, picks[:5])  # warm handles and the page cache
-        results[(label, "random")] = args.random / median_time(lambda g=getter: read_all(g, picks), args.repeats)
-    seq_ours = median_time(lambda: read_all(c.sample, range(n)), args.repeats)
-    seq_nemo = median_time(lambda: read_all(nemo.__getitem__, range(n)), args.repeats)
-    disk_order = np.argsort(c.starts(), kind="stable")
-    seq_ours_disk = median_time(lambda: read_all(c.sample, disk_order), args.repeats)
+    def nemo() -> Any:
+        ds = NemoDataset(nemo_dir)
+        sampler = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(ds, batch_size=args.batch_size, sampler=sampler, num_workers=2,
+                                           collate_fn=nemo_collate, persistent_workers=True)
 
-    s = c.summary()
-    nemo_bytes = sum(p.stat().st_size for p in nemo_dir.glob("shard-*.safetensors"))
-    token_bytes = s["token_bytes_on_disk"]
-    out = [
-        f"cache {args.cache}: {n} samples, {int(lengths.sum()):,} tokens (mean {lengths.mean():.0f}, seq_length {S}), "
-        f"layers {c.layer_ids} x {c.hidden_size}, {c.storage_dtype}",
-        f"on disk: zarr token arrays {token_bytes / 1e6:.1f} MB vs NeMo shards {nemo_bytes / 1e6:.1f} MB "
-        f"({nemo_bytes / token_bytes:.1f}x); useful payload {useful / 1e6:.1f} MB",
-        f"medians of {args.repeats} repeats, warm page cache, {args.random} random samples per repeat",
+    cases: dict[str, Any] = {}
+    for shuffle in ("exact", "block"):
+        for w in workers:
+            cases[f"ours {shuffle}, batch {args.batch_size}, {w} workers"] = ours(shuffle, w,
+                                                                                  batch_size=args.batch_size)
+        cases[f"ours {shuffle}, max_tokens {args.max_tokens}, {max(workers)} workers"] = ours(
+            shuffle, max(workers), max_tokens=args.max_tokens)
+    cases[f"NeMo CachedDSparkDataset, batch {args.batch_size}, 2 workers"] = nemo
+    results: dict[str, list[dict[str, float]]] = {k: [] for k in cases}
+    limits = []
+    for rep in range(args.repeats):
+        limits.append(decode_limit(cache))
+        log(f"repeat {rep + 1}/{args.repeats}: decode limit {limits[-1]['tokens_per_s']:,.0f} tokens/s per core")
+        for name, make in cases.items():
+            loader = make()
+            set_epoch = None
+            if isinstance(loader, torch.utils.data.DataLoader):  # NeMo's: a new permutation each pass
+                def set_epoch(e: int, s: Any = loader.sampler) -> None:
+                    s.generator.manual_seed(e)
+            results[name].append(time_epoch(loader, rep, set_epoch))
+            r = results[name][-1]
+            log(f"  {name}: {r['tokens_per_s']:,.0f} tokens/s, {r['cpu_us_per_token']:.1f} CPU us/token, "
+                f"contention {r.get('contention', float('nan')):.0%}")
+            del loader
+
+    limit = statistics.median(x["tokens_per_s"] for x in limits)
+    limit_cpu = statistics.median(x["cpu_us_per_token"] for x in limits)
+    table = []
+    for name, rs in results.items():
+        tps = statistics.median(r["tokens_per_s"] for r in rs)
+        w = 2 if name.startswith("NeMo") else int(name.rsplit(", ", 1)[1].split()[0])
+        table.append({"case": name, "workers": w, "tokens_per_s": tps, "GBps": tps * token_bytes / 1e9,
+                      "cpu_us_per_token": statistics.median(r["cpu_us_per_token"] for r in rs),
+                      "contention": statistics.median(r.get("contention", 0.0) for r in rs),
+                      "of_decode_limit": tps / (limit * max(1, w)), "repeats": [r["tokens_per_s"] for r in rs]})
+        table[-1]["decode_share_of_cpu"] = limit_cpu / table[-1]["cpu_us_per_token"]
+    by = {row["case"]: row for row in table}
+    nemo_tps = by[f"NeMo CachedDSparkDataset, batch {args.batch_size}, 2 workers"]["tokens_per_s"]
+    for row in table:
+        row["vs_nemo"] = row["tokens_per_s"] / nemo_tps
+    s3 = run_s3(args, build_dataloader, token_bytes) if args.s3 else None
+    out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+           "cache": {"path": str(args.cache), "samples": len(cache), "tokens": int(lengths.sum()),
+                     "mean_length": float(lengths.mean()), "seq_length": cache.seq_length,
+                     "layers": cache.layer_ids, "hidden": cache.hidden_size, "token_bytes": token_bytes,
+                     "chunk_tokens": cache.chunk_tokens,
+                     "bytes_on_disk": sum(f.stat().st_size for f in args.cache.rglob("*") if f.is_file()),
+                     "nemo_bytes": sum(f.stat().st_size for f in nemo_dir.rglob("*") if f.is_file())},
+           "decode_limit_tokens_per_s": limit, "decode_limit_cpu_us_per_token": limit_cpu, "cases": table,
+           "s3": s3, "repeats": args.repeats}
+    md = markdown(out, args)
+    sys.stdout.write(md)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    if args.markdown:
+        args.markdown.write_text(md)
+
+
+def run_s3(args: argparse.Namespace, build_dataloader: Any, token_bytes: int) -> dict[str, Any]:
+    import tempfile
+    import uuid
+
+    tmp = Path(tempfile.mkdtemp(prefix="dspark-moto-"))
+    control = tmp / "latency_ms"
+    control.write_text("0")
+    proc, endpoint = start_moto(tmp, control)
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                            "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1")
+    try:
+        import s3fs
+
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(bucket)
+        url = f"s3://{bucket}/cache"
+        up = upload(args.cache, url)
+        log(f"uploaded the cache to moto in {up:.0f}s")
+        latencies = [float(x) for x in args.s3_latency_ms.split(",") if x.strip()]
+        cases = {(lat, shuffle, pf): f"{shuffle}, +{lat:g} ms per request, read-ahead "
+                 + (f"{pf >> 20} MiB / 16 requests" if pf else "off")
+                 for lat in latencies for shuffle in ("exact", "block") for pf in (0, 256 << 20)}
+        res: dict[str, list[dict[str, float]]] = {k: [] for k in cases.values()}
+        for _ in range(args.repeats):
+            for (lat, shuffle, pf), name in cases.items():
+                control.write_text(f"{lat:g}")
+                loader = build_dataloader(url, batch_size=args.batch_size, shuffle=shuffle, num_workers=2,
+                                          prefetch_bytes=pf)
+                it = iter(loader)
+                for _ in range(4):
+                    next(it)
+                t0, tokens = time.perf_counter(), 0
+                for _ in range(args.s3_batches):
+                    b = next(it, None)
+                    if b is None:
+                        break
+                    tokens += consume(b)
+                res[name].append({"tokens_per_s": tokens / (time.perf_counter() - t0)})
+                log(f"  s3 {name}: {res[name][-1]['tokens_per_s']:,.0f} tokens/s")
+                del it, loader
+        return {"endpoint": "moto (separate process) on 127.0.0.1", "upload_s": up, "batches": args.s3_batches,
+                "cases": {k: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in v),
+                              "GBps": statistics.median(r["tokens_per_s"] for r in v) * token_bytes / 1e9}
+                          for k, v in res.items()}}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proc.kill()
+        proc.wait()
+
+
+def markdown(out: dict[str, Any], args: argparse.Namespace) -> str:
+    c = out["cache"]
+    lim = out["decode_limit_tokens_per_s"]
+    lines = [
+        f"Cache: {c['samples']:,} samples, {c['tokens']:,} real tokens (mean {c['mean_length']:.0f}, seq_length "
+        f"{c['seq_length']}), layers {c['layers']} x {c['hidden']} bf16, {c['token_bytes']:,} B per token decoded, "
+        f"chunks of {c['chunk_tokens']} tokens; {c['bytes_on_disk'] / 1e9:.2f} GB on disk, NeMo export "
+        f"{c['nemo_bytes'] / 1e9:.1f} GB. Machine: {out['machine']['cpus']} CPUs. Medians of {out['repeats']} "
+        "alternating repeats of one whole epoch each after a warm-up epoch, warm page cache.",
         "",
-        "| reader | random access (samples/s) | sequential (useful MB/s) | sequential (samples/s) |",
-        "|---|---:|---:|---:|",
-        f"| ours, no chunk reuse | {results[('ours (no chunk reuse)', 'random')]:.0f} | | |",
-        f"| ours, default chunk cache | {results[('ours (default chunk cache)', 'random')]:.0f} | "
-        f"{useful / seq_ours / 1e6:.0f} (index order), {useful / seq_ours_disk / 1e6:.0f} (disk order) | "
-        f"{n / seq_ours:.0f} |",
-        f"| NeMo shards (safetensors) | {results[('nemo shards', 'random')]:.0f} | {useful / seq_nemo / 1e6:.0f} "
-        f"(raw incl. padding {nemo_raw / seq_nemo / 1e6:.0f}) | {n / seq_nemo:.0f} |",
+        f"Decode limit (one core reading, checking and decoding every chunk once): **{lim:,.0f} tokens/s** "
+        f"({lim * c['token_bytes'] / 1e9:.2f} GB/s) per core; {out['decode_limit_cpu_us_per_token']:.1f} CPU us per "
+        "token slot.",
+        "",
+        "| loader | real tokens/s | GB/s | vs NeMo | of decode limit x workers | CPU us / token | decode share of CPU "
+        "| CPU contention |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    sys.stdout.write("\n".join(out) + "\n")
+    for row in out["cases"]:
+        lines.append(f"| {row['case']} | {row['tokens_per_s']:,.0f} | {row['GBps']:.2f} | {row['vs_nemo']:.2f}x | "
+                     f"{row['of_decode_limit']:.0%} | {row['cpu_us_per_token']:.1f} | "
+                     f"{row['decode_share_of_cpu']:.0%} | {row['contention']:.0%} |")
+    if out.get("s3"):
+        lines += ["", *s3_markdown(out["s3"], args).splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def s3_markdown(s3: dict[str, Any], args: argparse.Namespace) -> str:
+    lines = [f"Object storage ({s3['endpoint']}; 2 workers, batch {args.batch_size}, {s3['batches']} batches timed "
+             f"after 4, medians of {args.repeats}):", "", "| case | real tokens/s | GB/s |", "|---|---:|---:|"]
+    for name, r in s3["cases"].items():
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['GBps']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

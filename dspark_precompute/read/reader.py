@@ -233,6 +233,13 @@ class CacheReader:
         return self._source_row[self.indices]
 
     @property
+    def token_bytes(self) -> int:
+        """Bytes one token slot takes in the stored arrays, decoded (ids, mask and every hidden array once)."""
+        names = dict.fromkeys([INPUT_IDS, LOSS_MASK, *self._names.values()])
+        return sum(int(self._metas[n].dtype.itemsize) * int(np.prod(self._metas[n].chunks[1:], dtype=np.int64))
+                   for n in names)
+
+    @property
     def array_names(self) -> dict[str, str]:
         """Layer id (as a string, plus ``"last"``) -> zarr array name."""
         return dict(self._names)
@@ -291,12 +298,21 @@ class CacheReader:
             "recomputation, then re-run the precompute command that wrote the cache (same overrides).",
             array=name, chunk=idx, samples=tuple(int(i) for i in holds))
 
-    def _decode_jobs(self, jobs: list[tuple[str, int]], legacy_zeros: bool = False) -> list[np.ndarray]:
-        """Chunks ``(array, chunk number)`` decoded, concurrently when there are several.
+    def chunk_object(self, name: str, c: int) -> tuple[str, int]:
+        """Where chunk ``c`` (along the token axis) of array ``name`` is stored: (key in the store, size limit).
+
+        A stored chunk is never larger than the limit (the reader fetches at most one byte more to tell)."""
+        meta = self._metas[name]
+        return f"{name}/{meta.chunk_key(meta.chunk_index(c))}", meta.max_stored_bytes()
+
+    def _decode_jobs(self, jobs: list[tuple[str, int]], legacy_zeros: bool = False,
+                     raws: Sequence[bytes | None] | None = None, threads: bool = True) -> list[np.ndarray]:
+        """Chunks ``(array, chunk number)`` decoded, concurrently when there are several (and ``threads``).
 
         Local arrays are read straight from their files; others (a URL) through the zarr
-        store, every object fetched in one round of requests. ``legacy_zeros`` reads an
-        absent chunk as zeros (tables of caches written before every table chunk was).
+        store, every object fetched in one round of requests, unless their bytes are given
+        in ``raws`` (fetched ahead). ``legacy_zeros`` reads an absent chunk as zeros (tables
+        of caches written before every table chunk was).
         """
         where = f"{self.path}: "
 
@@ -309,6 +325,9 @@ class CacheReader:
                 raise self._missing(job[0], idx)
             return decode_chunk(meta, idx, raw, where)
 
+        parallel = threads and len(jobs) > 1
+        if raws is not None:
+            return list(_pool().map(finish, jobs, raws)) if parallel else [finish(j, r) for j, r in zip(jobs, raws)]
         maybe_fast = [self._fast_spec(name) for name, _ in jobs]
         if all(f is not None for f in maybe_fast):
             fast = [f for f in maybe_fast if f is not None]
@@ -319,13 +338,32 @@ class CacheReader:
                 raw = read_file(spec.root / meta.chunk_key(meta.chunk_index(c)), meta.max_stored_bytes())
                 return finish(jobs[k], raw)
 
-            return list(_pool().map(one, range(len(jobs)))) if len(jobs) > 1 else [one(0)] if jobs else []
+            return list(_pool().map(one, range(len(jobs)))) if parallel else [one(k) for k in range(len(jobs))]
         metas = [self._metas[name] for name, _ in jobs]
         keys = [f"{m.name}/{m.chunk_key(m.chunk_index(c))}" for m, (_, c) in zip(metas, jobs)]
-        raws = get_many(self.store, self._zarr_store(), keys, [m.max_stored_bytes() for m in metas])
-        if len(jobs) > 1:
-            return list(_pool().map(finish, jobs, raws))
-        return [finish(j, r) for j, r in zip(jobs, raws)]
+        fetched = get_many(self.store, self._zarr_store(), keys, [m.max_stored_bytes() for m in metas])
+        if parallel:
+            return list(_pool().map(finish, jobs, fetched))
+        return [finish(j, r) for j, r in zip(jobs, fetched)]
+
+    def decoded_chunks(self, jobs: list[tuple[str, int]], raws: Sequence[bytes | None] | None = None,
+                       threads: bool = True, reuse: bool = True) -> list[np.ndarray]:
+        """Chunks ``(array, chunk number along the token axis)``, decoded and checked, as stored (read-only use).
+
+        ``reuse`` takes chunks from (and keeps them in) the small LRU of decoded chunks;
+        ``raws`` are the chunks' stored bytes when fetched ahead (then the LRU is bypassed:
+        the bytes in hand are decoded). ``threads`` decodes several at once.
+        """
+        if raws is not None:
+            return self._decode_jobs(jobs, raws=raws, threads=threads)
+        if not reuse:
+            return self._decode_jobs(jobs, threads=threads)
+        out: list[np.ndarray | None] = [self._lru.get(job) for job in jobs]
+        todo = [k for k, hit in enumerate(out) if hit is None]
+        for k, piece in zip(todo, self._decode_jobs([jobs[k] for k in todo], threads=threads)):
+            out[k] = piece
+            self._lru.put(jobs[k], piece)
+        return [x for x in out if x is not None]
 
     def _read_tables(self) -> dict[str, np.ndarray]:
         """Every sample/unit table, whole. A missing table chunk is damage, except in caches from before

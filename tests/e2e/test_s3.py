@@ -14,9 +14,11 @@ import os
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -26,6 +28,7 @@ from helpers import compose  # noqa: E402
 from dspark_precompute import open_cache  # noqa: E402
 from dspark_precompute.contract import spec as fmt  # noqa: E402
 from dspark_precompute.contract.store import CacheStore, storage_options  # noqa: E402
+from dspark_precompute.errors import MissingChunkError  # noqa: E402
 from dspark_precompute.write.run import run  # noqa: E402
 
 pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
@@ -274,3 +277,31 @@ def test_a_chunk_object_missing_from_a_bucket_is_a_missing_chunk_error_not_zeros
     for i in sorted(set(range(len(ref))) - set(victims)):
         ra, rb = c.read_raw(i), ref.read_raw(i)
         assert all(np.array_equal(ra[k], rb[k]) for k in rb)
+
+
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_the_loader_reads_a_bucket_ahead_into_the_same_batches_as_on_disk(bucket, local_reference, shuffle):
+    """Two workers, each fetching the chunks of its next batches ahead within a byte and request bound."""
+    from dspark_precompute.read.training import build_dataloader
+
+    url = f"s3://{bucket}/copy"
+    remote = CacheStore(url)
+    for f in Path(local_reference).rglob("*"):
+        if f.is_file() and not f.name.startswith("."):
+            remote.write_bytes(f.relative_to(local_reference).as_posix(), f.read_bytes())
+    kw = dict(batch_size=2, shuffle=shuffle, seed=3, block_chunks=1, window_blocks=2)
+    local = list(build_dataloader(local_reference, **kw))
+    for workers in (0, 2):
+        loader = build_dataloader(url, num_workers=workers, prefetch_bytes=1 << 20, prefetch_requests=4, **kw)
+        for _ in range(2):  # the same epoch twice: a second pass of the kept workers
+            loader.set_epoch(0)
+            got = list(loader)
+            assert len(got) == len(local) > 2
+            for a, b in zip(got, local):
+                assert all(torch.equal(a[k], b[k]) for k in b)
+        if workers == 0:
+            pf = loader.runner.prefetcher
+            assert pf is not None and 0 < pf.peak_requests <= 4 and pf.peak_bytes <= 1 << 20 and pf.wasted == 0
+    remote.delete(f"{open_cache(local_reference).array_names['last']}/c/1/0")
+    with pytest.raises(MissingChunkError, match=r"chunk \(1, 0\) is missing"):
+        list(build_dataloader(url, num_workers=2, **kw))
