@@ -62,3 +62,23 @@ def test_the_pipeline_never_calls_the_lm_head_but_the_padded_baseline_does(bench
     assert calls["limit"] == 0
     batches = -(-case["info"]["samples"] // 4)  # the baseline's batch size, NeMo's default
     assert calls["padded"] == batches > 0
+
+
+def test_the_reader_bench_reports_every_loader_nemo_and_the_decode_limit(default_run, tmp_path):
+    """``scripts/bench_reader.py`` end to end on the small shared cache (its numbers mean nothing at this size)."""
+    import shutil
+
+    _, result = default_run
+    cache = tmp_path / "cache"
+    shutil.copytree(result.path, cache)
+    out = tmp_path / "reader.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_reader.py"), "--cache", str(cache),
+                           "--repeats", "1", "--batch-size", "4", "--max-tokens", "1024", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    cases = {c["case"]: c for c in res["cases"]}
+    assert len(cases) == 9 and any(k.startswith("NeMo CachedDSparkDataset") for k in cases)
+    assert all(c["tokens_per_s"] > 0 and c["cpu_us_per_token"] >= 0 for c in cases.values())
+    assert res["decode_limit_tokens_per_s"] > 0 and res["cache"]["tokens"] > 0
+    assert "| loader | real tokens/s |" in proc.stdout
