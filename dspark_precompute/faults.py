@@ -9,7 +9,8 @@ Points: ``unit_submitted`` (forward loop, after a unit is handed to the writer),
 ``writer_before_commit`` (main process, a unit all written, its commit record not yet),
 ``atomic_write`` (any small file, after its temporary is written, before the rename),
 ``manifest`` (before a manifest update), ``weights`` (before target_weights is written),
-``allocate`` (while arrays are created), ``tokenize_row`` (before each row is tokenized, in whichever
+``allocate`` (while arrays are created), ``tokenize_start`` (a tokenizing worker, before it builds its
+encoder), ``tokenize_row`` (before each row is tokenized, in whichever
 process tokenizes it; each process counts its own hits).
 """
 

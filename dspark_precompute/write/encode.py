@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, cast
 
 from dspark_precompute.errors import DataError
@@ -52,9 +53,14 @@ def _worker(spec: RowEncoder, tasks: Any, results: Any, env: dict[str, str]) -> 
     processes.child_setup(env)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: parallelism comes from the workers
     try:
+        fault_point("tokenize_start")
         encoder = spec.build(tasks.recv())  # the main process's own tokenizer: never a second load from disk
+        results.send(("ready", -1, None))
     except BaseException as exc:  # noqa: BLE001 - reported to the main process, which raises it typed
-        results.send(("error", -1, f"{type(exc).__name__}: {exc}"))
+        try:
+            results.send(("error", -1, f"{type(exc).__name__}: {exc}"))
+        except OSError:  # the main process is gone (killed while this worker started)
+            pass
         return
     while True:
         try:
@@ -78,28 +84,84 @@ def _worker(spec: RowEncoder, tasks: Any, results: Any, env: dict[str, str]) -> 
 
 
 class EncoderPool:
-    """``n`` tokenizing processes fed over pipes (no named semaphores), results in submission order."""
+    """``n`` tokenizing processes fed over pipes (no named semaphores), results in submission order.
+
+    The processes start in a background thread and each rebuilds the tokenizer (seconds for
+    Qwen3's, mostly imports and unpickling), so the caller keeps tokenizing in its own process
+    until ``ready()`` says the pool can take over.
+    """
 
     def __init__(self, spec: RowEncoder, tokenizer: Any, n: int):
-        ctx = processes.context()
         self.finished = False
         self.tasks: list[Any] = []
         self.results: list[Any] = []
         self.procs: list[Any] = []
-        env = dict(os.environ)
-        for i in range(n):
-            t_out, t_in = ctx.Pipe(duplex=False)
-            r_out, r_in = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(spec, t_out, r_in, env), daemon=True,
-                            name=f"dspark-tokenize-{i}")
-            processes.start(p)
-            t_out.close()
-            r_in.close()
-            self.tasks.append(t_in)
-            self.results.append(r_out)
-            self.procs.append(p)
-        for t in self.tasks:  # after every start: the workers rebuild it in parallel (~1 s for Qwen3's)
-            t.send(tokenizer)
+        self._lock = threading.Lock()  # procs/tasks/results grow in the starter thread
+        self._closing = False
+        self._boot_error: BaseException | None = None
+        self._booted: set[int] = set()  # workers that reported their encoder built
+        self._starter = threading.Thread(target=self._start, args=(spec, tokenizer, n), daemon=True,
+                                         name="dspark-tokenize-start")
+        self._starter.start()
+
+    def _start(self, spec: RowEncoder, tokenizer: Any, n: int) -> None:
+        try:
+            ctx = processes.context()
+            env = dict(os.environ)
+            for i in range(n):
+                t_out, t_in = ctx.Pipe(duplex=False)
+                r_out, r_in = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_worker, args=(spec, t_out, r_in, env), daemon=True,
+                                name=f"dspark-tokenize-{i}")
+                with self._lock:
+                    if self._closing:
+                        return
+                    processes.start(p)
+                    self.tasks.append(t_in)
+                    self.results.append(r_out)
+                    self.procs.append(p)
+                t_out.close()
+                r_in.close()
+            payload = bytes(ForkingPickler.dumps(tokenizer))  # pickled once, however many workers
+            for t in list(self.tasks):  # after every start: the workers rebuild it in parallel
+                t.send_bytes(payload)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            self._boot_error = exc
+
+    def _started(self) -> None:
+        """Wait for the starter thread; a failure to start or to hand over the tokenizer is a worker that died."""
+        self._starter.join()
+        if self._boot_error is not None:
+            if isinstance(self._boot_error, (BrokenPipeError, ConnectionError, EOFError)):
+                raise self._died() from self._boot_error
+            raise self._boot_error
+
+    def _note(self, i: int, message: tuple[str, int, Any]) -> tuple[str, int, Any] | None:
+        """Handle a worker's start-up message (ready or failed); any other message is returned."""
+        kind, _chunk_id, payload = message
+        if kind == "ready":
+            self._booted.add(i)
+            return None
+        if kind == "error":
+            raise DataError(f"tokenizing failed in a worker process: {payload}")
+        return message
+
+    def ready(self) -> bool:
+        """Whether every worker has its encoder (never blocks); a worker that failed to start raises."""
+        if self._starter.is_alive():
+            return False
+        self._started()
+        for i, conn in enumerate(self.results):
+            if i in self._booted:
+                continue
+            try:
+                while i not in self._booted and conn.poll():
+                    self._note(i, conn.recv())
+            except (EOFError, OSError):
+                raise self._died() from None
+            if i not in self._booted and not self.procs[i].is_alive():
+                raise self._died()
+        return len(self._booted) == len(self.procs)
 
     def map(self, chunks: Iterator[list[tuple[int, RawRow]]]) -> Iterator[tuple[int, Encoded | Reject]]:
         """Encode every chunk; yield (selection index, item) in input order.
@@ -107,6 +169,7 @@ class EncoderPool:
         A feeder thread sends the chunks (at most two per worker not yet consumed), so this
         thread never blocks on a full task pipe while a worker blocks on a full result pipe.
         """
+        self._started()
         n = len(self.procs)
         room = threading.Semaphore(2 * n)
         stop = threading.Event()
@@ -147,12 +210,11 @@ class EncoderPool:
                         return
                 for conn in wait(self.results, timeout=0.2):
                     try:
-                        kind, chunk_id, payload = cast(Any, conn).recv()
+                        message = self._note(self.results.index(conn), cast(Any, conn).recv())
                     except (EOFError, OSError):
                         raise self._died() from None
-                    if kind == "error":
-                        raise DataError(f"tokenizing failed in a worker process: {payload}")
-                    ready[chunk_id] = payload
+                    if message is not None:
+                        ready[message[1]] = message[2]
                 if not all(p.is_alive() for p in self.procs) and not any(c.poll() for c in self.results):
                     raise self._died()
         finally:
@@ -162,14 +224,22 @@ class EncoderPool:
             feeder.join(5)
 
     def _kill(self) -> None:
+        with self._lock:  # no process starts after this
+            self._closing = True
         for p in self.procs:
             if p.is_alive():
                 p.kill()  # SIGKILL: helper processes ignore SIGTERM (see processes.child_setup)
         for p in self.procs:
             p.join(5)
 
-    @staticmethod
-    def _died() -> DataError:
+    def _died(self) -> DataError:
+        """The error for a worker gone: the reason it reported before it stopped, if any."""
+        for i, conn in enumerate(self.results):
+            try:
+                while conn.poll():
+                    self._note(i, conn.recv())  # raises the worker's own error
+            except (EOFError, OSError):
+                continue
         return DataError("a tokenizing process died; re-run the same command (or set data.num_workers=0 to "
                          "tokenize in the main process)")
 
@@ -182,6 +252,7 @@ class EncoderPool:
                 pass
         for p in self.procs if self.finished else ():
             p.join(10)
-        self._kill()
+        self._kill()  # a starter still handing over the tokenizer then fails on a broken pipe
+        self._starter.join(10)
         for c in (*self.tasks, *self.results):
             c.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +65,8 @@ def _check_invalid(plan: Plan, raw: RawRow, item: Encoded | Reject) -> None:
                               item.message + (f" ({where})" if where else ""))
 
 
-INLINE_ROWS = 2000  # rows tokenized in the main process before workers start: a small selection never pays for them
+START_ROWS = 2000  # rows tokenized here before workers start: a small selection never pays for them
+INLINE_ROWS: int | None = None  # at most this many rows here (then wait for the workers); None: until they are ready
 CHUNK_ROWS = 64  # rows per task sent to a worker
 
 
@@ -81,40 +83,56 @@ def encode_selection(plan: Plan, pairs: Iterator[tuple[int, RawRow]], workers: i
                      ) -> Iterator[tuple[int, RawRow | None, Encoded | Reject]]:
     """Encode ``(selection index, row)`` pairs in order; the first rows in this process, the rest in workers.
 
-    Results are identical to encoding every row here (the same tokenizer and template in each
-    worker), in the same order; memory holds at most two chunks per worker beyond what the
-    caller keeps. The raw row comes back only for rows encoded here (for ``on_invalid=error``).
+    Past ``START_ROWS`` rows the workers start in the background (each rebuilds the tokenizer,
+    seconds), and this process goes on encoding until they are ready, so their start costs no
+    wall time. Results are identical to encoding every row here (the same tokenizer and
+    template in each worker), in the same order; memory holds at most two chunks per worker
+    beyond what the caller keeps. The raw row comes back only for rows encoded here (for
+    ``on_invalid=error``).
     """
     d = plan.cfg.data
     spec = RowEncoder(plan.template, plan.cfg.seq_length, d.mask_reasoning_content, d.mask_generation_prompt,
                       d.format)
     encoder = spec.build(plan.tokenizer)
     workers = tokenizing_workers(plan) if workers is None else workers
-    head = list(itertools.islice(pairs, INLINE_ROWS if workers > 0 else None))
-    for sel, raw in head:
-        fault_point("tokenize_row")
-        item = spec.encode(encoder, raw, sel)
-        _check_invalid(plan, raw, item)
-        yield sel, raw, item
-    if workers <= 0 or len(head) < INLINE_ROWS:
-        return
-    log.info("tokenizing the rest of the selection in %d worker processes (data.num_workers)", workers)
-    pool = EncoderPool(spec, plan.tokenizer, workers)
+    pool: EncoderPool | None = None
+    started = 0.0
     try:
-        def chunks() -> Iterator[list[tuple[int, RawRow]]]:
-            while True:
-                chunk = list(itertools.islice(pairs, CHUNK_ROWS))
-                if not chunk:
-                    return
-                yield chunk
-
-        raws: dict[int, RawRow] = {}
-        for sel, item in pool.map(_remember(chunks(), raws)):
-            raw = raws.pop(sel)
+        here = 0
+        for sel, raw in pairs:
+            if workers > 0 and pool is None and here >= START_ROWS:
+                log.info("starting %d tokenizing worker processes (data.num_workers); this process tokenizes until "
+                         "they are ready", workers)
+                pool, started = EncoderPool(spec, plan.tokenizer, workers), time.perf_counter()
+            if pool is not None and (pool.ready() or (INLINE_ROWS is not None and here >= INLINE_ROWS)):
+                log.info("the tokenizing workers take over after %d rows here (%.1f s after they started)", here,
+                         time.perf_counter() - started)
+                yield from _pooled(plan, pool, itertools.chain([(sel, raw)], pairs))
+                return
+            fault_point("tokenize_row")
+            item = spec.encode(encoder, raw, sel)
             _check_invalid(plan, raw, item)
-            yield sel, None, item
+            here += 1
+            yield sel, raw, item
     finally:
-        pool.close()
+        if pool is not None:
+            pool.close()
+
+
+def _pooled(plan: Plan, pool: EncoderPool, pairs: Iterator[tuple[int, RawRow]]
+            ) -> Iterator[tuple[int, RawRow | None, Encoded | Reject]]:
+    def chunks() -> Iterator[list[tuple[int, RawRow]]]:
+        while True:
+            chunk = list(itertools.islice(pairs, CHUNK_ROWS))
+            if not chunk:
+                return
+            yield chunk
+
+    raws: dict[int, RawRow] = {}
+    for sel, item in pool.map(_remember(chunks(), raws)):
+        raw = raws.pop(sel)
+        _check_invalid(plan, raw, item)
+        yield sel, None, item
 
 
 def _remember(chunks: Iterator[list[tuple[int, RawRow]]], raws: dict[int, RawRow]

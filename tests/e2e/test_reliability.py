@@ -111,6 +111,7 @@ def test_a_kill_with_three_writers_then_a_resume_with_one_gives_the_uninterrupte
 
 def test_three_writers_and_two_tokenizers_write_the_same_bytes_as_one_of_each(tmp_path, reference, monkeypatch):
     from dspark_precompute.write import tokenize as tokenize_module
+    monkeypatch.setattr(tokenize_module, "START_ROWS", 4)
     monkeypatch.setattr(tokenize_module, "INLINE_ROWS", 4)  # the pool takes every row after the fourth
     run(compose(small(tmp_path, *UNITS, "storage.writers=3", "data.num_workers=2", name="c")))
     assert_same_cache(reference[0], str(tmp_path / "c"), process_counts=True)

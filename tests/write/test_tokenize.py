@@ -42,7 +42,9 @@ def assert_same(a: tk.Tokenized, b: tk.Tokenized) -> None:
 
 @pytest.fixture
 def small_pool(monkeypatch):
-    """Workers start after 5 rows and take 7 rows per task, so a small file crosses every boundary."""
+    """Workers start after 5 rows, take over at the sixth and take 7 rows per task, so a small file crosses every
+    boundary."""
+    monkeypatch.setattr(tk, "START_ROWS", 5)
     monkeypatch.setattr(tk, "INLINE_ROWS", 5)
     monkeypatch.setattr(tk, "CHUNK_ROWS", 7)
 
@@ -97,7 +99,75 @@ def test_a_tokenizing_worker_that_dies_is_a_data_error_not_a_hang(tmp_path, smal
 
 def test_a_small_selection_never_starts_workers(tmp_path, monkeypatch):
     def no_pool(*a, **k):
-        raise AssertionError("a worker pool was started for a selection under INLINE_ROWS")
+        raise AssertionError("a worker pool was started for a selection under START_ROWS")
     monkeypatch.setattr(tk, "EncoderPool", no_pool)
     tok = tokenized(tmp_path, 4)
     assert tok.rows_in > 0 and not any(isinstance(e, Reject) for e in tok.encoded.values())
+
+
+class _SlowPool:
+    """A pool that reports ready only after ``boot`` checks, and encodes in this process like a worker would."""
+
+    boot = 10
+    made: list[_SlowPool] = []
+
+    def __init__(self, spec, tokenizer, n):
+        self.spec, self.encoder, self.checks, self.closed = spec, spec.build(tokenizer), 0, False
+        self.made.append(self)
+
+    def ready(self):
+        self.checks += 1
+        return self.checks > self.boot
+
+    def map(self, chunks):
+        for chunk in chunks:
+            for sel, raw in chunk:
+                yield sel, self.spec.encode(self.encoder, raw, sel)
+
+    def close(self):
+        self.closed = True
+
+
+def _encode_all(plan, workers):
+    from dspark_precompute.write.data import iter_rows, resolve_source
+    rows = enumerate(iter_rows(resolve_source(plan.cfg.data.path), plan.cfg.data))
+    return list(tk.encode_selection(plan, rows, workers=workers))
+
+
+def test_rows_are_encoded_here_while_the_workers_start_and_the_pool_takes_over_once_ready(tmp_path, monkeypatch):
+    plan = prepare(compose(small(tmp_path, "data.max_samples=null")))
+    inline = _encode_all(plan, 0)
+    monkeypatch.setattr(tk, "START_ROWS", 5)
+    monkeypatch.setattr(tk, "EncoderPool", _SlowPool)
+    _SlowPool.made.clear()
+    mixed = _encode_all(plan, 2)
+    here = [raw is not None for _sel, raw, _item in mixed]
+    assert here == [True] * (5 + _SlowPool.boot) + [False] * (len(inline) - 5 - _SlowPool.boot)  # no wait, no gap
+    assert [sel for sel, _, _ in mixed] == [sel for sel, _, _ in inline]
+    for (_, _, a), (_, _, b) in zip(inline, mixed, strict=True):
+        if isinstance(a, Reject):
+            assert a.to_json() == b.to_json()
+        else:
+            assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+    assert len(_SlowPool.made) == 1 and _SlowPool.made[0].closed
+
+
+def test_a_selection_that_ends_before_the_workers_are_ready_is_encoded_here_and_the_pool_is_stopped(tmp_path,
+                                                                                                     monkeypatch):
+    plan = prepare(compose(small(tmp_path, "data.max_samples=null")))
+    monkeypatch.setattr(tk, "START_ROWS", 5)
+    monkeypatch.setattr(tk, "EncoderPool", _SlowPool)
+    monkeypatch.setattr(_SlowPool, "boot", 10_000)
+    _SlowPool.made.clear()
+    out = _encode_all(plan, 2)
+    assert len(out) > 5 and all(raw is not None for _sel, raw, _item in out)
+    assert _SlowPool.made[0].closed
+
+
+@pytest.mark.parametrize("action,message", [("raise", "tokenizing failed in a worker process: RuntimeError: "
+                                                       "injected fault at tokenize_start"),
+                                            ("kill", "tokenizing process died")])
+def test_a_worker_that_fails_to_start_is_a_data_error_not_a_hang(tmp_path, small_pool, monkeypatch, action, message):
+    monkeypatch.setenv("DSPARK_FAULT", f"tokenize_start=1:{action}")  # read by the workers only
+    with pytest.raises(DataError, match=message):
+        tokenized(tmp_path, 2)
