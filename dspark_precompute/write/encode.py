@@ -100,11 +100,16 @@ class EncoderPool:
         self._closing = False
         self._boot_error: BaseException | None = None
         self._booted: set[int] = set()  # workers that reported their encoder built
-        self._starter = threading.Thread(target=self._start, args=(spec, tokenizer, n), daemon=True,
+        try:  # here, once for all workers, while nothing else uses the tokenizer
+            payload = bytes(ForkingPickler.dumps(tokenizer))
+        except Exception as exc:
+            raise DataError(f"the tokenizer cannot be sent to worker processes ({type(exc).__name__}: {exc}); set "
+                            "data.num_workers=0 to tokenize in the main process") from exc
+        self._starter = threading.Thread(target=self._start, args=(spec, payload, n), daemon=True,
                                          name="dspark-tokenize-start")
         self._starter.start()
 
-    def _start(self, spec: RowEncoder, tokenizer: Any, n: int) -> None:
+    def _start(self, spec: RowEncoder, payload: bytes, n: int) -> None:
         try:
             ctx = processes.context()
             env = dict(os.environ)
@@ -114,27 +119,38 @@ class EncoderPool:
                 p = ctx.Process(target=_worker, args=(spec, t_out, r_in, env), daemon=True,
                                 name=f"dspark-tokenize-{i}")
                 with self._lock:
-                    if self._closing:
-                        return
-                    processes.start(p)
-                    self.tasks.append(t_in)
-                    self.results.append(r_out)
-                    self.procs.append(p)
+                    if not self._closing:
+                        processes.start(p)
+                        self.tasks.append(t_in)
+                        self.results.append(r_out)
+                        self.procs.append(p)
                 t_out.close()
                 r_in.close()
-            payload = bytes(ForkingPickler.dumps(tokenizer))  # pickled once, however many workers
+                if self._closing:
+                    t_in.close()
+                    r_out.close()
+                    return
             for t in list(self.tasks):  # after every start: the workers rebuild it in parallel
+                if self._closing:  # close() kills the workers, so a send under way fails at once
+                    return
                 t.send_bytes(payload)
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
             self._boot_error = exc
 
     def _started(self) -> None:
-        """Wait for the starter thread; a failure to start or to hand over the tokenizer is a worker that died."""
-        self._starter.join()
+        """Wait for the starter thread; a worker that dies meanwhile (the starter may be blocked on it) raises."""
+        while self._starter.is_alive():
+            self._starter.join(0.2)
+            if self._starter.is_alive() and not all(p.is_alive() for p in list(self.procs)):
+                self._kill()  # unblocks a send to a worker that is gone
+                self._starter.join()
+                raise self._died()
         if self._boot_error is not None:
             if isinstance(self._boot_error, (BrokenPipeError, ConnectionError, EOFError)):
                 raise self._died() from self._boot_error
-            raise self._boot_error
+            raise DataError(f"tokenizing worker processes could not start ({type(self._boot_error).__name__}: "
+                            f"{self._boot_error}); set data.num_workers=0 to tokenize in the main process"
+                            ) from self._boot_error
 
     def _note(self, i: int, message: tuple[str, int, Any]) -> tuple[str, int, Any] | None:
         """Handle a worker's start-up message (ready or failed); any other message is returned."""
@@ -253,6 +269,6 @@ class EncoderPool:
         for p in self.procs if self.finished else ():
             p.join(10)
         self._kill()  # a starter still handing over the tokenizer then fails on a broken pipe
-        self._starter.join(10)
+        self._starter.join()
         for c in (*self.tasks, *self.results):
             c.close()

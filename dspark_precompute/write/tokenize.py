@@ -95,6 +95,7 @@ def encode_selection(plan: Plan, pairs: Iterator[tuple[int, RawRow]], workers: i
                       d.format)
     encoder = spec.build(plan.tokenizer)
     workers = tokenizing_workers(plan) if workers is None else workers
+    pairs = iter(pairs)  # one pass: the rows left at the hand-over go to the workers
     pool: EncoderPool | None = None
     started = 0.0
     try:

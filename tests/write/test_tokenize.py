@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -171,3 +172,45 @@ def test_a_worker_that_fails_to_start_is_a_data_error_not_a_hang(tmp_path, small
     monkeypatch.setenv("DSPARK_FAULT", f"tokenize_start=1:{action}")  # read by the workers only
     with pytest.raises(DataError, match=message):
         tokenized(tmp_path, 2)
+
+
+def test_real_workers_take_over_once_ready_and_give_the_same_rows(tmp_path, monkeypatch):
+    from dspark_precompute.write import encode
+
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    data = tmp_path / "many.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [good["messages"][0], {"role": "assistant",
+                                                                             "content": "word " * (i % 50)}]})
+                              for i in range(400)) + "\n")
+    plan = prepare(compose(small(tmp_path, "data.max_samples=null", f"data.path={data}")))
+    inline = _encode_all(plan, 0)
+    monkeypatch.setattr(tk, "START_ROWS", 5)
+    slow = encode.RowEncoder.encode
+
+    def slowly(self, encoder, raw, sel):  # this process only: the workers import their own copy
+        time.sleep(0.1)  # so the workers start (seconds) before the 400 rows are done here
+        return slow(self, encoder, raw, sel)
+
+    monkeypatch.setattr(encode.RowEncoder, "encode", slowly)
+    pooled = _encode_all(plan, 2)
+    from_workers = sum(raw is None for _sel, raw, _item in pooled)
+    assert 0 < from_workers < 400 - 5
+    assert [raw is None for _s, raw, _i in pooled] == sorted(raw is None for _s, raw, _i in pooled)  # one hand-over
+    assert [sel for sel, _, _ in pooled] == [sel for sel, _, _ in inline]
+    for (_, _, a), (_, _, b) in zip(inline, pooled, strict=True):
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+
+
+def test_a_pool_closed_while_its_workers_start_leaves_no_process_or_thread(tmp_path):
+    from dspark_precompute.write import encode
+
+    plan = prepare(compose(small(tmp_path)))
+    d = plan.cfg.data
+    spec = encode.RowEncoder(plan.template, plan.cfg.seq_length, d.mask_reasoning_content,
+                             d.mask_generation_prompt, d.format)
+    for wait in (0.0, 0.3):
+        pool = encode.EncoderPool(spec, plan.tokenizer, 2)
+        time.sleep(wait)
+        pool.close()
+        assert not pool._starter.is_alive()
+        assert not any(p.is_alive() for p in pool.procs)
