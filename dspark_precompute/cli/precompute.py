@@ -143,6 +143,8 @@ def main() -> None:
     except KeyboardInterrupt:  # before the handlers were installed
         sys.stderr.write("dspark-precompute: stopped by SIGINT; resume with the same command\n")
         raise SystemExit(130) from None
+    finally:
+        signals.exiting()  # a second Ctrl-C or SIGTERM during shutdown: exit at once, no traceback
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ units it already holds and stops; a second signal stops at once.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -70,6 +71,21 @@ def graceful() -> Iterator[_State]:
         yield STATE
     finally:
         STATE.graceful = False
+
+
+def exiting() -> None:
+    """The command is over and the interpreter is shutting down: a signal now ends the process at once.
+
+    Raising here would print a traceback from whatever shutdown is running (thread pools joining
+    their threads); the run has already stopped and released its lock.
+    """
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            signal.signal(sig, _exit_now)
+
+
+def _exit_now(signum: int, _frame: Any) -> None:
+    os._exit(128 + signum)
 
 
 def ignore() -> None:

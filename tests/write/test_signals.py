@@ -1,0 +1,38 @@
+"""Signals at the edges of a run: a signal during interpreter shutdown ends the process without a traceback."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.e2e  # each test runs a Python subprocess
+
+SHUTDOWN_UNDER_SIGNAL = """
+import os, signal, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from dspark_precompute.write import signals
+
+signals.install()
+pool = ThreadPoolExecutor(1)
+pool.submit(time.sleep, 0.5)  # joined by concurrent.futures' exit hook while the interpreter shuts down
+threading.Timer(0.2, os.kill, (os.getpid(), {sig})).start()
+{before_exit}
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_interpreter_shuts_down_exits_128_plus_signal_without_a_traceback(sig):
+    code = SHUTDOWN_UNDER_SIGNAL.format(sig=int(sig), before_exit="signals.exiting()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + sig, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_without_the_exit_handler_the_same_signal_prints_a_traceback():
+    """The oracle for the test above: the hole it closes is real (Python prints 'Exception ignored')."""
+    code = SHUTDOWN_UNDER_SIGNAL.format(sig=int(signal.SIGTERM), before_exit="")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "StoppedBySignal" in proc.stderr
