@@ -236,5 +236,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         signals.restore(previous)
 
 
+def console() -> None:
+    """The ``dspark-cache`` command: ``main`` (also callable in-process), then exit.
+
+    Once the command is over, a Ctrl-C or SIGTERM while the interpreter shuts down ends the
+    process at once instead of printing a KeyboardInterrupt from an exit hook.
+    """
+    code = main()
+    from dspark_precompute.write import signals
+
+    signals.exiting()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

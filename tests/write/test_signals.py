@@ -1,4 +1,4 @@
-"""Signals at the edges of a run: a signal during interpreter shutdown ends the process without a traceback."""
+"""Signals at the edges of a command: a signal during interpreter shutdown ends the process without a traceback."""
 
 from __future__ import annotations
 
@@ -36,3 +36,18 @@ def test_without_the_exit_handler_the_same_signal_prints_a_traceback():
     code = SHUTDOWN_UNDER_SIGNAL.format(sig=int(signal.SIGTERM), before_exit="")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "StoppedBySignal" in proc.stderr
+
+
+def test_the_cache_command_exits_with_mains_status_and_arms_the_shutdown_handler(tmp_path):
+    code = ("import signal, sys\n"
+            "from dspark_precompute.cli import cache\n"
+            "from dspark_precompute.write import signals\n"
+            f"sys.argv = ['dspark-cache', 'info', {str(tmp_path / 'none')!r}]\n"
+            "try:\n"
+            "    cache.console()\n"
+            "except SystemExit as e:\n"
+            "    assert signal.getsignal(signal.SIGINT) is signals._exit_now, signal.getsignal(signal.SIGINT)\n"
+            "    raise\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "no manifest.json" in proc.stderr and "Traceback" not in proc.stderr
