@@ -34,8 +34,8 @@ from dspark_precompute.contract.chunks import read_slots
 from dspark_precompute.contract.spec import INPUT_IDS
 from dspark_precompute.errors import CacheFormatError
 from dspark_precompute.write.capture import HiddenStateCapture
-from dspark_precompute.write.recompute import load_stored_target, open_stored, stored_as_torch, stored_target
-from dspark_precompute.write.teacher import DEFAULT_MAX_TV, DEFAULT_MIN_TOP1, POSITIONS_PER_FORWARD, sample_positions
+from dspark_precompute.write.recompute import open_sampled, stored_as_torch
+from dspark_precompute.write.teacher import DEFAULT_MAX_TV, DEFAULT_MIN_TOP1, POSITIONS_PER_FORWARD
 
 log = logging.getLogger(__name__)
 
@@ -109,24 +109,17 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
     mean total-variation distance above ``max_tv``.
     """
     out = PrecisionResult()
-    run, notes, problem = open_stored(path, model=model, trust_remote_code=trust_remote_code, device=device,
-                                      what="the precision check")
+    sampled, notes, problem = open_sampled(path, n, seed=seed, device=device, model=model,
+                                           trust_remote_code=trust_remote_code, what="the precision check",
+                                           gives="states")
     out.notes += notes
-    if problem or run is None:
-        out.add(problem or "the run cannot be rebuilt")
-        return out
-    cfg, tokenizer, info, problem = stored_target(run, bool(model), "states")
     if problem:
         out.add(problem)
+    if sampled is None:
         return out
+    run, picked, target, dev, dtype = sampled.run, sampled.picked, sampled.target, sampled.dev, sampled.dtype
     m, store, zstore, metas = run.m, run.store, run.zstore, run.metas
-    lengths, start, readable = run.lengths, run.start, run.readable
-    picked = sample_positions(lengths, readable, n, seed)
-    if not picked:
-        out.notes.append("the precision check found no readable token to compare")
-        return out
-
-    target, dev, dtype = load_stored_target(cfg, tokenizer, info)
+    lengths, start = run.lengths, run.start
     out.compute_dtype = str(dtype).replace("torch.", "")
     head = target.get_output_embeddings()
     capture = HiddenStateCapture(target, m.layer_ids)

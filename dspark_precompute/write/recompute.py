@@ -228,6 +228,48 @@ def load_stored_target(cfg: Any, tokenizer: Any, info: Any) -> tuple[Any, torch.
     return load_target(cfg.model, info, vocab, dev, dtype), dev, dtype
 
 
+def sample_positions(lengths: np.ndarray, readable: np.ndarray, n: int, seed: int) -> list[tuple[int, int]]:
+    """``n`` distinct (sample, token) pairs drawn uniformly over every token of the ``readable`` samples."""
+    lens = lengths[readable].astype(np.int64)
+    total = int(lens.sum())
+    if total == 0 or n <= 0:
+        return []
+    flat = np.sort(np.random.default_rng(seed).choice(total, size=min(int(n), total), replace=False))
+    ends = np.cumsum(lens)
+    which = np.searchsorted(ends, flat, side="right")
+    starts = ends - lens
+    return [(int(readable[w]), int(f - starts[w])) for w, f in zip(which, flat)]
+
+
+@dataclass
+class SampledTarget:
+    """A stored run, ``n`` seeded positions of it and its target loaded: what a position-wise check compares."""
+
+    run: StoredRun
+    picked: list[tuple[int, int]]
+    target: Any
+    dev: torch.device
+    dtype: torch.dtype
+
+
+def open_sampled(path: str | Path, n: int, *, seed: int, device: str | None, model: str | None,
+                 trust_remote_code: bool, what: str, gives: str) -> tuple[SampledTarget | None, list[str], str | None]:
+    """:func:`open_stored`, :func:`stored_target`, :func:`sample_positions`, then the target loaded:
+    (sampled, notes, problem); ``None`` without a problem when there is no readable token (a note says so)."""
+    run, notes, problem = open_stored(path, model=model, trust_remote_code=trust_remote_code, device=device,
+                                      what=what)
+    if problem or run is None:
+        return None, notes, problem or "the run cannot be rebuilt"
+    cfg, tokenizer, info, problem = stored_target(run, bool(model), gives)
+    if problem:
+        return None, notes, problem
+    picked = sample_positions(run.lengths, run.readable, n, seed)
+    if not picked:
+        return None, [*notes, f"{what} found no readable token to compare"], None
+    target, dev, dtype = load_stored_target(cfg, tokenizer, info)
+    return SampledTarget(run, picked, target, dev, dtype), notes, None
+
+
 def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0, device: str | None = None,
               model: str | None = None, trust_remote_code: bool = False) -> RecomputeResult:
     """Rerun ``n`` random readable samples (chosen with ``seed``) of the cache at ``path``; compare."""

@@ -29,7 +29,7 @@ from dspark_precompute.contract.chunks import read_slots
 from dspark_precompute.contract.spec import INPUT_IDS
 from dspark_precompute.errors import CacheFormatError
 from dspark_precompute.write.provenance import final_norm_of
-from dspark_precompute.write.recompute import STEP, load_stored_target, open_stored, stored_as_torch, stored_target
+from dspark_precompute.write.recompute import STEP, open_sampled, stored_as_torch
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +65,6 @@ class TeacherResult:
         self.problems.append({"check": "teacher", "message": message, **where})
 
 
-def sample_positions(lengths: np.ndarray, readable: np.ndarray, n: int, seed: int) -> list[tuple[int, int]]:
-    """``n`` distinct (sample, token) pairs drawn uniformly over every token of the ``readable`` samples."""
-    lens = lengths[readable].astype(np.int64)
-    total = int(lens.sum())
-    if total == 0 or n <= 0:
-        return []
-    flat = np.sort(np.random.default_rng(seed).choice(total, size=min(int(n), total), replace=False))
-    ends = np.cumsum(lens)
-    which = np.searchsorted(ends, flat, side="right")
-    starts = ends - lens
-    return [(int(readable[w]), int(f - starts[w])) for w, f in zip(which, flat)]
-
-
 def _teacher_logits(model: Any, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The CausalLM's own logits at ``pos`` of one unpadded sequence (float32, ``[len(pos), vocab]``)."""
     try:
@@ -97,24 +84,17 @@ def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None
     :data:`REL_STEPS` steps of the storage and compute dtypes).
     """
     out = TeacherResult()
-    run, notes, problem = open_stored(path, model=model, trust_remote_code=trust_remote_code, device=device,
-                                      what="the teacher check")
+    sampled, notes, problem = open_sampled(path, n, seed=seed, device=device, model=model,
+                                           trust_remote_code=trust_remote_code, what="the teacher check",
+                                           gives="logits")
     out.notes += notes
-    if problem or run is None:
-        out.add(problem or "the run cannot be rebuilt")
-        return out
-    cfg, tokenizer, info, problem = stored_target(run, bool(model), "logits")
     if problem:
         out.add(problem)
+    if sampled is None:
         return out
+    run, picked, target, dev, dtype = sampled.run, sampled.picked, sampled.target, sampled.dev, sampled.dtype
     m, store, zstore, metas = run.m, run.store, run.zstore, run.metas
-    lengths, start, readable = run.lengths, run.start, run.readable
-    picked = sample_positions(lengths, readable, n, seed)
-    if not picked:
-        out.notes.append("the teacher check found no readable token to compare")
-        return out
-
-    target, dev, dtype = load_stored_target(cfg, tokenizer, info)
+    lengths, start = run.lengths, run.start
     head = target.get_output_embeddings()
     norm = final_norm_of(target)
     norm_class = type(norm).__name__ if norm is not None else None

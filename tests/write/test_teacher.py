@@ -15,9 +15,9 @@ from dspark_precompute import open_cache
 from dspark_precompute.cli.cache import main
 from dspark_precompute.write import tiny
 from dspark_precompute.write.config import RandomTargetConfig
-from dspark_precompute.write.recompute import recompute
+from dspark_precompute.write.recompute import recompute, sample_positions
 from dspark_precompute.write.run import run
-from dspark_precompute.write.teacher import sample_positions, teacher_check
+from dspark_precompute.write.teacher import teacher_check
 
 
 def test_positions_are_seeded_distinct_and_spread_over_the_readable_samples():
