@@ -19,7 +19,8 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from dspark_precompute.errors import DsparkError, StoppedBySignal
 
@@ -47,57 +48,54 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rerun(report: Any, check: str, run: Callable[[], Any]) -> Any | None:
+    """Run a check that reruns the target unless the structure or offsets are broken; its problems, notes and
+    time go into the report, and its result comes back (None when skipped)."""
+    from dspark_precompute.read.verify import Problem
+
+    if any(p.check in ("structure", "offsets") for p in report.problems):
+        report.problems.append(Problem(check, "skipped: the cache's structure or offsets are broken, fix those first"))
+        return None
+    t0 = time.perf_counter()
+    r = run()
+    report.problems += [Problem(**p) for p in r.problems]
+    report.notes += r.notes
+    report.seconds += time.perf_counter() - t0
+    return r
+
+
 def _verify(args: argparse.Namespace) -> int:
-    from dspark_precompute.read.verify import Problem, mark_for_recompute, verify_cache
+    from dspark_precompute.read.verify import mark_for_recompute, verify_cache
 
     report = verify_cache(args.path, allow_incomplete=args.allow_incomplete)
+    common = {"seed": args.seed, "device": args.device, "model": args.model,
+              "trust_remote_code": args.trust_remote_code}
     if args.recompute > 0:
-        if report.problems and any(p.check in ("structure", "offsets") for p in report.problems):
-            report.problems.append(Problem("recompute", "skipped: the cache's structure or offsets are "
-                                                        "broken, fix those first"))
-        else:
-            from dspark_precompute.write.recompute import recompute
+        from dspark_precompute.write.recompute import recompute
 
-            t0 = time.perf_counter()
-            r = recompute(args.path, args.recompute, seed=args.seed, tolerance=args.tolerance, device=args.device,
-                          model=args.model, trust_remote_code=args.trust_remote_code)
-            report.problems += [Problem(**p) for p in r.problems]
-            report.notes += r.notes
+        r = _rerun(report, "recompute", lambda: recompute(args.path, args.recompute, tolerance=args.tolerance,
+                                                          **common))
+        if r is not None:
             report.recomputed, report.recompute_exact, report.recompute_max_steps = r.recomputed, r.exact, r.max_steps
-            report.seconds += time.perf_counter() - t0
     if args.teacher > 0:
-        if report.problems and any(p.check in ("structure", "offsets") for p in report.problems):
-            report.problems.append(Problem("teacher", "skipped: the cache's structure or offsets are broken, fix "
-                                                      "those first"))
-        else:
-            from dspark_precompute.write.teacher import teacher_check
+        from dspark_precompute.write.teacher import teacher_check
 
-            t0 = time.perf_counter()
-            t = teacher_check(args.path, args.teacher, seed=args.seed, device=args.device, model=args.model,
-                              trust_remote_code=args.trust_remote_code, min_top1=args.teacher_min_top1,
-                              max_tv=args.teacher_max_tv, max_rel=args.teacher_max_rel)
-            report.problems += [Problem(**p) for p in t.problems]
-            report.notes += t.notes
+        t = _rerun(report, "teacher", lambda: teacher_check(
+            args.path, args.teacher, min_top1=args.teacher_min_top1, max_tv=args.teacher_max_tv,
+            max_rel=args.teacher_max_rel, **common))
+        if t is not None:
             report.teacher_positions, report.teacher_samples = len(t.positions), t.samples
             report.teacher_top1, report.teacher_max_logit_diff = t.top1_agreement, t.max_logit_diff
             report.teacher_tv_mean, report.teacher_tv_max = t.tv_mean, t.tv_max
             report.teacher_rel_error_mean, report.teacher_rel_error_max = t.rel_error_mean, t.rel_error_max
-            report.seconds += time.perf_counter() - t0
     if args.precision > 0:
-        if report.problems and any(p.check in ("structure", "offsets") for p in report.problems):
-            report.problems.append(Problem("precision", "skipped: the cache's structure or offsets are broken, fix "
-                                                        "those first"))
-        else:
-            from dspark_precompute.write.precision import precision_check
+        from dspark_precompute.write.precision import precision_check
 
-            t0 = time.perf_counter()
-            pr = precision_check(args.path, args.precision, seed=args.seed, device=args.device, model=args.model,
-                                 trust_remote_code=args.trust_remote_code, max_rel_rms=args.precision_max_rel_rms,
-                                 min_top1=args.teacher_min_top1, max_tv=args.teacher_max_tv)
-            report.problems += [Problem(**p) for p in pr.problems]
-            report.notes += pr.notes
+        pr = _rerun(report, "precision", lambda: precision_check(
+            args.path, args.precision, max_rel_rms=args.precision_max_rel_rms, min_top1=args.teacher_min_top1,
+            max_tv=args.teacher_max_tv, **common))
+        if pr is not None:
             report.precision = pr.to_json()
-            report.seconds += time.perf_counter() - t0
     if args.json:
         _out(json.dumps({"ok": report.ok, "path": report.path, "samples": report.samples, "tokens": report.tokens,
                          "chunks_checked": report.chunks_checked, "recomputed": report.recomputed,
