@@ -100,6 +100,18 @@ def test_verify_names_the_sample_whose_offset_was_tampered_with(cache_copy, caps
     assert f"manifest counts.tokens = {m['counts']['tokens']}, the cache holds {m['counts']['tokens'] - 1}" in out
 
 
+
+def test_verify_skips_every_check_that_reruns_the_target_when_the_offsets_are_broken(cache_copy, capsys):
+    arr = zarr.open_array(str(cache_copy / "samples" / "start"), mode="r+")
+    start = np.asarray(arr[:])
+    start[5] += 7
+    arr[:] = start
+    assert main(["verify", str(cache_copy), "--recompute", "2", "--teacher", "4", "--precision", "4", "--json"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    skipped = [p["check"] for p in got["problems"] if p["message"].startswith("skipped: the cache's structure")]
+    assert skipped == ["recompute", "teacher", "precision"]
+    assert got["recomputed"] == 0 and got["precision"] is None
+
 def test_verify_recompute_reproduces_samples_bit_exactly_and_catches_a_value_with_a_valid_checksum(cache_copy,
                                                                                                     capsys):
     t = tables(cache_copy)
