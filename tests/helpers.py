@@ -87,3 +87,21 @@ def assert_same_cache(a: str, b: str, *, process_counts: bool = False) -> None:
         if process_counts:
             m["config"]["storage"].pop("writers"), m["config"]["data"].pop("num_workers")
     assert ma == mb
+
+
+def poison_second_batch(monkeypatch) -> None:
+    """The first real token of the second forward batch gets an Inf in its first captured layer."""
+    from dspark_precompute.write.capture import HiddenStateCapture
+
+    real = HiddenStateCapture.__call__
+    calls = {"n": 0}
+
+    def poisoned(self, input_ids, attention_mask=None):
+        states, last = real(self, input_ids, attention_mask)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            k = min(states)
+            states[k] = states[k].clone()
+            states[k][0, 0, 0] = float("inf")
+        return states, last
+    monkeypatch.setattr(HiddenStateCapture, "__call__", poisoned)

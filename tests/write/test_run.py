@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from helpers import REPO, assert_same_cache, compose, small
+from helpers import REPO, assert_same_cache, compose, poison_second_batch, small
 
 from dspark_precompute import open_cache
 from dspark_precompute.contract import spec as fmt
@@ -168,24 +168,6 @@ def test_invalid_values_are_all_reported_before_any_weights_load(tmp_path, no_we
         compose(small(tmp_path, f"storage.path={tmp_path / 'afile'}"))
     with pytest.raises(ConfigError, match="outside"):
         run(compose(small(tmp_path, "model.layer_ids=[0,9]")))
-
-
-def poison_second_batch(monkeypatch) -> None:
-    """The first real token of the second forward batch gets an Inf in its first captured layer."""
-    from dspark_precompute.write.capture import HiddenStateCapture
-
-    real = HiddenStateCapture.__call__
-    calls = {"n": 0}
-
-    def poisoned(self, input_ids, attention_mask=None):
-        states, last = real(self, input_ids, attention_mask)
-        calls["n"] += 1
-        if calls["n"] == 2:
-            k = min(states)
-            states[k] = states[k].clone()
-            states[k][0, 0, 0] = float("inf")
-        return states, last
-    monkeypatch.setattr(HiddenStateCapture, "__call__", poisoned)
 
 
 @pytest.mark.e2e

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from helpers import compose, small
+from helpers import compose, poison_second_batch, small
 
 from dspark_precompute import open_cache
 from dspark_precompute.cli.cache import main
@@ -120,24 +120,6 @@ def test_verify_precision_reports_each_arrays_error_and_the_teachers_agreement(f
     # a bound below what fp8 costs fails, naming the array
     assert main(["verify", result.path, "--precision", "100", "--precision-max-rel-rms", "0.001"]) == 1
     assert "hidden_states/layer_1" in capsys.readouterr().out
-
-
-def poison_second_batch(monkeypatch) -> None:
-    """The first real token of the second forward batch gets an Inf in its first captured layer (test_run's)."""
-    from dspark_precompute.write.capture import HiddenStateCapture
-
-    real = HiddenStateCapture.__call__
-    calls = {"n": 0}
-
-    def poisoned(self, input_ids, attention_mask=None):
-        states, last = real(self, input_ids, attention_mask)
-        calls["n"] += 1
-        if calls["n"] == 2:
-            k = min(states)
-            states[k] = states[k].clone()
-            states[k][0, 0, 0] = float("inf")
-        return states, last
-    monkeypatch.setattr(HiddenStateCapture, "__call__", poisoned)
 
 
 @pytest.mark.e2e
