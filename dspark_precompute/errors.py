@@ -87,6 +87,23 @@ class MissingChunkError(CacheFormatError):
         super().__init__(message)
 
 
+class DamagedShardError(CacheFormatError):
+    """A shard object of a token array cannot be trusted: its index fails its checksum (a flipped byte, a
+    truncated or overwritten object) or points outside the object, or an inner chunk it names is cut short.
+
+    ``array``, ``shard`` (the object's grid index) and ``samples`` (the sample ids with tokens in it)
+    name it; ``checksum`` says whether the index's own crc32c failed. Nothing is decoded from the shard.
+    """
+
+    def __init__(self, message: str, *, array: str | None = None, shard: tuple[int, ...] | None = None,
+                 samples: tuple[int, ...] = (), checksum: bool = False):
+        self.array = array
+        self.shard = shard
+        self.samples = tuple(samples)
+        self.checksum = checksum
+        super().__init__(message)
+
+
 class LoaderStateError(DsparkError, ValueError):
     """A saved loader position does not fit this loader (another cache, plan or world size): resuming would
     repeat or skip samples."""

@@ -110,10 +110,12 @@ def _verify(args: argparse.Namespace) -> int:
         units = report.damaged_units()
         rest = [p for p in report.problems if p.unit is None]
         if units:
-            removed = mark_for_recompute(args.path, units)
+            tokens = any(p.array in ("input_ids", "loss_mask") for p in report.problems if p.unit is not None)
+            removed = mark_for_recompute(args.path, units, retokenize=tokens)
             _out(f"repair: units {units} marked for recomputation ({len(removed)} commit record(s) removed, manifest "
-                 "set incomplete). Re-run the precompute command that wrote this cache (same overrides, "
-                 f"storage.path={args.path}) to rewrite exactly those units, then verify again.")
+                 "set incomplete" + ("; token ids and masks to be written again" if tokens else "") + "). Re-run "
+                 f"the precompute command that wrote this cache (same overrides, storage.path={args.path}) to "
+                 "rewrite exactly those units, then verify again.")
         if rest:
             _out(f"repair: {len(rest)} problem(s) are not confined to a unit (manifest, tables, weights); they need "
                  "the cache re-created (re-run the precompute command with overwrite=true).")

@@ -1,8 +1,13 @@
-"""Reading stored chunks: fetch the bytes, check the crc32c and the codec header, decode.
+"""Reading stored chunks: find their bytes, fetch them, check the crc32c and the codec header, decode.
 
-Only this module turns chunk bytes into arrays (readers and ``verify`` both call it), so
+Only this module turns stored bytes into arrays (readers and ``verify`` both call it), so
 every chunk read anywhere is checksummed, bounded by the array's chunk size, and an absent
-chunk is reported (``None`` from :func:`get_many`) instead of silently read as zeros.
+chunk is reported (``None``) instead of silently read as zeros.
+
+:class:`ChunkSource` finds an inner chunk's bytes: in format 2 a byte range of its shard,
+from the shard's index (read once, checked by :func:`~dspark_precompute.contract.shards.parse_index`,
+kept); in format 1 a whole object per chunk. Local shards are read with ``pread`` on kept
+file handles, remote ones with range requests, many at once.
 """
 
 from __future__ import annotations
@@ -10,6 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +27,9 @@ import numpy as np
 from dspark_precompute.contract.arrays import ArrayMeta, array_meta_problems, compressed_size_problem, expected_arrays
 from dspark_precompute.contract.fp8 import scale_problem
 from dspark_precompute.contract.manifest import Manifest
+from dspark_precompute.contract.shards import ShardIndexProblem, index_nbytes, parse_index
 from dspark_precompute.contract.store import CacheStore
-from dspark_precompute.errors import CacheFormatError, ChecksumError
+from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError
 
 MAX_JSON_BYTES = 1 << 20  # an array's zarr.json is a few hundred bytes
 
@@ -36,23 +46,234 @@ def read_file(path: Path, limit: int) -> bytes | None:
 
 def get_many(store: CacheStore, zstore: Any, keys: list[str], limits: list[int]) -> list[bytes | None]:
     """Objects ``keys`` of a cache (None for absent ones), at most ``limit + 1`` bytes each, fetched together."""
+    return get_ranges(store, zstore, [(k, 0, lim + 1) for k, lim in zip(keys, limits)])
+
+
+def get_ranges(store: CacheStore, zstore: Any, ranges: Sequence[tuple[str, int, int]]) -> list[bytes | None]:
+    """Bytes ``[start, stop)`` of each ``(key, start, stop)`` (fewer at an object's end; None for an absent
+    object), locally one after the other, remotely all requests at once on zarr's event loop."""
     if zstore is None:
         root = Path(store.root)
-        return [read_file(root / k, lim) for k, lim in zip(keys, limits)]
+        return [_read_range(root / k, a, b) for k, a, b in ranges]
     from zarr.abc.store import RangeByteRequest
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
     proto = default_buffer_prototype()
 
-    async def one(key: str, lim: int) -> bytes | None:
-        got = await zstore.get(key, proto, byte_range=RangeByteRequest(0, lim + 1))
+    async def one(key: str, a: int, b: int) -> bytes | None:
+        got = await zstore.get(key, proto, byte_range=RangeByteRequest(a, b))
         return None if got is None else got.to_bytes()
 
     async def gather() -> list[bytes | None]:
-        return list(await asyncio.gather(*(one(k, lim) for k, lim in zip(keys, limits))))
+        return list(await asyncio.gather(*(one(k, a, b) for k, a, b in ranges)))
 
     return sync(gather())
+
+
+def _read_range(path: Path, a: int, b: int) -> bytes | None:
+    try:
+        with open(path, "rb", buffering=0) as fh:
+            return os.pread(fh.fileno(), max(0, b - a), a)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Where one inner chunk's stored bytes are: ``[start, stop)`` of object ``key`` (relative to the cache).
+
+    ``exact``: the range is the chunk (format 2, from its shard's index), so fewer bytes mean a
+    shard cut short; otherwise it is a bound on a whole object (format 1: the chunk's own object,
+    read up to one byte past the largest a chunk can be).
+    """
+
+    key: str
+    start: int
+    stop: int
+    exact: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+class _Handles:
+    """Open read handles of local shard files, the most recently used kept (``pread`` is thread-safe).
+
+    An evicted handle is only forgotten, never closed here: a thread still reading through it
+    holds a reference, and the file closes when the last one goes.
+    """
+
+    def __init__(self, root: Path, limit: int):
+        self.root, self.limit = root, int(limit)
+        self._open: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Any:
+        with self._lock:
+            fh = self._open.get(key)
+            if fh is not None:
+                self._open.move_to_end(key)
+                return fh
+        fh = open(self.root / key, "rb", buffering=0)  # FileNotFoundError: the caller's to report
+        with self._lock:
+            self._open[key] = fh
+            while len(self._open) > self.limit:
+                self._open.popitem(last=False)
+        return fh
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._open.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._open.clear()
+
+
+class ChunkSource:
+    """Finds and fetches the stored bytes of inner chunks ``(array, chunk number)`` of one cache.
+
+    Format 2 token arrays: the chunk's byte range in its shard, from the shard's index (read
+    once per shard, checked, kept up to ``max_indexes``); a shard object that does not exist
+    makes each of its chunks absent (None), a damaged one raises
+    :class:`~dspark_precompute.errors.DamagedShardError` (array and shard named; the caller adds
+    the samples). Format 1 arrays and the tables: one object per chunk.
+    """
+
+    def __init__(self, store: CacheStore, metas: dict[str, ArrayMeta], zstore: Any = None,
+                 max_indexes: int = 1 << 16, max_files: int = 64):
+        self.store, self.metas, self.zstore = store, metas, zstore
+        self._indexes: OrderedDict[tuple[str, int], np.ndarray | None] = OrderedDict()
+        self._max_indexes = int(max_indexes)
+        self._lock = threading.Lock()
+        self._files = None if store.url else _Handles(Path(store.root), max_files)
+        self.index_reads = 0  # shard indexes fetched (for tests and benchmarks)
+
+    # -- finding ----------------------------------------------------------------------------
+    def locate(self, jobs: Sequence[tuple[str, int]]) -> list[ChunkRef | None]:
+        """Where each chunk is (None: absent), loading the shard indexes not yet in hand (together)."""
+        need = sorted({(n, c // int(self.metas[n].shard_chunks or 1)) for n, c in jobs
+                       if self.metas[n].sharded} - self._indexes.keys())
+        if need:
+            self._load_indexes(need)
+        out: list[ChunkRef | None] = []
+        for name, c in jobs:
+            meta = self.metas[name]
+            if not meta.sharded:
+                out.append(ChunkRef(meta.object_key(c), 0, meta.max_stored_bytes() + 1, False))
+                continue
+            per = int(meta.shard_chunks or 1)
+            table = self._index(name, c // per)
+            if table is None or table[c % per, 0] < 0:
+                out.append(None)
+                continue
+            a, n = int(table[c % per, 0]), int(table[c % per, 1])
+            out.append(ChunkRef(meta.object_key(c), a, a + n, True))
+        return out
+
+    def shard_index(self, name: str, shard: int) -> np.ndarray | None:
+        """Shard ``shard`` of array ``name``: its checked index (``[n, 2]`` offset, nbytes; -1 for absent chunks),
+        or None when the shard object does not exist."""
+        return self._index(name, shard)
+
+    def _index(self, name: str, shard: int) -> np.ndarray | None:
+        with self._lock:
+            if (name, shard) in self._indexes:
+                self._indexes.move_to_end((name, shard))
+                return self._indexes[(name, shard)]
+        return self._load_indexes([(name, shard)])[(name, shard)]
+
+    def _load_indexes(self, shards: list[tuple[str, int]]) -> dict[tuple[str, int], np.ndarray | None]:
+        found: dict[tuple[str, int], np.ndarray | None] = {}
+        ranges, todo = [], []
+        for name, j in shards:
+            size = self._object_size(name, j)
+            if size is None:
+                found[(name, j)] = None
+                continue
+            want = index_nbytes(int(self.metas[name].shard_chunks or 1))
+            ranges.append((self._shard_key(name, j), max(0, size - want), size))
+            todo.append((name, j, size))
+        got = get_ranges(self.store, self.zstore, ranges) if ranges else []
+        self.index_reads += len(ranges)
+        for (name, j, size), raw in zip(todo, got):
+            meta = self.metas[name]
+            per = int(meta.shard_chunks or 1)
+            if raw is None:  # removed since its size was read
+                found[(name, j)] = None
+                continue
+            try:
+                found[(name, j)] = parse_index(raw, per, size, meta.max_stored_bytes())
+            except ShardIndexProblem as exc:
+                raise DamagedShardError(f"array {name!r} shard {meta.object_index(j * per)} (object "
+                                        f"{self._shard_key(name, j)}) {exc}", array=name,
+                                        shard=meta.object_index(j * per), checksum=exc.checksum) from None
+        for key, table in found.items():
+            self._keep(key, table)
+        return found
+
+    def _keep(self, key: tuple[str, int], table: np.ndarray | None) -> None:
+        with self._lock:
+            self._indexes[key] = table
+            while len(self._indexes) > self._max_indexes:
+                self._indexes.popitem(last=False)
+
+    def _shard_key(self, name: str, shard: int) -> str:
+        meta = self.metas[name]
+        return meta.object_key(shard * int(meta.shard_chunks or 1))
+
+    def _object_size(self, name: str, shard: int) -> int | None:
+        key = self._shard_key(name, shard)
+        if self._files is None:
+            return self.store.size(key)
+        try:
+            return os.fstat(self._files.get(key).fileno()).st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    # -- fetching ---------------------------------------------------------------------------
+    def fetch(self, refs: Sequence[ChunkRef | None]) -> list[bytes | None]:
+        """The stored bytes of each located chunk (None for an absent one or a format 1 object not there)."""
+        live = [(k, r) for k, r in enumerate(refs) if r is not None]
+        out: list[bytes | None] = [None] * len(refs)
+        if self._files is None:
+            got = get_ranges(self.store, self.zstore, [(r.key, r.start, r.stop) for _, r in live])
+        else:
+            got = [self._pread(r) for _, r in live]
+        for (k, r), raw in zip(live, got):
+            if r.exact and (raw is None or len(raw) != r.nbytes):
+                name = r.key.rsplit("/", 1)[0]
+                raise DamagedShardError(f"array {name!r} object {r.key} is cut short: bytes [{r.start:,}, "
+                                        f"{r.stop:,}) named by its index are not all there (truncated or replaced "
+                                        "after its index was read)", array=name)
+            out[k] = raw
+        return out
+
+    def _pread(self, ref: ChunkRef) -> bytes | None:
+        assert self._files is not None
+        if not ref.exact:
+            return read_file(self._files.root / ref.key, ref.stop - 1)
+        try:
+            fh = self._files.get(ref.key)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return os.pread(fh.fileno(), ref.nbytes, ref.start)
+
+    def read(self, jobs: Sequence[tuple[str, int]]) -> list[bytes | None]:
+        """Located and fetched: each chunk's stored bytes, None for an absent one."""
+        return self.fetch(self.locate(jobs))
+
+    def forget(self) -> None:
+        """Drop every kept index and file handle (the cache was rewritten or repaired under us)."""
+        with self._lock:
+            self._indexes.clear()
+        if self._files is not None:
+            self._files.clear()
+
+    def close(self) -> None:
+        self.forget()
 
 
 _CODECS: dict[str, Any] = {}
@@ -79,7 +300,7 @@ def decode_chunk(meta: ArrayMeta, idx: tuple[int, ...], raw: bytes, where: str =
     import google_crc32c
 
     name = meta.name
-    key = f"{name}/{meta.chunk_key(idx)}"
+    key = meta.object_key(idx[0])
     if len(raw) > meta.max_stored_bytes():
         raise CacheFormatError(f"{where}array {name!r} chunk {idx} (file {key}) is larger than any chunk of this "
                                f"array can be ({meta.max_stored_bytes():,} bytes); it was not written by this tool. "
@@ -142,25 +363,23 @@ def read_array_metas(store: CacheStore, m: Manifest, zstore: Any = None
     return metas, problems
 
 
-def read_slots(store: CacheStore, metas: dict[str, ArrayMeta], names: list[str], a: int, b: int,
-               zstore: Any = None) -> dict[str, np.ndarray]:
+def read_slots(source: ChunkSource, names: list[str], a: int, b: int) -> dict[str, np.ndarray]:
     """Token slots ``[a, b)`` of each named array, decoded chunk by chunk (no reuse, no threads).
 
-    For tools that read a few samples (``verify --recompute``); the reader has its own
-    concurrent, cached path. An absent chunk raises :class:`CacheFormatError`.
+    For tools that read a few samples or whole tables (resume, ``verify --recompute``); the
+    reader has its own concurrent, cached path. An absent chunk raises :class:`CacheFormatError`.
     """
     out: dict[str, np.ndarray] = {}
     for name in names:
-        meta = metas[name]
+        meta = source.metas[name]
         ct = meta.chunks[0]
+        jobs = [(name, c) for c in range(a // ct, -(-b // ct) if b > a else a // ct)]
         parts = []
-        for c in range(a // ct, -(-b // ct) if b > a else a // ct):
-            idx = meta.chunk_index(c)
-            key = f"{name}/{meta.chunk_key(idx)}"
-            (raw,) = get_many(store, zstore, [key], [meta.max_stored_bytes()])
+        for (_, c), raw in zip(jobs, source.read(jobs)):
             if raw is None:
-                raise CacheFormatError(f"{store.path}: chunk {key} is missing")
-            data = decode_chunk(meta, idx, raw)
+                raise CacheFormatError(f"{source.store.path}: array {name!r} chunk {c} is missing "
+                                       f"({meta.object_key(c)})")
+            data = decode_chunk(meta, meta.chunk_index(c), raw)
             parts.append(data[max(a, c * ct) - c * ct:min(b, (c + 1) * ct) - c * ct])
         out[name] = np.concatenate(parts) if parts else np.zeros((0, *meta.shape[1:]), dtype=meta.dtype)
     return out

@@ -1,19 +1,21 @@
 """Where every sample lives on the token axis, and the checks that the stored tables say so.
 
-The layout is a pure function of the sample lengths and two sizes (``build_layout``):
-samples sorted longest first (ties by index), packed greedily into units of at most
-``unit_tokens``, each unit starting on a chunk boundary. Readers and ``verify`` check the
-stored tables against exactly that (:func:`table_problems`).
+The layout is a pure function of the sample lengths, two sizes and the format version
+(``build_layout``): samples sorted longest first (ties by index), packed greedily into units
+of at most ``unit_tokens``. In format 2 unit ``u`` starts at token slot ``u * unit_tokens``
+(one shard per unit; the slots past its last chunk are never written and cost nothing); in
+format 1 each unit started at the chunk boundary after the previous one. Readers and
+``verify`` check the stored tables against exactly that (:func:`table_problems`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dspark_precompute.contract.spec import SAMPLE_ARRAYS, UNIT_ARRAYS
+from dspark_precompute.contract.spec import FORMAT_VERSION, SAMPLE_ARRAYS, UNIT_ARRAYS
 
 if TYPE_CHECKING:
     from dspark_precompute.contract.manifest import Manifest
@@ -39,6 +41,7 @@ class Layout:
     unit_start: np.ndarray  # int64 [u]
     unit_stop: np.ndarray  # int64 [u]
     unit_order: list[np.ndarray]  # per unit: sample ids in on-disk (longest-first) order
+    version: int = FORMAT_VERSION
 
     @property
     def num_units(self) -> int:
@@ -46,9 +49,7 @@ class Layout:
 
     @property
     def total_slots(self) -> int:
-        if not self.num_units:
-            return 0
-        return int(-(-int(self.unit_stop[-1]) // self.chunk_tokens) * self.chunk_tokens)
+        return total_slots(self.unit_stop, self.chunk_tokens, self.unit_tokens, self.version)
 
     def unit_slots(self, u: int) -> int:
         """Token slots unit ``u`` owns (its tokens rounded up to whole chunks)."""
@@ -56,7 +57,27 @@ class Layout:
         return int(-(-n // self.chunk_tokens) * self.chunk_tokens)
 
 
-def build_layout(lengths: np.ndarray, chunk_tokens: int, unit_tokens: int) -> Layout:
+def total_slots(unit_stop: np.ndarray, chunk_tokens: int, unit_tokens: int, version: int = FORMAT_VERSION) -> int:
+    """Length of the token axis: whole shards in format 2, the last unit's chunks in format 1."""
+    if not len(unit_stop):
+        return 0
+    if version >= 2:
+        return len(unit_stop) * int(unit_tokens)
+    return int(-(-int(unit_stop[-1]) // chunk_tokens) * chunk_tokens)
+
+
+def unit_starts(unit_stop: np.ndarray, chunk_tokens: int, unit_tokens: int, version: int = FORMAT_VERSION
+                ) -> np.ndarray:
+    """Where each unit must start given where each ends: ``u * unit_tokens`` (format 2), or after the
+    previous unit's last chunk (format 1)."""
+    n = len(unit_stop)
+    if version >= 2:
+        return np.arange(n, dtype=np.int64) * int(unit_tokens)
+    slots = -(-np.asarray(unit_stop, dtype=np.int64) // chunk_tokens) * chunk_tokens
+    return np.r_[0, slots[:-1]].astype(np.int64) if n else np.zeros(0, dtype=np.int64)
+
+
+def build_layout(lengths: np.ndarray, chunk_tokens: int, unit_tokens: int, version: int = FORMAT_VERSION) -> Layout:
     """Sort samples longest first (ties by index), pack them into units of <= unit_tokens.
 
     Length-sorted units make every forward batch nearly padding-free; the per-sample
@@ -85,41 +106,48 @@ def build_layout(lengths: np.ndarray, chunk_tokens: int, unit_tokens: int) -> La
         unit_start.append(cursor)
         unit_stop.append(cursor + used)
         unit_order.append(np.asarray(members, dtype=np.int64))
-        cursor += -(-used // chunk_tokens) * chunk_tokens
+        cursor += unit_tokens if version >= 2 else -(-used // chunk_tokens) * chunk_tokens
     return Layout(chunk_tokens, unit_tokens, start, lengths.astype(np.int32), unit,
-                  np.asarray(unit_start, dtype=np.int64), np.asarray(unit_stop, dtype=np.int64), unit_order)
+                  np.asarray(unit_start, dtype=np.int64), np.asarray(unit_stop, dtype=np.int64), unit_order, version)
 
 
 
-def table_problems(m: Manifest, tables: dict[str, np.ndarray]) -> list[str]:
-    """Every way the sample/unit tables disagree with the manifest or with :func:`build_layout`.
+@dataclass
+class _Tables:
+    """The stored tables as int64, with the manifest facts the rules check them against."""
 
-    Vectorised (a sort, no per-sample Python): lengths within ``[1, seq_length]``,
-    ``untruncated_length >= length``, source rows increasing, each unit's samples tiling
-    ``[units/token_start, units/token_stop)`` with no gap or overlap, units starting on
-    chunk boundaries in order, the disk order being exactly ``build_layout``'s (longest
-    first, ties by sample index, greedy packing under ``unit_tokens``), and the counts.
-    """
-    layout, counts = m.layout, m.counts
-    ct, ut = layout.chunk_tokens, layout.unit_tokens
-    nu, total, seq = layout.num_units, layout.total_token_slots, m.seq_length
-    n = m.stored_samples
-    p: list[str] = []
-    for name in SAMPLE_ARRAYS:
-        if len(tables[name]) != n:
-            p.append(f"table {name} has {len(tables[name])} rows, manifest counts.samples is {n}"
-                     + (f" with the dropped samples ({counts.samples} + {n - counts.samples})"
-                        if n != counts.samples else ""))
-    for name in UNIT_ARRAYS:
-        if len(tables[name]) != nu:
-            p.append(f"table {name} has {len(tables[name])} rows, manifest layout.num_units is {nu}")
-    if p:
-        return p
-    start, length = tables["samples/start"].astype(np.int64), tables["samples/length"].astype(np.int64)
-    unit, untrunc = tables["samples/unit"].astype(np.int64), tables["samples/untruncated_length"].astype(np.int64)
-    source = tables["samples/source_row"].astype(np.int64)
-    us, ue = tables["units/token_start"].astype(np.int64), tables["units/token_stop"].astype(np.int64)
+    m: Manifest
+    start: np.ndarray
+    length: np.ndarray
+    unit: np.ndarray
+    untrunc: np.ndarray
+    source: np.ndarray
+    us: np.ndarray
+    ue: np.ndarray
+    order: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # sample ids by start
 
+    @property
+    def n(self) -> int:
+        return len(self.start)
+
+    @property
+    def nu(self) -> int:
+        return self.m.layout.num_units
+
+
+def _row_counts(m: Manifest, tables: dict[str, np.ndarray]) -> list[str]:
+    n, nu = m.stored_samples, m.layout.num_units
+    p = [f"table {name} has {len(tables[name])} rows, manifest counts.samples is {n}"
+         + (f" with the dropped samples ({m.counts.samples} + {n - m.counts.samples})" if n != m.counts.samples
+            else "") for name in SAMPLE_ARRAYS if len(tables[name]) != n]
+    return p + [f"table {name} has {len(tables[name])} rows, manifest layout.num_units is {nu}"
+                for name in UNIT_ARRAYS if len(tables[name]) != nu]
+
+
+def _sample_values(t: _Tables) -> list[str]:
+    """Lengths in [1, seq_length], untruncated lengths no shorter, units that exist, source rows increasing."""
+    p, seq, nu, rows_in = [], t.m.seq_length, t.nu, t.m.counts.rows_in
+    length, unit, source, untrunc = t.length, t.unit, t.source, t.untrunc
     bad = np.flatnonzero((length < 1) | (length > seq))
     if len(bad):
         p.append(f"samples/length: {len(bad)} sample(s) outside [1, seq_length={seq}]: "
@@ -132,92 +160,135 @@ def table_problems(m: Manifest, tables: dict[str, np.ndarray]) -> list[str]:
     if len(bad):
         p.append(f"samples/unit: {len(bad)} sample(s) name no unit in [0, {nu}): "
                  + _examples(bad, lambda i: f"sample {i} has unit {unit[i]}"))
-    rows_in = counts.rows_in
     bad = np.flatnonzero((source < 0) | (source >= max(rows_in, 1)) | np.r_[False, np.diff(source) <= 0])
     if len(bad):
         p.append(f"samples/source_row: {len(bad)} value(s) out of order or outside [0, counts.rows_in={rows_in}) "
                  "(samples are stored in input order): " + _examples(bad, lambda i: f"sample {i} has row {source[i]}"))
+    return p
+
+
+def _unit_placement(t: _Tables) -> list[str]:
+    """Units start where the format puts them (chunk-aligned, in order) and the token axis ends after the last."""
+    layout, us, ue = t.m.layout, t.us, t.ue
+    ct, ut, total = layout.chunk_tokens, layout.unit_tokens, layout.total_token_slots
+    if not t.nu:
+        return []
+    bad = np.flatnonzero((us % ct != 0) | (ue <= us))
+    if len(bad):
+        return [f"units/token_start, units/token_stop: {len(bad)} unit(s) not starting on a chunk boundary of "
+                f"{ct} tokens or empty: " + _examples(bad, lambda u: f"unit {u} spans [{us[u]}, {ue[u]})")]
+    version = t.m.format_version
+    want = unit_starts(ue, ct, ut, version)
+    bad = np.flatnonzero(us != want)
+    if len(bad):
+        rule = "each unit at u x layout.unit_tokens" if version >= 2 else "in order after the previous unit's chunks"
+        return [f"units/token_start: {len(bad)} unit(s) not placed {rule}: "
+                + _examples(bad, lambda u: f"unit {u} starts at {us[u]}, expected {want[u]}")]
+    if version >= 2 and (ue - us > ut).any():
+        u = int(np.flatnonzero(ue - us > ut)[0])
+        return [f"units/token_stop: unit {u} spans [{us[u]}, {ue[u]}), more than its shard of layout.unit_tokens = "
+                f"{ut} slots"]
+    end = total_slots(ue, ct, ut, version)
+    return [] if end == total else [f"layout.total_token_slots = {total}, but the units end at token slot {end}"]
+
+
+def _tiling(t: _Tables) -> list[str]:
+    """Each unit's samples tile [token_start, token_stop) with no gap or overlap, units in token order."""
+    ss, sl, su = t.start[t.order], t.length[t.order], t.unit[t.order]
+    order, us, ue = t.order, t.us, t.ue
+    if (np.diff(su) < 0).any():
+        k = int(np.flatnonzero(np.diff(su) < 0)[0])
+        return [f"samples/unit, samples/start: units are not in token order: sample {order[k]} (unit {su[k]}) "
+                f"lies before sample {order[k + 1]} (unit {su[k + 1]})"]
+    bad = np.flatnonzero(np.bincount(t.unit, minlength=t.nu) == 0)
+    if len(bad):
+        return [f"samples/unit: {len(bad)} unit(s) hold no sample: " + _examples(bad, lambda u: f"unit {u}")]
+    p = []
+    first, last = np.r_[True, su[1:] != su[:-1]], np.r_[su[1:] != su[:-1], True]
+    bad = np.flatnonzero(first & (ss != us[su]))
+    if len(bad):
+        p.append(f"samples/start: {len(bad)} unit(s) whose first sample does not start at units/token_start: "
+                 + _examples(bad, lambda k: f"sample {order[k]} starts at {ss[k]}, its unit {su[k]} at {us[su[k]]}"))
+    bad = np.flatnonzero(~first[1:] & (ss[1:] != ss[:-1] + sl[:-1]))
+    if len(bad):
+        p.append(f"samples/start, samples/length: {len(bad)} gap(s) or overlap(s) between neighbouring samples "
+                 "(a sample would read another's tokens): "
+                 + _examples(bad, lambda k: f"sample {order[k]} ends at {ss[k] + sl[k]}, sample {order[k + 1]} "
+                                           f"starts at {ss[k + 1]}"))
+    bad = np.flatnonzero(last & (ss + sl != ue[su]))
+    if len(bad):
+        p.append(f"samples/length, units/token_stop: {len(bad)} unit(s) whose last sample does not end at "
+                 "units/token_stop: " + _examples(bad, lambda k: f"sample {order[k]} ends at {ss[k] + sl[k]}, "
+                                                                f"unit {su[k]} at {ue[su[k]]}"))
+    return p
+
+
+def _disk_order(t: _Tables) -> list[str]:
+    """The disk order is build_layout's: length descending, ties by sample index ascending."""
+    order, sl, ss = t.order, t.length[t.order], t.start[t.order]
+    if ((sl[:-1] > sl[1:]) | ((sl[:-1] == sl[1:]) & (order[:-1] < order[1:]))).all():
+        return []
+    want = np.lexsort((np.arange(t.n), -t.length))
+    bad = np.flatnonzero(order != want)
+    k = int(bad[0])
+    return [f"samples/start: the disk order is not the layout of the recorded lengths (longest first, ties by "
+            f"sample index): token slot {ss[k]} holds sample {order[k]} (length {t.length[order[k]]}) where the "
+            f"layout puts sample {want[k]} (length {t.length[want[k]]}); {len(bad)} sample(s) are out of place, so "
+            "they would read other samples' tokens. The offset table was altered: re-create the cache"]
+
+
+def _packing(t: _Tables) -> list[str]:
+    """Units are packed greedily under unit_tokens (a unit stops only when the next sample does not fit)."""
+    ut, size = t.m.layout.unit_tokens, t.ue - t.us
+    members = np.bincount(t.unit, minlength=t.nu)
+    p = []
+    bad = np.flatnonzero((size > ut) & (members > 1))
+    if len(bad):
+        p.append(f"units: {len(bad)} unit(s) hold more than layout.unit_tokens = {ut} tokens in several samples: "
+                 + _examples(bad, lambda u: f"unit {u} holds {size[u]}"))
+    su = t.unit[t.order]
+    nxt = t.length[t.order][np.r_[True, su[1:] != su[:-1]]][1:]
+    bad = np.flatnonzero(size[:-1] + nxt <= ut)
+    if len(bad):
+        p.append("units: the samples are not packed as the layout packs them (a unit stops although the next "
+                 f"sample fits in layout.unit_tokens = {ut}): " + _examples(bad, lambda u: f"unit {u}"))
+    return p
+
+
+def _counts(t: _Tables) -> list[str]:
+    """The manifest's token and truncation counts describe the readable samples (dropped ones are rejects)."""
+    keep = np.ones(t.n, dtype=bool)
+    keep[np.asarray(t.m.dropped_samples or [], dtype=np.int64)] = False
+    got = {"tokens": int(t.length[keep].sum()), "truncated_samples": int((t.untrunc > t.length)[keep].sum())}
+    return [f"manifest counts.{k} = {getattr(t.m.counts, k)}, the tables give {v}"
+            for k, v in got.items() if getattr(t.m.counts, k) != v]
+
+
+# the rules, in order; a rule runs only when every one before it found nothing (it relies on them)
+_RULES = (_sample_values, _unit_placement, _tiling, _disk_order, _packing)
+
+
+def table_problems(m: Manifest, tables: dict[str, np.ndarray]) -> list[str]:
+    """Every way the sample/unit tables disagree with the manifest or with :func:`build_layout`.
+
+    Vectorised (one sort, no per-sample Python): the named rules above, in order, each run
+    only when the ones before found nothing, then the counts.
+    """
+    p = _row_counts(m, tables)
     if p:
         return p
-
-    if nu:
-        bad = np.flatnonzero((us % ct != 0) | (ue <= us))
-        if len(bad):
-            p.append(f"units/token_start, units/token_stop: {len(bad)} unit(s) not starting on a chunk boundary of "
-                     f"{ct} tokens or empty: " + _examples(bad, lambda u: f"unit {u} spans [{us[u]}, {ue[u]})"))
-        slots = -(-ue // ct) * ct
-        want_start = np.r_[0, slots[:-1]]
-        bad = np.flatnonzero(us != want_start)
-        if len(bad) and not p:
-            p.append(f"units/token_start: {len(bad)} unit(s) not packed in order after the previous unit's chunks: "
-                     + _examples(bad, lambda u: f"unit {u} starts at {us[u]}, expected {want_start[u]}"))
-        if not p and int(slots[-1]) != total:
-            p.append(f"layout.total_token_slots = {total}, but the units end at token slot {int(slots[-1])}")
-    if p:
-        return p
-
-    order = np.argsort(start)  # the one sort: everything below is a pass over neighbours
-    ss, sl, su = start[order], length[order], unit[order]
-    if n:
-        if (np.diff(su) < 0).any():
-            k = int(np.flatnonzero(np.diff(su) < 0)[0])
-            p.append(f"samples/unit, samples/start: units are not in token order: sample {order[k]} (unit {su[k]}) "
-                     f"lies before sample {order[k + 1]} (unit {su[k + 1]})")
-            return p
-        members = np.bincount(unit, minlength=nu)
-        bad = np.flatnonzero(members == 0)
-        if len(bad):
-            p.append(f"samples/unit: {len(bad)} unit(s) hold no sample: " + _examples(bad, lambda u: f"unit {u}"))
-            return p
-        first = np.r_[True, su[1:] != su[:-1]]
-        last = np.r_[su[1:] != su[:-1], True]
-        bad = np.flatnonzero(first & (ss != us[su]))
-        if len(bad):
-            p.append(f"samples/start: {len(bad)} unit(s) whose first sample does not start at units/token_start: "
-                     + _examples(bad, lambda k: f"sample {order[k]} starts at {ss[k]}, its unit {su[k]} at "
-                                               f"{us[su[k]]}"))
-        bad = np.flatnonzero(~first[1:] & (ss[1:] != ss[:-1] + sl[:-1]))
-        if len(bad):
-            p.append(f"samples/start, samples/length: {len(bad)} gap(s) or overlap(s) between neighbouring samples "
-                     "(a sample would read another's tokens): "
-                     + _examples(bad, lambda k: f"sample {order[k]} ends at {ss[k] + sl[k]}, sample {order[k + 1]} "
-                                               f"starts at {ss[k + 1]}"))
-        bad = np.flatnonzero(last & (ss + sl != ue[su]))
-        if len(bad):
-            p.append(f"samples/length, units/token_stop: {len(bad)} unit(s) whose last sample does not end at "
-                     "units/token_stop: " + _examples(bad, lambda k: f"sample {order[k]} ends at {ss[k] + sl[k]}, "
-                                                                    f"unit {su[k]} at {ue[su[k]]}"))
+    i64 = {k: v.astype(np.int64) for k, v in tables.items()}
+    t = _Tables(m, i64["samples/start"], i64["samples/length"], i64["samples/unit"],
+                i64["samples/untruncated_length"], i64["samples/source_row"], i64["units/token_start"],
+                i64["units/token_stop"])
+    t.order = np.argsort(t.start)
+    for rule in _RULES:
+        if rule in (_tiling, _disk_order, _packing) and not t.n:
+            continue
+        p = rule(t)
         if p:
             return p
-        # disk order must be build_layout's: length descending, ties by sample index ascending
-        in_order = (sl[:-1] > sl[1:]) | ((sl[:-1] == sl[1:]) & (order[:-1] < order[1:]))
-        if not in_order.all():
-            want = np.lexsort((np.arange(n), -length))
-            bad = np.flatnonzero(order != want)
-            k = int(bad[0])
-            p.append(f"samples/start: the disk order is not the layout of the recorded lengths (longest first, ties "
-                     f"by sample index): token slot {ss[k]} holds sample {order[k]} (length {length[order[k]]}) where "
-                     f"the layout puts sample {want[k]} (length {length[want[k]]}); {len(bad)} sample(s) are out of "
-                     "place, so they would read other samples' tokens. The offset table was altered: re-create the "
-                     "cache")
-            return p
-        size = ue - us
-        bad = np.flatnonzero((size > ut) & (members > 1))
-        if len(bad):
-            p.append(f"units: {len(bad)} unit(s) hold more than layout.unit_tokens = {ut} tokens in several samples: "
-                     + _examples(bad, lambda u: f"unit {u} holds {size[u]}"))
-        nxt = sl[first][1:]
-        bad = np.flatnonzero(size[:-1] + nxt <= ut)
-        if len(bad):
-            p.append("units: the samples are not packed as the layout packs them (a unit stops although the next "
-                     f"sample fits in layout.unit_tokens = {ut}): " + _examples(bad, lambda u: f"unit {u}"))
-    keep = np.ones(n, dtype=bool)  # the counts describe the readable samples: dropped ones are rejects
-    keep[np.asarray(m.dropped_samples or [], dtype=np.int64)] = False
-    for key, got in (("tokens", int(length[keep].sum())), ("truncated_samples",
-                                                            int((untrunc > length)[keep].sum()))):
-        if getattr(counts, key) != got:
-            p.append(f"manifest counts.{key} = {getattr(counts, key)}, the tables give {got}")
-    return p
+    return _counts(t)
 
 
 class SampleIndex:

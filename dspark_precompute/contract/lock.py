@@ -5,8 +5,9 @@ killed run is simply free again (no pid guessing, no race between two starters t
 over the same stale lock). The file also records host, pid and start time, so a refused
 run can name the owner.
 
-A run that gives up before writing anything removes what the lock itself created (the
-lock file, and the directories it had to make), so a refused run leaves nothing behind.
+Releasing removes the lock file (a finished cache holds only what the format names), and a
+run that gives up before writing anything also removes the directories the lock had to make,
+so a refused run leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ class WriterLock:
         return self
 
     def release(self) -> None:
+        """Remove the lock file (while still holding it) and, when nothing else is left, the directories
+        the lock made; then drop the lock. A starter that opened the old file sees it unlinked and retries."""
         if self._fd is None:
             return
         try:
-            if [p.name for p in self.dir.iterdir()] == [LOCK_NAME]:
-                # nothing but our lock: remove it (while still holding it) and the dirs we made
-                self.path.unlink(missing_ok=True)
+            self.path.unlink(missing_ok=True)
+            if not any(self.dir.iterdir()):
                 for d in self._made_dirs:
                     try:
                         d.rmdir()

@@ -1,11 +1,14 @@
 """The manifest: one typed record of what a cache holds, and the only code that reads its keys.
 
-``Manifest.parse`` checks a manifest.json (every field's type and range, the array names
-against the naming rule, counts and layout against each other: :func:`manifest_problems`)
-before anything is computed from it; ``Manifest.read``/``write`` move it through a store;
-``differences`` names the identity fields a resume would change. The ``identity``
-section is hashed into ``config_hash`` and its fields are the write side's to choose
-(its plan); the reader takes only the few it shows through the properties below.
+:data:`FIELDS` is the manifest's schema, one row per JSON key (dotted for nested records):
+its type, range, whether it may be absent or null, since which format version, and what it
+means. That one table drives the checks of a manifest read from disk (:func:`manifest_problems`:
+the table's own type/range checks, then the named cross-field rules in :data:`RULES`), the
+typed record (:class:`Manifest` and its parts, built from the checked JSON by
+:meth:`Manifest.parse` and written back by :meth:`Manifest.to_json`) and the field table of
+``docs/format.md`` (:func:`fields_markdown`). ``differences`` names the identity fields a
+resume would change. The ``identity`` section is hashed into ``config_hash`` and its fields are
+the write side's to choose (its plan); the reader takes only the few it shows.
 """
 
 from __future__ import annotations
@@ -14,17 +17,18 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from dspark_precompute.contract.fp8 import E4M3, SCALE_DTYPE, scale_columns
+from dspark_precompute.contract.fp8 import SCALE_DTYPE, scale_columns
 from dspark_precompute.contract.spec import (
     FINAL_NORM,
     FORMAT_NAME,
     FORMAT_VERSION,
     HIDDEN_GROUP,
+    LAST,
     MANIFEST,
     MAX_CHUNK_BYTES,
     MAX_CHUNK_TOKENS,
@@ -32,30 +36,185 @@ from dspark_precompute.contract.spec import (
     MAX_NUM_LAYERS,
     MAX_SAMPLE_BYTES,
     MAX_SEQ_LENGTH,
+    MAX_SHARD_CHUNKS,
     MAX_TOKEN_SLOTS,
     MAX_VOCAB_SIZE,
-    OUTPUT_DTYPES,
-    STORAGE_DTYPES,
+    PRE_NORM,
+    READABLE_FORMATS,
     WEIGHTS,
     array_dtypes,
-    bytes_per_token,
-    disk_dtype,
     hidden_arrays,
     hidden_bytes_per_token,
     is_int,
     scale_array,
 )
+from dspark_precompute.contract.vocab import LastState, StorageDtype
 from dspark_precompute.errors import CacheFormatError
 
 if TYPE_CHECKING:
     from dspark_precompute.contract.store import CacheStore
 
-_HEX = frozenset("0123456789abcdef")
 # fields that say when and by which command a cache was written: an uninterrupted run and a
 # resumed one that end with bit-identical data differ only in these
 RUN_RECORD_FIELDS = ("created_at", "updated_at", "completed_at", "timing", "provenance")
 
 
+# -- the schema ---------------------------------------------------------------------------------
+class Kind(StrEnum):
+    """The JSON type of a manifest field."""
+
+    INT = "integer"
+    STR = "string"
+    BOOL = "boolean"
+    OBJECT = "object"
+    INTS = "list of integers"
+    STRS = "list of strings"
+    SHA256 = "64 lowercase hex digits"
+    COUNTS = "object of string -> integer >= 0"
+    NAMES = "object of string -> string"
+    SECONDS = "object of string -> number"
+    ANY = "any JSON value"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One manifest key: its type, range and meaning (a row of docs/format.md's field table)."""
+
+    key: str  # dotted path ("layout.chunk_tokens")
+    kind: Kind
+    doc: str
+    required: bool = True  # present in every manifest of a version >= ``since`` (when its parent is)
+    null: bool = False  # may be null
+    since: int = 1
+    lo: int | None = None
+    hi: int | None = None
+    choices: tuple[str, ...] = ()
+    derived: bool = False  # computed from other fields when written; a reader checks it, never uses it
+
+    @property
+    def parent(self) -> str:
+        return self.key.rpartition(".")[0]
+
+    @property
+    def name(self) -> str:
+        return self.key.rpartition(".")[2]
+
+
+_DTYPES = tuple(StorageDtype)
+_TOKENS = (0, MAX_TOKEN_SLOTS)
+FIELDS: tuple[Field, ...] = (
+    Field("format", Kind.STR, f"always {FORMAT_NAME!r}", choices=(FORMAT_NAME,)),
+    Field("format_version", Kind.INT, "the layout version; bumped on any change a reader of the previous one "
+          "would misread (see Versions)", lo=1, hi=1 << 16),
+    Field("config_hash", Kind.STR, "sha256 of ``identity`` as canonical JSON (sorted keys, no spaces)"),
+    Field("identity", Kind.OBJECT, "everything that changes a stored value or the layout (hashed into "
+          "config_hash); a resume with any difference is refused"),
+    Field("identity.target", Kind.OBJECT, "the target: path, model type, config and weight fingerprints, revision, "
+          "attention implementation"),
+    Field("identity.target.path", Kind.STR, "hub id or local directory of the target"),
+    Field("identity.data", Kind.OBJECT, "the data: path, content sha256, selection, mask options"),
+    Field("identity.data.path", Kind.ANY, "data.path"),
+    Field("identity.data.split", Kind.ANY, "data.split"),
+    Field("identity.data.shuffle_seed", Kind.ANY, "data.shuffle_seed", null=True),
+    Field("identity.data.mask_reasoning_content", Kind.ANY, "data.mask_reasoning_content"),
+    Field("config", Kind.OBJECT, "the resolved run configuration (to rebuild the run: verify --recompute)",
+          required=False),
+    Field("target_model", Kind.STR, "the target's path or hub id, as given"),
+    Field("target_model_type", Kind.STR, "its transformers model type"),
+    Field("target_vocab_size", Kind.INT, "rows of its embedding and lm_head", lo=1, hi=MAX_VOCAB_SIZE),
+    Field("num_hidden_layers", Kind.INT, "decoder layers N", lo=1, hi=MAX_NUM_LAYERS),
+    Field("hidden_size", Kind.INT, "H, the width of every hidden-state array", lo=1, hi=MAX_HIDDEN_SIZE),
+    Field("layer_ids", Kind.INTS, "captured layer ids, strictly increasing in [-1, N-1]: id i is decoder layer i's "
+          "output, -1 the embeddings, N-1 the post-final-norm state"),
+    Field("seq_length", Kind.INT, "the longest sample, in tokens", lo=1, hi=MAX_SEQ_LENGTH),
+    Field("storage_dtype", Kind.STR, "storage dtype of the captured layers", choices=_DTYPES),
+    Field("last_dtype", Kind.STR, "storage dtype of the final states (post- and pre-norm) when it differs from "
+          "storage_dtype", required=False, null=True, choices=_DTYPES),
+    Field("fp8_group", Kind.INT, "channels per fp8 scale (absent: one scale per token)", required=False, null=True,
+          lo=1, hi=MAX_HIDDEN_SIZE),
+    Field("chat_template", Kind.STR, "the Jinja chat template the samples were rendered with"),
+    Field("arrays", Kind.NAMES, "layer id (as a string) -> hidden array; ``last``: the post-norm state; "
+          "``pre_norm``: the last decoder output before the final norm"),
+    Field("layout", Kind.OBJECT, "where units and chunks lie on the token axis"),
+    Field("layout.chunk_tokens", Kind.INT, "rows per inner chunk (the unit of decoding)", lo=1, hi=MAX_CHUNK_TOKENS),
+    Field("layout.unit_tokens", Kind.INT, "token slots per commit unit; in format 2 also per shard: unit u owns "
+          "slots [u x unit_tokens, (u+1) x unit_tokens)", lo=1, hi=MAX_TOKEN_SLOTS),
+    Field("layout.num_units", Kind.INT, "commit units (format 2: shards per token array)", lo=0, hi=MAX_TOKEN_SLOTS),
+    Field("layout.total_token_slots", Kind.INT, "length of the token axis (format 2: num_units x unit_tokens)",
+          lo=0, hi=MAX_TOKEN_SLOTS),
+    Field("counts", Kind.OBJECT, "how the input rows were accounted for: rows_in = samples + rejected"),
+    Field("counts.rows_in", Kind.INT, "rows of the input selection", lo=_TOKENS[0], hi=_TOKENS[1]),
+    Field("counts.samples", Kind.INT, "readable samples", lo=_TOKENS[0], hi=_TOKENS[1]),
+    Field("counts.rejected", Kind.INT, "rows in rejects.jsonl", lo=_TOKENS[0], hi=_TOKENS[1]),
+    Field("counts.tokens", Kind.INT, "real tokens of the readable samples", lo=_TOKENS[0], hi=_TOKENS[1]),
+    Field("counts.supervised_tokens", Kind.INT, "tokens with loss_mask 1", lo=_TOKENS[0], hi=_TOKENS[1]),
+    Field("counts.truncated_samples", Kind.INT, "samples cut at seq_length", lo=_TOKENS[0], hi=_TOKENS[1]),
+    Field("counts.rejected_by_reason", Kind.COUNTS, "reject reason -> rows", required=False),
+    Field("complete", Kind.BOOL, "every unit is committed and the run finished; readers refuse an incomplete "
+          "cache unless asked"),
+    Field("tokens_stored", Kind.BOOL, "input_ids and loss_mask of every unit are written (a resume reads them "
+          "instead of tokenizing again)", since=2),
+    Field("tied_embeddings", Kind.BOOL, "the target ties lm_head to the embedding", required=False),
+    Field("pad_token_id", Kind.INT, "the tokenizer's pad id", required=False, null=True, lo=0, hi=MAX_VOCAB_SIZE),
+    Field("eos_token_id", Kind.INT, "the tokenizer's eos id", required=False, null=True, lo=0, hi=MAX_VOCAB_SIZE),
+    Field("tool_version", Kind.STR, "dspark-precompute's version", required=False),
+    Field("created_at", Kind.STR, "UTC time the cache was allocated", required=False),
+    Field("updated_at", Kind.STR, "UTC time of the last manifest write", required=False),
+    Field("completed_at", Kind.STR, "UTC time the run finished", required=False, null=True),
+    Field("timing", Kind.SECONDS, "seconds per stage of the run that finished it", required=False, null=True),
+    Field("weights_sha256", Kind.SHA256, f"sha256 of {WEIGHTS}", required=False, null=True),
+    Field("dropped_samples", Kind.INTS, "stored samples whose states were not finite: never readable, counted as "
+          "rejects", required=False, null=True),
+    Field("nonfinite_values", Kind.COUNTS, "hidden array -> NaN/Inf values found (all in dropped samples)",
+          required=False, null=True),
+    Field("capture", Kind.OBJECT, "how the stored values were made", required=False, null=True),
+    Field("capture.last_state", Kind.STR, "which final states are stored (format 1: post_final_norm)",
+          required=False, null=True),
+    Field("capture.final_norm_class", Kind.STR, "class of the target's final norm", required=False, null=True),
+    Field("capture.layer_preset", Kind.STR, "nemo | servable | explicit", required=False, null=True),
+    Field("capture.mask", Kind.OBJECT, "which rule made the loss masks", required=False, null=True),
+    Field("capture.mask.rule", Kind.STR, "generation_template | nemo_prefix | deepspec", required=False, null=True),
+    Field("capture.mask.fallback", Kind.STR, "full_render_alignment (nemo_prefix: turns a template rewrites)",
+          required=False, null=True),
+    Field("capture.mask.mask_reasoning_content", Kind.BOOL, "reasoning tokens unsupervised", required=False,
+          null=True),
+    Field("capture.mask.mask_generation_prompt", Kind.BOOL, "assistant headers unsupervised", required=False,
+          null=True),
+    Field("capture.target_weights_dtype", Kind.STR, "the checkpoint's floating dtype", required=False, null=True),
+    Field("capture.weights_fingerprint", Kind.STR, "the identity's fingerprint of every weight file",
+          required=False, null=True),
+    Field("capture.fingerprint_kind", Kind.STR, "full | sampled", required=False, null=True),
+    Field("provenance", Kind.OBJECT, "which command, software and hosts wrote the cache (never hashed)",
+          required=False, null=True),
+    Field("provenance.argv", Kind.STRS, "command line of the run that finished it", required=False, null=True),
+    Field("provenance.overrides", Kind.STRS, "its Hydra overrides", required=False, null=True),
+    Field("provenance.versions", Kind.NAMES, "package -> version", required=False, null=True),
+    Field("provenance.hosts", Kind.STRS, "every host that wrote a unit", required=False, null=True),
+    Field("provenance.world_size", Kind.INT, "ranks of the finishing run", required=False, null=True, lo=1,
+          hi=1 << 24),
+    Field("bytes_per_token", Kind.INT, "raw bytes per real token (ids, mask, hidden arrays, fp8 scales)",
+          required=False, derived=True),
+    Field("target_hidden_dim", Kind.INT, "H x len(layer_ids) (NeMo's name)", required=False, derived=True),
+    Field("target_last_hidden_dim", Kind.INT, "H (NeMo's name)", required=False, derived=True),
+    Field("hidden_storage", Kind.OBJECT, "per hidden array: storage, disk and logical dtype, and an fp8 array's "
+          "scale array", required=False, derived=True),
+)
+_BY_KEY = {f.key: f for f in FIELDS}
+
+
+def fields_markdown() -> str:
+    """The field table of docs/format.md, from :data:`FIELDS`."""
+    rows = ["| key | type | required | since | meaning |", "| --- | --- | --- | --- | --- |"]
+    for f in FIELDS:
+        kind = f.kind.value + (f" in [{f.lo}, {f.hi}]" if f.lo is not None else "")
+        kind += f"; one of {', '.join(f.choices)}" if f.choices else ""
+        kind += " or null" if f.null else ""
+        need = "derived" if f.derived else "yes" if f.required else "no"
+        rows.append(f"| `{f.key}` | {kind} | {need} | {f.since} | {f.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+# -- the typed record ---------------------------------------------------------------------------
 def config_hash(identity: dict[str, Any]) -> str:
     """sha256 of the identity as canonical JSON (sorted keys, no spaces)."""
     return hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -78,6 +237,12 @@ def identity_differences(recorded: dict[str, Any], requested: dict[str, Any]) ->
 
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _record(cls: type, data: dict[str, Any]) -> Any:
+    """A record dataclass from its checked JSON object (keys this version does not know are dropped)."""
+    return cls(**{f.name: data.get(f.name, f.default if f.default is not dataclasses.MISSING else None)
+                  for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -103,17 +268,15 @@ class Counts:
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
 
 
-LAST_STATE_POST_NORM = "post_final_norm"  # Capture.last_state: the decoder's output after its final norm
-
-
 @dataclass(frozen=True)
 class MaskPolicy:
     """Which rule made the loss masks, and the mask options (a trainer's answer to "what is supervised?").
 
-    ``rule``: ``generation_template`` (the template's own ``{% generation %}`` assistant mask)
-    or ``nemo_prefix`` (NeMo's prefix rule: each assistant turn from its role header to its
-    end-of-turn token). ``fallback``: with ``nemo_prefix``, ``full_render_alignment``, how a
-    turn is located where the template rewrites earlier turns and the prefix rule breaks.
+    ``rule``: ``generation_template`` (the template's own ``{% generation %}`` assistant mask),
+    ``nemo_prefix`` (NeMo's prefix rule: each assistant turn from its role header to its
+    end-of-turn token) or ``deepspec`` (DeepSpec's: assistant content and end-of-turn token).
+    ``fallback``: with ``nemo_prefix``, ``full_render_alignment``, how a turn is located where
+    the template rewrites earlier turns and the prefix rule breaks.
     """
 
     rule: str | None = None
@@ -127,11 +290,12 @@ class Capture:
     """How the stored values were made: what a trainer needs to trust the cache without guessing.
 
     Every field follows from inputs the identity already hashes (the target's config and
-    weights, the template, the mask options, the layer ids), so none of it is hashed itself.
-    ``final_norm_class`` comes from the loaded model: it is set once a run has loaded it.
+    weights, the template, the mask options, the layer ids, ``capture.last_state``), so none of
+    it is hashed itself. ``final_norm_class`` comes from the loaded model: it is set once a run
+    has loaded it.
     """
 
-    last_state: str | None = None  # LAST_STATE_POST_NORM: ``last`` is taken after the final norm
+    last_state: str | None = None  # a LastState value (format 1: "post_final_norm")
     final_norm_class: str | None = None  # e.g. Qwen3RMSNorm
     layer_preset: str | None = None  # nemo | servable | explicit (model.layer_ids given)
     mask: MaskPolicy | None = None
@@ -143,8 +307,7 @@ class Capture:
     def from_json(cls, d: dict[str, Any]) -> Capture:
         kw = {f.name: d.get(f.name) for f in dataclasses.fields(cls)}
         mask = d.get("mask")
-        kw["mask"] = MaskPolicy(**{f.name: mask.get(f.name) for f in dataclasses.fields(MaskPolicy)}) \
-            if isinstance(mask, dict) else None
+        kw["mask"] = _record(MaskPolicy, mask) if isinstance(mask, dict) else None
         return cls(**kw)
 
 
@@ -174,6 +337,10 @@ class RunProvenance:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
+# top-level fields written only when set (caches without them keep reading)
+_OMIT_WHEN_NONE = tuple(f.key for f in FIELDS if "." not in f.key and f.null)
+
+
 @dataclass
 class Manifest:
     """A cache's manifest.json as typed fields (build it, parse it, write it; never index a dict)."""
@@ -194,6 +361,8 @@ class Manifest:
     counts: Counts
     complete: bool
     config: dict[str, Any] = field(default_factory=dict)  # the resolved run config (to rebuild the run)
+    format_version: int = FORMAT_VERSION
+    tokens_stored: bool = False  # format 2: every unit's input_ids and loss_mask are written
     tied_embeddings: bool = True
     pad_token_id: int | None = None
     eos_token_id: int | None = None
@@ -207,7 +376,7 @@ class Manifest:
     capture: Capture | None = None  # absent in caches written before it was recorded
     dropped_samples: list[int] | None = None  # stored samples whose states were not finite: not readable
     nonfinite_values: dict[str, int] | None = None  # array -> NaN/Inf values found (all in dropped samples)
-    # the post-norm state's storage dtype when it differs from storage_dtype (fp8 caches keep it bf16)
+    # the final states' storage dtype when it differs from storage_dtype (fp8 caches keep them bf16)
     last_dtype: str | None = None
     fp8_group: int | None = None  # channels per fp8 scale; null: one scale per token (the whole row)
 
@@ -226,27 +395,23 @@ class Manifest:
         return self.counts.samples + len(self.dropped_samples or [])
 
     @property
-    def disk_dtype(self) -> np.dtype:
-        return disk_dtype(self.storage_dtype)
+    def dtype(self) -> StorageDtype:
+        return StorageDtype(self.storage_dtype)
 
     @property
-    def logical_dtype(self) -> str:
-        return STORAGE_DTYPES[self.storage_dtype][1]
+    def last_storage_dtype(self) -> StorageDtype:
+        """The storage dtype of the final states (``last_dtype``, else ``storage_dtype``)."""
+        return StorageDtype(self.last_dtype or self.storage_dtype)
 
     @property
-    def last_storage_dtype(self) -> str:
-        """The storage dtype of the post-norm state (``last_dtype``, else ``storage_dtype``)."""
-        return self.last_dtype or self.storage_dtype
-
-    @property
-    def array_dtypes(self) -> dict[str, str]:
-        """Storage dtype of each hidden array (the post-norm state's may differ from the others')."""
+    def array_dtypes(self) -> dict[str, StorageDtype]:
+        """Storage dtype of each hidden array (the final states' may differ from the others')."""
         return array_dtypes(self.arrays, self.storage_dtype, self.last_dtype)
 
     @property
     def scale_arrays(self) -> dict[str, str]:
         """fp8 state array -> its scale array (``hidden_scales/...``), for every array stored as fp8."""
-        return {name: scale_array(name) for name, d in self.array_dtypes.items() if d == E4M3}
+        return {name: scale_array(name) for name, d in self.array_dtypes.items() if d.is_fp8}
 
     @property
     def scale_columns(self) -> int:
@@ -254,14 +419,14 @@ class Manifest:
         return scale_columns(self.hidden_size, self.fp8_group)
 
     @property
-    def output_dtype(self) -> str:
+    def output_dtype(self) -> StorageDtype:
         """The dtype a reader returns ``target_hidden_states`` in (fp8 is dequantized to bf16)."""
-        return OUTPUT_DTYPES[self.storage_dtype]
+        return self.dtype.output
 
     @property
-    def last_output_dtype(self) -> str:
-        """The dtype a reader returns ``target_last_hidden_states`` in."""
-        return OUTPUT_DTYPES[self.last_storage_dtype]
+    def last_output_dtype(self) -> StorageDtype:
+        """The dtype a reader returns ``target_last_hidden_states`` (and the pre-norm state) in."""
+        return self.last_storage_dtype.output
 
     def hidden_storage(self) -> dict[str, dict[str, Any]]:
         """Per hidden array: storage, on-disk and logical dtype, and an fp8 array's scale array (for other tools)."""
@@ -273,9 +438,14 @@ class Manifest:
         return list(dict.fromkeys(self.arrays.values()))
 
     @property
-    def last_array(self) -> str:
-        """The array of the post-norm state the trainer applies lm_head to."""
-        return self.arrays["last"]
+    def last_array(self) -> str | None:
+        """The array of the post-norm state the trainer applies lm_head to (None: only the pre-norm state)."""
+        return self.arrays.get(LAST)
+
+    @property
+    def pre_norm_array(self) -> str | None:
+        """The array of the last decoder output before the final norm, when stored."""
+        return self.arrays.get(PRE_NORM)
 
     @property
     def bytes_per_token(self) -> int:
@@ -299,16 +469,19 @@ class Manifest:
 
     # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+        out: dict[str, Any] = {"format": FORMAT_NAME}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("completed_at", "timing", "weights_sha256", "provenance", "capture", "dropped_samples",
-                          "nonfinite_values", "last_dtype", "fp8_group") and v is None:
+            if v is None and f.name in _OMIT_WHEN_NONE:
+                continue
+            if f.name == "tokens_stored" and self.format_version < 2:
                 continue
             if isinstance(v, RunProvenance):
                 out[f.name] = v.to_json()
-                continue
-            out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+            elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+                out[f.name] = dataclasses.asdict(v)
+            else:
+                out[f.name] = v
         # derived, written for other tools (NeMo-style readers) and for people reading the file
         out.update(bytes_per_token=self.bytes_per_token, target_hidden_dim=self.target_hidden_dim,
                    target_last_hidden_dim=self.hidden_size, hidden_storage=self.hidden_storage())
@@ -326,8 +499,7 @@ class Manifest:
                                            "The manifest was altered or is damaged: re-create the cache (re-run the "
                                            "precompute command with overwrite=true)."))
         kw = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
-        kw["layout"] = ManifestLayout(**{k: int(data["layout"][k]) for k in
-                                         ("chunk_tokens", "unit_tokens", "num_units", "total_token_slots")})
+        kw["layout"] = _record(ManifestLayout, data["layout"])
         c = data["counts"]
         kw["counts"] = Counts(**{k: int(c[k]) for k in ("rows_in", "samples", "rejected", "tokens",
                                                         "supervised_tokens", "truncated_samples")},
@@ -363,7 +535,7 @@ class Manifest:
         return cls.parse(data, f"{store.path}: {MANIFEST}")
 
     def write(self, store: CacheStore) -> None:
-        """Atomically (the store writes a temporary and renames it)."""
+        """Atomically (the store writes a temporary, fsyncs it and renames it)."""
         self.updated_at = now()
         store.write_bytes(MANIFEST, self.to_bytes())
 
@@ -392,12 +564,11 @@ class Manifest:
         return out
 
 
-def _hidden_storage(dtypes: dict[str, str], columns: int, group: int) -> dict[str, dict[str, Any]]:
+def _hidden_storage(dtypes: dict[str, StorageDtype], columns: int, group: int) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name, d in dtypes.items():
-        disk, logical = STORAGE_DTYPES[d]
-        entry: dict[str, Any] = {"dtype": d, "disk_dtype": np.dtype(disk).name, "logical_dtype": logical}
-        if d == E4M3:
+        entry: dict[str, Any] = {"dtype": d.value, "disk_dtype": d.disk.name, "logical_dtype": d.logical}
+        if d.is_fp8:
             entry.update(scale_array=scale_array(name), scale_dtype=SCALE_DTYPE.name, scale_columns=columns,
                          channels_per_scale=group)
         out[name] = entry
@@ -410,322 +581,289 @@ def listing(head: str, problems: list[str], tail: str) -> str:
     return f"{head} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems) + f"\n{tail}"
 
 
-# -- checks of the raw JSON ------------------------------------------------------------------------
+# -- checks of the raw JSON ---------------------------------------------------------------------
 def _kind(v: Any) -> str:
     return {bool: "a boolean", int: "an integer", str: "a string", float: "a float", list: "a list",
             dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
 
 
-def _int_problem(where: str, v: Any, lo: int, hi: int, what: str) -> str | None:
-    if not is_int(v):
-        return f"manifest {where} = {v!r} ({_kind(v)}) must be an integer in [{lo}, {hi}] ({what})"
-    if not lo <= int(v) <= hi:
-        return f"manifest {where} = {int(v)} is outside [{lo}, {hi}] ({what})"
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_KIND_CHECKS: dict[Kind, Callable[[Any], bool]] = {
+    Kind.INT: is_int,
+    Kind.STR: lambda v: isinstance(v, str),
+    Kind.BOOL: lambda v: isinstance(v, bool),
+    Kind.OBJECT: lambda v: isinstance(v, dict),
+    Kind.INTS: lambda v: isinstance(v, list) and all(is_int(x) for x in v),
+    Kind.STRS: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    Kind.SHA256: lambda v: isinstance(v, str) and len(v) == 64 and set(v) <= set("0123456789abcdef"),
+    Kind.COUNTS: lambda v: isinstance(v, dict) and all(isinstance(k, str) and is_int(x) and x >= 0
+                                                       for k, x in v.items()),
+    Kind.NAMES: lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+    Kind.SECONDS: lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()),
+    Kind.ANY: lambda v: True,
+}
+
+
+def _lookup(data: dict[str, Any], key: str) -> tuple[bool, Any]:
+    """(present, value) of a dotted key; absent when any parent is absent or not an object."""
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _field_problem(f: Field, data: dict[str, Any], version: int) -> str | None:
+    """What is wrong with one field of the table in ``data`` (the table's own checks), or None."""
+    parent_ok = not f.parent or isinstance(_lookup(data, f.parent)[1], dict)
+    present, v = _lookup(data, f.key)
+    if not present:
+        return f"manifest lacks {f.key!r}" if f.required and version >= f.since and parent_ok else None
+    if v is None:
+        return None if f.null else f"manifest {f.key} is null; it must be {f.kind.value}"
+    if not _KIND_CHECKS[f.kind](v):
+        return f"manifest {f.key} = {v!r:.80} ({_kind(v)}) must be {f.kind.value}" + (" or null" if f.null else "")
+    if f.choices and v not in f.choices:
+        return f"manifest {f.key} = {v!r:.80} is unknown (one of {list(f.choices)})"
+    if f.lo is not None and f.hi is not None and not f.lo <= int(v) <= f.hi:
+        return f"manifest {f.key} = {int(v)} is outside [{f.lo}, {f.hi}] ({f.doc})"
     return None
+
+
+class _Checked:
+    """The raw manifest after the table's checks: which keys passed, for the cross-field rules."""
+
+    def __init__(self, data: dict[str, Any], bad: set[str]):
+        self.data, self.bad = data, bad
+        self.version = data.get("format_version") if is_int(data.get("format_version")) else FORMAT_VERSION
+
+    def ok(self, *keys: str) -> bool:
+        """Every key present and valid (a rule that needs them may run)."""
+        return all(_lookup(self.data, k)[0] and k not in self.bad for k in keys)
+
+    def __getitem__(self, key: str) -> Any:
+        return _lookup(self.data, key)[1]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        present, v = _lookup(self.data, key)
+        return v if present and key not in self.bad else default
+
+
+def _rule_version(c: _Checked) -> list[str]:
+    """This version reads the format versions it knows (a newer one needs a newer reader)."""
+    v = c.data.get("format_version")
+    if v in READABLE_FORMATS or "format_version" in c.bad and not is_int(v):
+        return []
+    return [f"format_version {v!r} is not supported (this reader reads {list(READABLE_FORMATS)}); upgrade "
+            "dspark-precompute or re-create the cache"]
+
+
+def _rule_fp8_group(c: _Checked) -> list[str]:
+    """fp8_group applies only to a cache with an fp8 array, and divides the hidden size."""
+    group = c.get("fp8_group")
+    if group is None or not c.ok("storage_dtype", "hidden_size"):
+        return []
+    dtypes = (c["storage_dtype"], c.get("last_dtype"))
+    if StorageDtype.fp8_e4m3 not in dtypes:
+        return [f"manifest fp8_group = {group!r} but no array is stored as fp8_e4m3 (storage_dtype "
+                f"{c['storage_dtype']!r}, last_dtype {c.get('last_dtype')!r})"]
+    if int(c["hidden_size"]) % int(group):
+        return [f"manifest fp8_group = {group} does not divide hidden_size = {c['hidden_size']} (each scale covers a "
+                "whole group of channels)"]
+    return []
+
+
+def _rule_layer_ids(c: _Checked) -> list[str]:
+    """layer_ids: at least one, strictly increasing, in [-1, N-1]."""
+    if not c.ok("layer_ids"):
+        return []
+    ids = c["layer_ids"]
+    if not ids:
+        return ["manifest layer_ids is empty: a cache captures at least one layer"]
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        return [f"manifest layer_ids = {ids} must be strictly increasing"]
+    if c.ok("num_hidden_layers") and not all(-1 <= i < int(c["num_hidden_layers"]) for i in ids):
+        return [f"manifest layer_ids = {ids} must lie in [-1, num_hidden_layers - 1 = {int(c['num_hidden_layers']) - 1}]"]
+    return []
+
+
+def _rule_array_names(c: _Checked) -> list[str]:
+    """The arrays are exactly the naming rule's for these layer ids (so no layer is read under a wrong id)."""
+    if not c.ok("arrays"):
+        return []
+    arrays = c["arrays"]
+    bad = [f"manifest arrays[{k!r}] = {v!r:.80} is not an array under {HIDDEN_GROUP}/ (names are "
+           f"{HIDDEN_GROUP}/layer_<i>, {HIDDEN_GROUP}/embeddings, {HIDDEN_GROUP}/{FINAL_NORM} or "
+           f"{HIDDEN_GROUP}/{PRE_NORM}); the manifest was altered"
+           for k, v in arrays.items() if not v.startswith(f"{HIDDEN_GROUP}/") or ".." in v or "\\" in v
+           or v.count("/") != 1]
+    if bad or not c.ok("layer_ids", "num_hidden_layers") or _rule_layer_ids(c):
+        return bad
+    ids, n = [int(i) for i in c["layer_ids"]], int(c["num_hidden_layers"])
+    if c.version < 2 and LAST not in arrays:
+        return [f"manifest arrays lacks {LAST!r} (format 1 always stores the post-norm state)"]
+    want = hidden_arrays(ids, n, post_norm=LAST in arrays, pre_norm=PRE_NORM in arrays)
+    return [f"manifest arrays[{k!r}] = {arrays.get(k)!r}, but the naming rule gives {want.get(k)!r} for layer_ids "
+            f"{ids} of {n} layers: the manifest was altered (layers would be read under the wrong id). Re-create "
+            "the cache" for k in sorted(want.keys() | arrays.keys()) if arrays.get(k) != want.get(k)]
+
+
+def _itemsize(c: _Checked) -> int:
+    return max(StorageDtype(d).disk.itemsize for d in (c["storage_dtype"], c.get("last_dtype") or c["storage_dtype"]))
+
+
+def _rule_layout(c: _Checked) -> list[str]:
+    """Units tile the token axis as the format says; no chunk is larger than a reader decodes at once."""
+    keys = ("layout.chunk_tokens", "layout.unit_tokens", "layout.num_units", "layout.total_token_slots")
+    if not c.ok(*keys):
+        return []
+    ct, ut, nu, total = (int(c[k]) for k in keys)
+    p = []
+    if c.version >= 2:
+        if ut % ct or ut // ct > MAX_SHARD_CHUNKS:
+            p.append(f"manifest layout.unit_tokens = {ut} is not a multiple of layout.chunk_tokens = {ct} within "
+                     f"{MAX_SHARD_CHUNKS} chunks (a shard holds whole chunks)")
+        if total != nu * ut:
+            p.append(f"manifest layout.total_token_slots = {total} is not layout.num_units x layout.unit_tokens = "
+                     f"{nu * ut} (one shard per unit)")
+    else:
+        if total % ct:
+            p.append(f"manifest layout.total_token_slots = {total} is not a multiple of layout.chunk_tokens = {ct} "
+                     "(units own whole chunks)")
+        if (nu == 0) != (total == 0) or nu > total:
+            p.append(f"manifest layout.num_units = {nu} cannot fill layout.total_token_slots = {total}")
+    if c.ok("hidden_size", "storage_dtype"):
+        chunk_bytes = ct * int(c["hidden_size"]) * _itemsize(c)
+        if chunk_bytes > MAX_CHUNK_BYTES:
+            p.append(f"manifest layout.chunk_tokens = {ct} x hidden_size = {c['hidden_size']} x {_itemsize(c)} bytes "
+                     f"makes {chunk_bytes:,}-byte chunks, more than a reader decodes at once ({MAX_CHUNK_BYTES:,}); "
+                     "the manifest is damaged or the cache was not written by this tool")
+    return p
+
+
+def _rule_sample_bytes(c: _Checked) -> list[str]:
+    """One sample padded to seq_length fits what a reader allocates for it."""
+    if not c.ok("hidden_size", "storage_dtype", "seq_length", "layer_ids"):
+        return []
+    fp8 = StorageDtype.fp8_e4m3 in (c["storage_dtype"], c.get("last_dtype"))
+    per_token = (len(c["layer_ids"]) + 2) * int(c["hidden_size"]) * (_itemsize(c) + (4 if fp8 else 0)) + 5
+    per_sample = int(c["seq_length"]) * per_token
+    if per_sample <= MAX_SAMPLE_BYTES:
+        return []
+    return [f"manifest seq_length = {c['seq_length']} x hidden_size = {c['hidden_size']} makes one padded sample "
+            f"{per_sample:,} bytes, more than a reader allocates for one sample ({MAX_SAMPLE_BYTES:,}); the "
+            "manifest is damaged"]
+
+
+def _rule_derived(c: _Checked) -> list[str]:
+    """The derived fields (written for other tools) agree with the fields they come from."""
+    if not c.ok("hidden_size", "storage_dtype", "arrays", "layer_ids") or _rule_array_names(c) or _rule_fp8_group(c):
+        return []
+    hidden, group = int(c["hidden_size"]), c.get("fp8_group")
+    dtypes = array_dtypes(c["arrays"], c["storage_dtype"], c.get("last_dtype"))
+    cols = scale_columns(hidden, group)
+    want = {"bytes_per_token": hidden_bytes_per_token(hidden, list(dtypes.values()), cols) + 5,
+            "hidden_storage": _hidden_storage(dtypes, cols, group or hidden),
+            "target_hidden_dim": hidden * len(c["layer_ids"]), "target_last_hidden_dim": hidden}
+    return [f"manifest {k} = {c.data[k]!r:.160} disagrees with the fields it is derived from, which give "
+            f"{v!r:.160}; the manifest was altered" for k, v in want.items() if k in c.data and c.data[k] != v]
+
+
+def _rule_counts(c: _Checked) -> list[str]:
+    """The counts add up: rows_in = samples + rejected, per-reason counts sum to rejected, tokens in range."""
+    got = {k: int(c[f"counts.{k}"]) for k in ("rows_in", "samples", "rejected", "tokens", "supervised_tokens",
+                                              "truncated_samples") if c.ok(f"counts.{k}")}
+    p = []
+    by = c.get("counts.rejected_by_reason") or {}
+    if by and "rejected" in got and sum(by.values()) != got["rejected"]:
+        p.append(f"manifest counts.rejected_by_reason sums to {sum(by.values())}, counts.rejected is {got['rejected']}")
+    if {"rows_in", "samples", "rejected"} <= got.keys() and got["rows_in"] != got["samples"] + got["rejected"]:
+        p.append(f"manifest counts.rows_in = {got['rows_in']}, but samples + rejected = "
+                 f"{got['samples'] + got['rejected']} (every input row is a sample or a reject)")
+    if {"tokens", "samples"} <= got.keys() and not got["samples"] <= got["tokens"]:
+        p.append(f"manifest counts.tokens = {got['tokens']} is below counts.samples = {got['samples']} (every sample "
+                 "has a token)")
+    if {"tokens", "samples"} <= got.keys() and c.ok("seq_length") and got["tokens"] > got["samples"] * int(
+            c["seq_length"]):
+        p.append(f"manifest counts.tokens = {got['tokens']} exceeds samples x seq_length")
+    if {"tokens", "supervised_tokens"} <= got.keys() and got["supervised_tokens"] > got["tokens"]:
+        p.append(f"manifest counts.supervised_tokens = {got['supervised_tokens']} exceeds counts.tokens = "
+                 f"{got['tokens']}")
+    if {"truncated_samples", "samples"} <= got.keys() and got["truncated_samples"] > got["samples"]:
+        p.append(f"manifest counts.truncated_samples = {got['truncated_samples']} exceeds counts.samples")
+    return p
+
+
+def _rule_dropped(c: _Checked) -> list[str]:
+    """Dropped samples are increasing sample ids inside the tables, and the samples fit the layout."""
+    dropped, p = c.get("dropped_samples") or [], []
+    if dropped and (not all(0 <= i < MAX_TOKEN_SLOTS for i in dropped)
+                    or any(b <= a for a, b in zip(dropped, dropped[1:]))):
+        return [f"manifest dropped_samples = {dropped!r:.80} must be increasing sample ids"]
+    if not c.ok("counts.samples"):
+        return p
+    stored = int(c["counts.samples"]) + len(dropped)
+    if dropped and dropped[-1] >= stored:
+        p.append(f"manifest dropped_samples names sample {dropped[-1]}, but the tables hold {stored} "
+                 "(counts.samples + dropped)")
+    if c.ok("layout.num_units", "layout.total_token_slots"):
+        nu, total = int(c["layout.num_units"]), int(c["layout.total_token_slots"])
+        if not nu <= stored <= total or (stored == 0) != (nu == 0):
+            extra = f" (+ {len(dropped)} dropped)" if dropped else ""
+            p.append(f"manifest counts.samples = {c['counts.samples']}{extra} does not fit layout.num_units = {nu} "
+                     f"and layout.total_token_slots = {total}")
+        if c.ok("counts.tokens") and int(c["counts.tokens"]) > total:
+            p.append(f"manifest counts.tokens = {c['counts.tokens']} exceeds layout.total_token_slots = {total}")
+    return p
+
+
+def _rule_capture(c: _Checked) -> list[str]:
+    """Format 2 names its final states with the LastState vocabulary, consistent with the arrays."""
+    state = c.get("capture.last_state")
+    if c.version < 2 or state is None:
+        return []
+    if state not in tuple(LastState):
+        return [f"manifest capture.last_state = {state!r} is unknown (one of {[s.value for s in LastState]})"]
+    arrays = c.get("arrays") or {}
+    if LastState(state).pre != (PRE_NORM in arrays):
+        return [f"manifest capture.last_state = {state!r} but arrays {'lacks' if LastState(state).pre else 'has'} "
+                f"{PRE_NORM!r}"]
+    return []
+
+
+RULES: tuple[Callable[[_Checked], list[str]], ...] = (
+    _rule_version, _rule_fp8_group, _rule_layer_ids, _rule_array_names, _rule_layout, _rule_sample_bytes,
+    _rule_derived, _rule_counts, _rule_dropped, _rule_capture,
+)
 
 
 def manifest_problems(manifest: Any) -> list[str]:
     """Every problem with a manifest's structure, field types and ranges (not just the first).
 
-    Everything a reader takes from the manifest is checked here: types (an int is an int,
-    not a bool, float or string), ranges (the bounds above), the array names against the
-    naming rule (:func:`hidden_arrays`), and the counts and layout against each other.
-    An empty list means the values are safe to compute with; the tables and arrays are
-    checked against them by :func:`table_problems` and :func:`array_meta_problems`.
+    Each field of :data:`FIELDS` is checked for presence, type, range and choices; then each
+    rule of :data:`RULES` checks what ties fields together (the array names against the naming
+    rule, counts and layout against each other), using only fields that passed. An empty list
+    means the values are safe to compute with; the tables and arrays are checked against them
+    by ``table_problems`` and ``array_meta_problems``.
     """
     if not isinstance(manifest, dict):
         return [f"manifest.json is not a JSON object (it holds {_kind(manifest)}); it is damaged or not a "
                 "dspark-precompute manifest"]
-    problems = []
-    if manifest.get("format") != FORMAT_NAME:
-        problems.append(f"manifest format is {manifest.get('format')!r}, expected {FORMAT_NAME!r}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        problems.append(
-            f"format_version {manifest.get('format_version')!r} is not supported (this reader reads "
-            f"{FORMAT_VERSION}); upgrade dspark-precompute or re-create the cache"
-        )
-    for key in ("config_hash", "identity", "layer_ids", "hidden_size", "storage_dtype", "arrays", "layout",
-                "counts", "complete", "seq_length", "num_hidden_layers", "target_model", "target_model_type",
-                "target_vocab_size", "chat_template"):
-        if key not in manifest:
-            problems.append(f"manifest lacks {key!r}")
-    if manifest.get("storage_dtype") not in (None, *STORAGE_DTYPES):
-        problems.append(f"manifest storage_dtype {manifest.get('storage_dtype')!r} is unknown "
-                        f"(one of {sorted(STORAGE_DTYPES)})")
-    if manifest.get("last_dtype") not in (None, *STORAGE_DTYPES):
-        problems.append(f"manifest last_dtype {manifest.get('last_dtype')!r} is unknown "
-                        f"(one of {sorted(STORAGE_DTYPES)}, or null for storage_dtype)")
-
-    def check_int(where: str, v: Any, lo: int, hi: int, what: str) -> bool:
-        p = _int_problem(where, v, lo, hi, what)
-        if p:
-            problems.append(p)
-        return p is None
-
-    def typed(where: str, v: Any, types: type | tuple[type, ...], what: str) -> bool:
-        if not isinstance(v, types):
-            problems.append(f"manifest {where} = {v!r:.80} ({_kind(v)}) must be {what}")
-            return False
-        return True
-
-    if "config_hash" in manifest:
-        typed("config_hash", manifest["config_hash"], str, "a string (the sha256 of the identity)")
-    if "complete" in manifest:
-        typed("complete", manifest["complete"], bool, "true or false")
-    identity: Any = manifest.get("identity")
-    if "identity" in manifest and typed("identity", identity, dict, "an object"):
-        target: Any = identity.get("target")
-        if typed("identity.target", target, dict, "an object"):
-            typed("identity.target.path", target.get("path"), str, "a string (the target's path or name)")
-        data: Any = identity.get("data")
-        if typed("identity.data", data, dict, "an object"):
-            for k in ("path", "split", "shuffle_seed", "mask_reasoning_content"):
-                if k not in data:
-                    problems.append(f"manifest identity.data lacks {k!r}")
-    for key in ("target_model", "target_model_type", "chat_template"):
-        if key in manifest:
-            typed(key, manifest[key], str, "a string")
-    if "tied_embeddings" in manifest:
-        typed("tied_embeddings", manifest["tied_embeddings"], bool, "true or false")
-    if "target_vocab_size" in manifest:
-        check_int("target_vocab_size", manifest["target_vocab_size"], 1, MAX_VOCAB_SIZE, "the target's vocabulary")
-    for key in ("pad_token_id", "eos_token_id"):
-        if manifest.get(key) is not None:
-            check_int(key, manifest[key], 0, MAX_VOCAB_SIZE, "a token id, or null")
-    sha: Any = manifest.get("weights_sha256")
-    if "weights_sha256" in manifest and not (isinstance(sha, str) and len(sha) == 64 and set(sha) <= _HEX):
-        problems.append(f"manifest weights_sha256 = {sha!r:.80} must be 64 lowercase hex digits (the sha256 of "
-                        f"{WEIGHTS})")
-
-    problems += _capture_problems(manifest.get("capture")) if manifest.get("capture") is not None else []
-    problems += _provenance_problems(manifest.get("provenance")) if manifest.get("provenance") is not None else []
-
-    hidden_ok = "hidden_size" in manifest and check_int("hidden_size", manifest["hidden_size"], 1, MAX_HIDDEN_SIZE,
-                                                        "width of every hidden-state array")
-    layers_ok = "num_hidden_layers" in manifest and check_int(
-        "num_hidden_layers", manifest["num_hidden_layers"], 1, MAX_NUM_LAYERS, "decoder layers of the target")
-    seq_ok = "seq_length" in manifest and check_int("seq_length", manifest["seq_length"], 1, MAX_SEQ_LENGTH,
-                                                    "longest sample, in tokens")
-    dtype_ok = manifest.get("storage_dtype") in STORAGE_DTYPES and manifest.get("last_dtype") in (None, *STORAGE_DTYPES)
-    itemsize = max(disk_dtype(d).itemsize for d in (manifest["storage_dtype"], manifest.get("last_dtype")
-                                                     or manifest["storage_dtype"])) if dtype_ok else 0
-    group: Any = manifest.get("fp8_group")
-    group_ok = group is None
-    if group is not None and dtype_ok:
-        if E4M3 not in (manifest["storage_dtype"], manifest.get("last_dtype")):
-            problems.append(f"manifest fp8_group = {group!r} but no array is stored as {E4M3} (storage_dtype "
-                            f"{manifest['storage_dtype']!r}, last_dtype {manifest.get('last_dtype')!r})")
-        elif hidden_ok and check_int("fp8_group", group, 1, int(manifest["hidden_size"]), "channels per fp8 scale"):
-            if int(manifest["hidden_size"]) % int(group):
-                problems.append(f"manifest fp8_group = {group} does not divide hidden_size = "
-                                f"{manifest['hidden_size']} (each scale covers a whole group of channels)")
-            else:
-                group_ok = True
-
-    ids: Any = manifest.get("layer_ids")
-    ids_ok = False
-    if "layer_ids" in manifest and typed("layer_ids", ids, list, "a list of layer ids"):
-        if not ids:
-            problems.append("manifest layer_ids is empty: a cache captures at least one layer")
-        elif not all(is_int(i) for i in ids):
-            problems.append(f"manifest layer_ids = {ids!r:.80} must be integers")
-        elif any(b <= a for a, b in zip(ids, ids[1:])):
-            problems.append(f"manifest layer_ids = {ids} must be strictly increasing")
-        elif layers_ok and not all(-1 <= i < int(manifest["num_hidden_layers"]) for i in ids):
-            problems.append(f"manifest layer_ids = {ids} must lie in [-1, num_hidden_layers - 1 = "
-                            f"{int(manifest['num_hidden_layers']) - 1}]")
-        else:
-            ids_ok = layers_ok
-
-    arrays: Any = manifest.get("arrays")
-    arrays_ok = False
-    if "arrays" in manifest and typed("arrays", arrays, dict, "an object of layer id -> array name"):
-        for k, v in arrays.items():
-            if not isinstance(v, str) or not v.startswith(f"{HIDDEN_GROUP}/") or ".." in v or "\\" in v \
-                    or v.count("/") != 1:
-                problems.append(f"manifest arrays[{k!r}] = {v!r:.80} is not an array under {HIDDEN_GROUP}/ (names "
-                                f"are {HIDDEN_GROUP}/layer_<i>, {HIDDEN_GROUP}/embeddings or "
-                                f"{HIDDEN_GROUP}/{FINAL_NORM}); the manifest was altered")
-        if ids_ok and not problems:
-            want = hidden_arrays([int(i) for i in ids], int(manifest["num_hidden_layers"]))
-            for k in sorted(want.keys() | arrays.keys()):
-                if arrays.get(k) != want.get(k):
-                    problems.append(
-                        f"manifest arrays[{k!r}] = {arrays.get(k)!r}, but the naming rule gives {want.get(k)!r} "
-                        f"for layer_ids {list(ids)} of {manifest['num_hidden_layers']} layers: the manifest was "
-                        "altered (layers would be read under the wrong id). Re-create the cache")
-            arrays_ok = not any(arrays.get(k) != want.get(k) for k in want.keys() | arrays.keys())
-
-    layout: Any = manifest.get("layout")
-    layout_ok = False
-    if "layout" in manifest and typed("layout", layout, dict, "an object"):
-        ok = True
-        for k, lo, hi, what in (("chunk_tokens", 1, MAX_CHUNK_TOKENS, "tokens per chunk"),
-                                ("unit_tokens", 1, MAX_TOKEN_SLOTS, "tokens per commit unit"),
-                                ("num_units", 0, MAX_TOKEN_SLOTS, "commit units"),
-                                ("total_token_slots", 0, MAX_TOKEN_SLOTS, "length of the token axis")):
-            if k not in layout:
-                problems.append(f"manifest lacks layout.{k}")
-                ok = False
-            else:
-                ok = check_int(f"layout.{k}", layout[k], lo, hi, what) and ok
-        if ok:
-            ct, total, nu = int(layout["chunk_tokens"]), int(layout["total_token_slots"]), int(layout["num_units"])
-            layout_ok = True
-            if total % ct:
-                problems.append(f"manifest layout.total_token_slots = {total} is not a multiple of "
-                                f"layout.chunk_tokens = {ct} (units own whole chunks)")
-                layout_ok = False
-            if (nu == 0) != (total == 0) or nu > total:
-                problems.append(f"manifest layout.num_units = {nu} cannot fill layout.total_token_slots = {total}")
-                layout_ok = False
-            if hidden_ok and dtype_ok:
-                chunk_bytes = ct * int(manifest["hidden_size"]) * itemsize
-                if chunk_bytes > MAX_CHUNK_BYTES:
-                    problems.append(
-                        f"manifest layout.chunk_tokens = {ct} x hidden_size = {manifest['hidden_size']} x {itemsize} "
-                        f"bytes makes {chunk_bytes:,}-byte chunks, more than a reader decodes at once "
-                        f"({MAX_CHUNK_BYTES:,}); the manifest is damaged or the cache was not written by this tool")
-                    layout_ok = False
-
-    if hidden_ok and dtype_ok and seq_ok and isinstance(ids, list):
-        # fp8 arrays hold at most as many scales as channels (4 bytes each): bound them by 4 more bytes per value
-        per_sample = int(manifest["seq_length"]) * bytes_per_token(int(manifest["hidden_size"]), itemsize + (
-            4 if E4M3 in (manifest["storage_dtype"], manifest.get("last_dtype")) else 0), len(ids) + 1)
-        if per_sample > MAX_SAMPLE_BYTES:
-            problems.append(
-                f"manifest seq_length = {manifest['seq_length']} x hidden_size = {manifest['hidden_size']} makes one "
-                f"padded sample {per_sample:,} bytes, more than a reader allocates for one sample "
-                f"({MAX_SAMPLE_BYTES:,}); the manifest is damaged")
-    if hidden_ok and dtype_ok and arrays_ok and group_ok:
-        hidden = int(manifest["hidden_size"])
-        dtypes = array_dtypes(arrays, manifest["storage_dtype"], manifest.get("last_dtype"))
-        cols = scale_columns(hidden, group)
-        want_bpt = hidden_bytes_per_token(hidden, list(dtypes.values()), cols) + 5
-        if "bytes_per_token" in manifest and manifest["bytes_per_token"] != want_bpt:
-            problems.append(f"manifest bytes_per_token = {manifest['bytes_per_token']!r}, the arrays it names store "
-                            f"{want_bpt} bytes per token")
-        want_storage = _hidden_storage(dtypes, cols, group or hidden)
-        if "hidden_storage" in manifest and manifest["hidden_storage"] != want_storage:
-            problems.append(f"manifest hidden_storage = {manifest['hidden_storage']!r:.160} disagrees with "
-                            f"storage_dtype, last_dtype and fp8_group, which give {want_storage!r:.160}; the manifest "
-                            "was altered")
-    if hidden_ok and isinstance(ids, list):
-        for key, want_dim in (("target_hidden_dim", int(manifest["hidden_size"]) * len(ids)),
-                              ("target_last_hidden_dim", int(manifest["hidden_size"]))):
-            if key in manifest and manifest[key] != want_dim:
-                problems.append(f"manifest {key} = {manifest[key]!r}, hidden_size x layers gives {want_dim}")
-
-    counts: Any = manifest.get("counts")
-    if "counts" in manifest and typed("counts", counts, dict, "an object"):
-        got = {}
-        for k in ("rows_in", "samples", "rejected", "tokens", "supervised_tokens", "truncated_samples"):
-            if k not in counts:
-                problems.append(f"manifest lacks counts.{k}")
-            elif check_int(f"counts.{k}", counts[k], 0, MAX_TOKEN_SLOTS, "a count"):
-                got[k] = int(counts[k])
-        by: Any = counts.get("rejected_by_reason", {})
-        if typed("counts.rejected_by_reason", by, dict, "an object of reason -> rows"):
-            if all(_int_problem("", v, 0, MAX_TOKEN_SLOTS, "") is None for v in by.values()):
-                if "rejected" in got and sum(int(v) for v in by.values()) != got["rejected"] and by:
-                    problems.append(f"manifest counts.rejected_by_reason sums to {sum(int(v) for v in by.values())}, "
-                                    f"counts.rejected is {got['rejected']}")
-            else:
-                problems.append(f"manifest counts.rejected_by_reason = {by!r:.120} must map reasons to row counts")
-        if {"rows_in", "samples", "rejected"} <= got.keys() and got["rows_in"] != got["samples"] + got["rejected"]:
-            problems.append(f"manifest counts.rows_in = {got['rows_in']}, but samples + rejected = "
-                            f"{got['samples'] + got['rejected']} (every input row is a sample or a reject)")
-        if {"tokens", "samples"} <= got.keys() and not got["samples"] <= got["tokens"]:
-            problems.append(f"manifest counts.tokens = {got['tokens']} is below counts.samples = {got['samples']} "
-                            "(every sample has a token)")
-        if {"tokens", "samples"} <= got.keys() and seq_ok and got["tokens"] > got["samples"] * int(
-                manifest["seq_length"]):
-            problems.append(f"manifest counts.tokens = {got['tokens']} exceeds samples x seq_length")
-        if {"tokens", "supervised_tokens"} <= got.keys() and got["supervised_tokens"] > got["tokens"]:
-            problems.append(f"manifest counts.supervised_tokens = {got['supervised_tokens']} exceeds counts.tokens = "
-                            f"{got['tokens']}")
-        if {"truncated_samples", "samples"} <= got.keys() and got["truncated_samples"] > got["samples"]:
-            problems.append(f"manifest counts.truncated_samples = {got['truncated_samples']} exceeds counts.samples")
-        dropped: Any = manifest.get("dropped_samples")
-        n_dropped = 0
-        if dropped is not None and typed("dropped_samples", dropped, list, "a list of sample ids"):
-            if not all(is_int(i) and 0 <= i < MAX_TOKEN_SLOTS for i in dropped) or any(
-                    b <= a for a, b in zip(dropped, dropped[1:])):
-                problems.append(f"manifest dropped_samples = {dropped!r:.80} must be increasing sample ids")
-            else:
-                n_dropped = len(dropped)
-                if "samples" in got and dropped and dropped[-1] >= got["samples"] + n_dropped:
-                    problems.append(f"manifest dropped_samples names sample {dropped[-1]}, but the tables hold "
-                                    f"{got['samples'] + n_dropped} (counts.samples + dropped)")
-        nonfinite: Any = manifest.get("nonfinite_values")
-        if nonfinite is not None and typed("nonfinite_values", nonfinite, dict, "an object of array -> values") \
-                and not all(isinstance(k, str) and is_int(v) and v >= 0 for k, v in nonfinite.items()):
-            problems.append(f"manifest nonfinite_values = {nonfinite!r:.80} must map array names to counts")
-        if layout_ok and "samples" in got:
-            nu, total = int(layout["num_units"]), int(layout["total_token_slots"])
-            stored = got["samples"] + n_dropped
-            if not nu <= stored <= total or (stored == 0) != (nu == 0):
-                extra = f" (+ {n_dropped} dropped)" if n_dropped else ""
-                problems.append(f"manifest counts.samples = {got['samples']}{extra} does not fit "
-                                f"layout.num_units = {nu} and layout.total_token_slots = {total}")
-            if "tokens" in got and got["tokens"] > total:
-                problems.append(f"manifest counts.tokens = {got['tokens']} exceeds layout.total_token_slots = {total}")
+    version = manifest.get("format_version") if is_int(manifest.get("format_version")) else FORMAT_VERSION
+    problems, bad = [], set()
+    for f in FIELDS:
+        problem = _field_problem(f, manifest, int(version))
+        if problem:
+            problems.append(problem)
+            bad.add(f.key)
+    checked = _Checked(manifest, bad)
+    for rule in RULES:
+        problems += rule(checked)
     return problems
-
-
-
-def _optional_types(where: str, d: dict[str, Any], fields: dict[str, tuple[type, ...]],
-                    what: dict[str, str]) -> list[str]:
-    """Each present, non-null key of ``d`` whose value is not one of its types (bools are not ints)."""
-    out = []
-    for k, types in fields.items():
-        v = d.get(k)
-        if v is None:
-            continue
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            out.append(f"manifest {where}.{k} = {v!r:.80} ({_kind(v)}) must be {what[k]} or null")
-    return out
-
-
-def _str_list_problem(where: str, v: Any) -> str | None:
-    if v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)):
-        return None
-    return f"manifest {where} = {v!r:.80} ({_kind(v)}) must be a list of strings or null"
-
-
-def _capture_problems(cap: Any) -> list[str]:
-    """Types of the optional ``capture`` section (what the stored values are: post-norm, masks, dtype)."""
-    if not isinstance(cap, dict):
-        return [f"manifest capture = {cap!r:.80} ({_kind(cap)}) must be an object or null"]
-    text = {k: "a string" for k in ("last_state", "final_norm_class", "layer_preset", "target_weights_dtype",
-                                    "weights_fingerprint", "fingerprint_kind")}
-    out = _optional_types("capture", cap, {k: (str,) for k in text}, text)
-    mask = cap.get("mask")
-    if mask is not None:
-        if not isinstance(mask, dict):
-            out.append(f"manifest capture.mask = {mask!r:.80} ({_kind(mask)}) must be an object or null")
-        else:
-            what = {"rule": "a string", "fallback": "a string", "mask_reasoning_content": "true or false",
-                    "mask_generation_prompt": "true or false"}
-            out += _optional_types("capture.mask", mask, {"rule": (str,), "fallback": (str,),
-                                                          "mask_reasoning_content": (bool,),
-                                                          "mask_generation_prompt": (bool,)}, what)
-    return out
-
-
-def _provenance_problems(prov: Any) -> list[str]:
-    """Types of the optional ``provenance`` run record (command line, versions, hosts, world size)."""
-    if not isinstance(prov, dict):
-        return [f"manifest provenance = {prov!r:.80} ({_kind(prov)}) must be an object or null"]
-    out = [p for k in ("argv", "overrides", "hosts") if (p := _str_list_problem(f"provenance.{k}", prov.get(k)))]
-    versions = prov.get("versions")
-    if versions is not None and not (isinstance(versions, dict)
-                                     and all(isinstance(v, str) for v in versions.values())):
-        out.append(f"manifest provenance.versions = {versions!r:.80} must map package names to version strings")
-    ws = prov.get("world_size")
-    if ws is not None and (p := _int_problem("provenance.world_size", ws, 1, 1 << 24, "ranks that wrote the cache")):
-        out.append(p)
-    return out
 
 
 def weights_problems(shapes: dict[str, tuple[int, ...]], m: Manifest,

@@ -1,36 +1,41 @@
-"""The cache's names, versions, dtype tables, size limits and naming rules: the facts every
-other module takes from here.
+"""The cache's names, versions, size limits and naming rules: the facts every other module takes from here.
 
-A cache is one zarr v3 group::
+A cache (format 2) is one zarr v3 group; ``docs/format.md`` is the full specification::
 
+    zarr.json                       the group (attributes: format, format_version, manifest)
     manifest.json                   identity, config hash, layout, counts, ``complete``
     target_weights.safetensors      embed_tokens.weight (+ lm_head.weight unless tied)
     rejects.jsonl                   one line per input row that did not become a sample
-    commits/u000000.json ...        one file per committed unit (its data is whole)
-    input_ids            int32  [token]            ragged: real tokens only, no padding
-    loss_mask            uint8  [token]
-    hidden_states/layer_{i}   [token, hidden]  per captured layer (``embeddings`` for -1);
-                                 bf16 is stored as its uint16 bit pattern
-    hidden_states/final_norm  [token, hidden]  only when N-1 is not a captured layer
-    hidden_scales/<array>  float32 [token, hidden / fp8_group]  per fp8 array (``contract/fp8.py``)
-    samples/start        int64  [sample]  first token slot of sample i
-    samples/length       int32  [sample]  its number of tokens
-    samples/source_row   int64  [sample]  its row in the input selection
-    samples/unit         int32  [sample]  the unit that writes it
-    samples/untruncated_length int32 [sample]
-    units/token_start, units/token_stop  int64 [unit]
-    .hydra/                    the Hydra record of the run that finished the cache
+    commits/u000000.json ...        one file per committed unit (its data is whole and durable)
+    input_ids/c.<u>                 int32 [token]            ragged: real tokens only, no padding
+    loss_mask/c.<u>                 uint8 [token]
+    hidden_states/layer_{i}/c.<u>.0 [token, hidden]  per captured layer (``embeddings`` for -1);
+                                    bf16 as its uint16 bit pattern
+    hidden_states/final_norm        [token, hidden]  the post-norm state when N-1 is not a captured layer
+    hidden_states/pre_norm          [token, hidden]  the last decoder layer's output before the final norm
+    hidden_scales/<array>           float32 [token, hidden / fp8_group]  per fp8 array (``contract/fp8.py``)
+    samples/{start,length,source_row,unit,untruncated_length}/c.0   [sample] tables
+    units/{token_start,token_stop}/c.0                              [unit] tables
+    .hydra/                         the Hydra record of the run that finished the cache
 
-Sample ``i`` occupies ``[start[i], start[i] + length[i])`` on the token axis. Units own
-whole chunks (each starts on a chunk boundary), so writers never share a chunk.
+Every token array is stored with zarr v3's sharding codec: one shard (one object) per commit
+unit ``u`` holds that unit's token slots ``[u * unit_tokens, (u+1) * unit_tokens)`` as inner
+chunks of ``chunk_tokens`` rows, each compressed and crc32c-checksummed, with a checksummed
+index at the shard's end. Sample ``i`` occupies ``[start[i], start[i] + length[i])``.
+
+Format 1 (dspark-precompute 0.2) stored one object per chunk (``c/<k>/0``), units packed
+back to back on the token axis; readers still read and verify it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from dspark_precompute.contract.vocab import StorageDtype
+
 FORMAT_NAME = "dspark-precompute-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this version writes; bump on any change a reader of the old version would misread
+READABLE_FORMATS = (1, 2)  # what this version reads and verifies (it resumes only FORMAT_VERSION)
 MANIFEST = "manifest.json"
 WEIGHTS = "target_weights.safetensors"
 REJECTS = "rejects.jsonl"
@@ -40,6 +45,8 @@ LOSS_MASK = "loss_mask"
 HIDDEN_GROUP = "hidden_states"
 SCALE_GROUP = "hidden_scales"  # the per-token (per-group) scales of fp8 arrays, one array per fp8 array
 FINAL_NORM = "final_norm"
+PRE_NORM = "pre_norm"
+LAST = "last"  # the manifest's ``arrays`` key of the post-norm state
 TOKEN_ARRAYS = {INPUT_IDS: np.int32, LOSS_MASK: np.uint8}
 SAMPLE_ARRAYS = {
     "samples/start": np.int64,
@@ -49,18 +56,9 @@ SAMPLE_ARRAYS = {
     "samples/untruncated_length": np.int32,
 }
 UNIT_ARRAYS = {"units/token_start": np.int64, "units/token_stop": np.int64}
-
-# storage dtype name -> (numpy dtype stored on disk, logical dtype name)
-STORAGE_DTYPES = {
-    "bf16": (np.uint16, "bfloat16"),
-    "fp16": (np.float16, "float16"),
-    "fp32": (np.float32, "float32"),
-    "fp8_e4m3": (np.uint8, "float8_e4m3fn"),  # e4m3 bits plus a scale array (contract/fp8.py)
-}
-# storage dtype name -> the dtype a reader returns (and the export and the weights file hold)
-OUTPUT_DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "fp8_e4m3": "bf16"}
-# storage dtype name -> its safetensors dtype (the weights file holds the embedding in the output dtype)
-SAFETENSORS_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS)
+GROUPS = ("samples", "units", HIDDEN_GROUP, SCALE_GROUP)
+KEY_SEPARATOR = "."  # format 2 chunk keys: ``c.3.0``, files beside each other (format 1: ``c/3/0``, a dir each)
 COORD = "coord"  # failure markers of a multi-rank job
 HYDRA_RECORD = ".hydra"  # the Hydra record (composed config, overrides) of the run that wrote the cache
 LOCK = ".writer.lock"
@@ -89,11 +87,43 @@ def layer_array(layer_id: int) -> str:
     return f"{HIDDEN_GROUP}/embeddings" if layer_id == -1 else f"{HIDDEN_GROUP}/layer_{layer_id}"
 
 
-def hidden_arrays(layer_ids: list[int], num_layers: int) -> dict[str, str]:
-    """Array name per captured layer, plus ``"last"``: the post-norm state (stored once)."""
+def hidden_arrays(layer_ids: list[int], num_layers: int, post_norm: bool = True,
+                  pre_norm: bool = False) -> dict[str, str]:
+    """Array name per captured layer (keyed by the id as a string), plus the final states.
+
+    ``"last"``: the post-norm state, stored once (as ``layer_{N-1}`` when N-1 is captured, else as
+    ``final_norm``; absent when neither N-1 is captured nor ``post_norm`` asked for);
+    ``"pre_norm"``: the last decoder layer's output before the final norm, when ``pre_norm``.
+    """
     names = {str(lid): layer_array(lid) for lid in layer_ids}
-    names["last"] = names[str(num_layers - 1)] if (num_layers - 1) in layer_ids else f"{HIDDEN_GROUP}/{FINAL_NORM}"
+    if (num_layers - 1) in layer_ids:
+        names[LAST] = names[str(num_layers - 1)]
+    elif post_norm:
+        names[LAST] = f"{HIDDEN_GROUP}/{FINAL_NORM}"
+    if pre_norm:
+        names[PRE_NORM] = f"{HIDDEN_GROUP}/{PRE_NORM}"
     return names
+
+
+def array_layer_id(name: str, arrays: dict[str, str], num_layers: int) -> int:
+    """The ``layer_id`` attribute of a hidden array: its id, or N-1 for ``final_norm`` and ``pre_norm``.
+
+    Both final states come from decoder layer N-1 (``final_state`` attribute: after or before the
+    final norm); a captured id N-1 means the post-norm state, as in NeMo AutoModel.
+    """
+    for key, value in arrays.items():
+        if value == name and key not in (LAST, PRE_NORM):
+            return int(key)
+    return num_layers - 1
+
+
+def final_state(name: str, arrays: dict[str, str]) -> str | None:
+    """``post_norm``/``pre_norm`` for the arrays that hold only a final state (its ``final_state`` attribute)."""
+    if name == arrays.get(PRE_NORM):
+        return "pre_norm"
+    if name == f"{HIDDEN_GROUP}/{FINAL_NORM}":
+        return "post_norm"
+    return None
 
 
 def scale_array(state_array: str) -> str:
@@ -101,10 +131,11 @@ def scale_array(state_array: str) -> str:
     return f"{SCALE_GROUP}/{state_array.rsplit('/', 1)[-1]}"
 
 
-def array_dtypes(names: dict[str, str], storage_dtype: str, last_dtype: str | None) -> dict[str, str]:
-    """Storage dtype of each hidden array: the post-norm state's is ``last_dtype`` (None: ``storage_dtype``)."""
-    last = names["last"]
-    return {name: (last_dtype or storage_dtype) if name == last else storage_dtype
+def array_dtypes(names: dict[str, str], storage_dtype: str, last_dtype: str | None) -> dict[str, StorageDtype]:
+    """Storage dtype of each hidden array: the final states' (post- and pre-norm) are ``last_dtype``
+    (None: ``storage_dtype``)."""
+    finals = {names.get(LAST), names.get(PRE_NORM)}
+    return {name: StorageDtype((last_dtype or storage_dtype) if name in finals else storage_dtype)
             for name in dict.fromkeys(names.values())}
 
 
@@ -112,8 +143,7 @@ def auto_chunk_tokens(hidden_size: int, itemsize: int, target_bytes: int = 1 << 
     """Largest power of two with a chunk of the widest array <= ``target_bytes``, in [512, 65536].
 
     About 1 MiB keeps random access to one short sample cheap (a read decompresses whole
-    chunks); the floor of 512 tokens keeps the file count sane for wide targets (4 MiB
-    chunks at hidden size 4096).
+    inner chunks); the floor of 512 tokens bounds the shard index for wide targets.
     """
     n = max(1, target_bytes // max(1, hidden_size * itemsize))
     p = 1 << (n.bit_length() - 1)
@@ -127,7 +157,7 @@ def bytes_per_token(hidden_size: int, itemsize: int, n_hidden_arrays: int) -> in
 
 def hidden_bytes_per_token(hidden_size: int, dtypes: list[str], scale_columns: int) -> int:
     """Raw bytes per token of the hidden arrays of ``dtypes`` (one per array), fp8 scales (float32) included."""
-    return sum(hidden_size * disk_dtype(d).itemsize + (4 * scale_columns if d == "fp8_e4m3" else 0)
+    return sum(hidden_size * StorageDtype(d).disk.itemsize + (4 * scale_columns if StorageDtype(d).is_fp8 else 0)
                for d in dtypes)
 
 
@@ -138,7 +168,7 @@ def is_int(v: object) -> bool:
 
 def disk_dtype(storage_dtype: str) -> np.dtype:
     """The numpy dtype a storage dtype is written as (bf16 as its uint16 bits)."""
-    return np.dtype(STORAGE_DTYPES[storage_dtype][0])
+    return StorageDtype(storage_dtype).disk
 
 
 # -- what a reader accepts ------------------------------------------------------------------
@@ -153,5 +183,5 @@ MAX_CHUNK_BYTES = 1 << 30         # one decoded chunk of the widest array
 MAX_SAMPLE_BYTES = 1 << 36        # one sample padded to seq_length, every array (what an export row holds)
 MAX_TOKEN_SLOTS = 1 << 48
 MAX_TABLE_CHUNK_ROWS = 1 << 20    # the writer's sample/unit table chunk
+MAX_SHARD_CHUNKS = 1 << 20        # inner chunks per shard (its index is 16 bytes each)
 MAX_VOCAB_SIZE = 1 << 31
-COMPRESSORS = ("blosc", "zstd")   # between ``bytes`` and ``crc32c``; none is fine too

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,15 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename (or a new file) in directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def is_url(path: str) -> bool:
@@ -109,10 +119,21 @@ class CacheStore:
             return bytes(self.fs.cat_file(self._remote(key)))
         return self._local(key).read_bytes()
 
-    def write_bytes(self, key: str, data: bytes) -> None:
+    def write_bytes(self, key: str, data: bytes, fsync: bool = True) -> None:
         """Atomic: readers see the old file or the whole new one, never a part."""
-        if self.url:  # an object store puts a whole object (or multipart upload) atomically
+        self.write_parts(key, [data], fsync)
+
+    def write_parts(self, key: str, parts: Sequence[Any], fsync: bool = True) -> None:
+        """``parts`` (buffers) written one after the other as the object ``key``, atomically.
+
+        Locally: a temporary in the same directory, written, fsynced (unless ``fsync`` is
+        false), renamed over ``key``, and the directory fsynced, so after a power loss the
+        file is either absent or whole. On an object store: one put (multipart when large),
+        which makes the object appear whole or not at all.
+        """
+        if self.url:
             fault_point("atomic_write")
+            data = parts[0] if len(parts) == 1 else b"".join(memoryview(p).cast("B") for p in parts)
             self.fs.pipe_file(self._remote(key), bytes(data))
             return
         target = self._local(key)
@@ -120,20 +141,55 @@ class CacheStore:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
             os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; readers may be other users
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+            with os.fdopen(fd, "wb", buffering=0) as fh:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view.nbytes:
+                        view = view[fh.write(view):]
+                if fsync:
+                    os.fsync(fh.fileno())
             fault_point("atomic_write")
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        dfd = os.open(target.parent, os.O_RDONLY)
+        if fsync:
+            fsync_dir(target.parent)
+
+    def read_range(self, key: str, start: int, end: int) -> bytes | None:
+        """Bytes ``[start, end)`` of object ``key`` (fewer at its end); None when it does not exist."""
+        if self.url:
+            try:
+                return bytes(self.fs.cat_file(self._remote(key), start=start, end=end))
+            except FileNotFoundError:
+                return None
         try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+            with open(self._local(key), "rb", buffering=0) as fh:
+                return os.pread(fh.fileno(), max(0, end - start), start)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+
+    def size(self, key: str) -> int | None:
+        """The size of object ``key`` in bytes; None when it does not exist."""
+        if self.url:
+            try:
+                return int(self.fs.size(self._remote(key)))
+            except FileNotFoundError:
+                return None
+        try:
+            return self._local(key).stat().st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def entries(self) -> tuple[int, int]:
+        """(files, directories) under the cache, dotfiles included (on an object store: objects, 0)."""
+        if self.url:
+            return len(self._files()), 0
+        files = dirs = 0
+        for _root, dnames, fnames in os.walk(self.root):
+            files += len(fnames)
+            dirs += len(dnames)
+        return files, dirs
 
     def list_keys(self, prefix: str) -> list[str]:
         if self.url:

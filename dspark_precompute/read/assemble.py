@@ -31,7 +31,7 @@ from dspark_precompute.contract.fp8 import convert
 from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, disk_dtype
 from dspark_precompute.read.arena import BatchArena, SharedBatch, views
 from dspark_precompute.read.dataset import BATCH_KEYS
-from dspark_precompute.read.reader import TORCH_DTYPES, CacheReader
+from dspark_precompute.read.reader import CacheReader, torch_dtype
 
 MEMORY_KINDS = ("plain", "shared", "pinned")
 _ALIGN = 64
@@ -93,6 +93,9 @@ class BatchAssembler:
         chosen = reader.check_layers(layers)
         names = reader.array_names
         self.layer_names = [names[str(lid)] for lid in chosen]
+        if "last" not in names:
+            raise ValueError(f"{reader.path} stores no post-norm state (capture.last_state=pre_norm), which batches "
+                             "carry as target_last_hidden_states; read it with sample(..., pre_norm=True) instead")
         self.last_name = names["last"]
         m = reader.manifest
         # each hidden array's storage dtype and scale array (fp8): converted to the output dtype as copied
@@ -144,8 +147,8 @@ class BatchAssembler:
         h, nl = self.hidden, len(self.layer_names)
         fields: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
             (k, torch.int64, (b, width)) for k in ("input_ids", "attention_mask", "loss_mask")]
-        fields += [("target_hidden_states", TORCH_DTYPES[self.out["target_hidden_states"]], (b, width, nl * h)),
-                   ("target_last_hidden_states", TORCH_DTYPES[self.out["target_last_hidden_states"]], (b, width, h))]
+        fields += [("target_hidden_states", torch_dtype(self.out["target_hidden_states"]), (b, width, nl * h)),
+                   ("target_last_hidden_states", torch_dtype(self.out["target_last_hidden_states"]), (b, width, h))]
         out, off = [], 0
         for key, dtype, shape in fields:
             nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
@@ -190,8 +193,8 @@ class BatchAssembler:
         for k, batch in enumerate(batches):
             todo = [(name, c) for c in rows[k] for name in self.arrays if (name, c) not in decoded]
             if todo:
-                got = (self.reader.decoded_chunks(todo, raws=raws(todo), threads=threads) if raws is not None
-                       else self.reader.decoded_chunks(todo, threads=threads))
+                got = (self.reader._decoded_chunks(todo, raws=raws(todo), threads=threads) if raws is not None
+                       else self.reader._decoded_chunks(todo, threads=threads))
                 decoded.update(zip(todo, got))
             off = None if offsets is None else offsets[k]
             out.append(self._one(batch, decoded, memory, None if off is None else arena, off))

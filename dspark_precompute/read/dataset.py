@@ -31,7 +31,7 @@ class CacheDataset(Dataset):
     Only a small description of the opened cache travels to DataLoader workers (pickling
     drops open handles), and each process re-opens the cache on first use, so it is safe
     with fork, spawn and ``DistributedSampler``. The re-opened cache must be the one the
-    dataset indexed (same tables, same readable units; :meth:`CacheReader.reopen`), so a worker
+    dataset indexed (same tables, same readable units; :meth:`CacheReader._reopen`), so a worker
     never reads other samples under the same indices. ``layers`` restricts
     ``target_hidden_states`` to those ids.
     """
@@ -53,7 +53,7 @@ class CacheDataset(Dataset):
         self.seq_length = opened.seq_length
         self.storage_dtype = opened.storage_dtype
         self.manifest = opened.manifest
-        self._state = {**opened.handle_state(), "chunk_cache_bytes": chunk_cache_bytes}
+        self._state = {**opened._handle_state(), "chunk_cache_bytes": chunk_cache_bytes}
         self._cache: CacheReader | None = opened
         self._pid = os.getpid()
 
@@ -61,7 +61,7 @@ class CacheDataset(Dataset):
     def cache(self) -> CacheReader:
         """This process's handle (re-opened after a fork or unpickling: no zarr state is shared)."""
         if self._cache is None or self._pid != os.getpid():
-            self._cache = CacheReader.reopen(self._state)
+            self._cache = CacheReader._reopen(self._state)
             self._pid = os.getpid()
         return self._cache
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark_precompute.contract.spec import STORAGE_DTYPES
+from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import CacheFormatError, IncompleteCacheError, StorageWriteError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.read.reader import CacheReader, open_cache
@@ -36,7 +36,6 @@ NEMO_FORMAT_VERSION = 1
 NEMO_MANIFEST = "manifest.json"
 NEMO_WEIGHTS = "target_weights.safetensors"
 NEMO_SHARD_KEYS = ("input_ids", "attention_mask", "loss_mask", "target_hidden_states", "target_last_hidden_states")
-_ST_DTYPE = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 
 
 def shard_name(index: int) -> str:
@@ -157,7 +156,7 @@ def nemo_manifest(cache: CacheReader, shard_size: int, layers: list[int] | None 
         "hidden_size": hidden,
         "num_hidden_layers": m.num_hidden_layers,
         "seq_length": m.seq_length,
-        "dtype": m.output_dtype,  # an fp8 cache is exported dequantized, as bf16
+        "dtype": str(m.output_dtype),  # an fp8 cache is exported dequantized, as bf16
         "num_samples": len(cache),
         "shard_size": int(shard_size),
         "target_hidden_dim": hidden * len(lids),
@@ -248,9 +247,8 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     total = _write_weights(weights, out)
     del weights
     # what read_raw returns: fp8 states dequantized to bf16, the post-norm state in its own dtype
-    st_dtype, st_last = _ST_DTYPE[c.output_dtype], _ST_DTYPE[c.last_output_dtype]
-    disk_dtype = np.dtype(STORAGE_DTYPES[c.output_dtype][0])
-    last_disk = np.dtype(STORAGE_DTYPES[c.last_output_dtype][0])
+    st_dtype, st_last = StorageDtype(c.output_dtype).safetensors, StorageDtype(c.last_output_dtype).safetensors
+    disk_dtype, last_disk = StorageDtype(c.output_dtype).disk, StorageDtype(c.last_output_dtype).disk
     width = H * len(lids)
     pad_id = c.pad_token_id
     starts = c.starts()

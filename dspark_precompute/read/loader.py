@@ -86,7 +86,7 @@ class _TaskRunner(Dataset):
             self._prefetcher = None
             self._planned.clear()
             if cache.store.url and self.prefetch_bytes > 0:
-                self._prefetcher = ChunkPrefetcher(zarr_fetcher(cache._zarr_store()), self.prefetch_bytes,
+                self._prefetcher = ChunkPrefetcher(zarr_fetcher(cache._zstore), self.prefetch_bytes,
                                                    self.prefetch_requests)
         return self._assembler
 
@@ -115,7 +115,7 @@ class _TaskRunner(Dataset):
             cache = asm.reader
 
             def raws(jobs: list[tuple[str, int]]) -> list[bytes | None]:
-                return pf.take_many([cache.chunk_object(name, c) for name, c in jobs])
+                return pf.take_many(cache._chunk_refs(jobs))
 
         return asm.build(batches, memory, raws=raws, threads=threads, arena=arena, offsets=offsets)
 
@@ -129,9 +129,9 @@ class _TaskRunner(Dataset):
         tasks = self.sampler.tasks(key[0])
 
         def queue(k: TaskKey) -> None:
-            items = [cache.chunk_object(name, c) for name, c in asm.jobs(tasks[k[1]][k[2]:])]
+            items = cache._chunk_refs(asm.jobs(tasks[k[1]][k[2]:]))
             pf.plan(items)
-            self._planned.append((k, sum(lim + 1 for _, lim in items)))
+            self._planned.append((k, sum(ref.nbytes for ref in items if ref is not None)))
 
         if self._planned and self._planned[0][0] == key:
             self._planned.popleft()

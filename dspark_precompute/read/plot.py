@@ -36,10 +36,11 @@ def layer_rms(cache: CacheReader, indices: np.ndarray) -> dict[str, np.ndarray]:
     RMS over the hidden dimension is what a draft's input norm sees; a layer whose scale
     is off by orders of magnitude (or zero: a lost chunk) stands out at once.
     """
-    last_name = cache.array_names["last"]
+    last_name = cache.array_names.get("last")
     labels = [("embeddings" if lid < 0 else f"layer {lid}")
               + ("\n(post-norm)" if cache.array_names[str(lid)] == last_name else "") for lid in cache.layer_ids]
-    separate_last = all(cache.array_names[str(lid)] != last_name for lid in cache.layer_ids)
+    separate_last = last_name is not None and all(cache.array_names[str(lid)] != last_name
+                                                  for lid in cache.layer_ids)
     final = "final norm\n(post-norm)"
     out: dict[str, list[np.ndarray]] = {k: [] for k in labels + ([final] if separate_last else [])}
     h = cache.hidden_size

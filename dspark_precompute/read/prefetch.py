@@ -1,11 +1,12 @@
-"""Reading ahead: chunk objects from object storage before they are needed, batches onto the GPU before the step.
+"""Reading ahead: chunk bytes from object storage before they are needed, batches onto the GPU before the step.
 
-:class:`ChunkPrefetcher` keeps a queue of the chunk objects a process will read, in the
-order it will read them (the loader knows its next tasks), and fetches them with at most
-``max_requests`` requests in flight and at most ``max_bytes`` held (fetched and not yet
-taken, plus every request in flight counted at its chunk's size limit). A chunk is taken
-once; a read that was not planned (a plan that guessed wrong) drops the plan and is
-fetched at once, so a wrong guess costs requests, never a wrong or missing chunk.
+:class:`ChunkPrefetcher` keeps a queue of the stored chunks a process will read (byte ranges
+of shards, :class:`~dspark_precompute.contract.chunks.ChunkRef`), in the order it will read
+them (the loader knows its next tasks), and fetches them with at most ``max_requests``
+requests in flight and at most ``max_bytes`` held (fetched and not yet taken, plus every
+request in flight counted at its size). A chunk is taken once; a read that was not planned (a
+plan that guessed wrong) drops the plan and is fetched at once, so a wrong guess costs
+requests, never a wrong or missing chunk.
 
 :func:`to_device` overlaps each batch's host-to-device copy with the previous step.
 """
@@ -23,15 +24,16 @@ from typing import Any
 
 import torch
 
+from dspark_precompute.contract.chunks import ChunkRef
+
 log = logging.getLogger(__name__)
 
-Fetch = Callable[[str, int], "Future[bytes | None]"]  # (key, size limit) -> the object's bytes (None: absent)
+Fetch = Callable[[ChunkRef], "Future[bytes | None]"]  # a chunk's byte range -> its bytes (None: no object)
 
 
 @dataclass(eq=False)  # compared by identity
 class _Entry:
-    key: str
-    limit: int
+    ref: ChunkRef
     reserved: int = 0
     state: str = "planned"  # planned | inflight | done
     dropped: bool = False
@@ -45,9 +47,9 @@ class ChunkPrefetcher:
 
     One thread takes (the one building batches); fetches complete on another.
 
-    ``fetch(key, limit)`` returns a future of the object's first ``limit + 1`` bytes (None
-    when absent). ``max_bytes`` bounds what is held; one object larger than it is still
-    fetched, alone.
+    ``fetch(ref)`` returns a future of the bytes ``ref`` names (None when its object is
+    absent). ``max_bytes`` bounds what is held; one chunk larger than it is still fetched,
+    alone. A chunk known to be absent (``None`` for its ref) is never fetched: taking it gives None.
     """
 
     def __init__(self, fetch: Fetch, max_bytes: int, max_requests: int):
@@ -66,10 +68,10 @@ class ChunkPrefetcher:
         self.wasted = 0  # objects fetched (or in flight) for a plan that was dropped
 
     # -- what is planned ---------------------------------------------------------------------
-    def plan(self, items: Iterable[tuple[str, int]]) -> None:
-        """Append objects ``(key, size limit)`` to the queue, in the order they will be taken."""
+    def plan(self, items: Iterable[ChunkRef | None]) -> None:
+        """Append chunks to the queue, in the order they will be taken (absent ones are skipped)."""
         with self._lock:
-            self._queue.extend(_Entry(k, int(lim)) for k, lim in items)
+            self._queue.extend(_Entry(ref) for ref in items if ref is not None)
             self._pump()
 
     def reset(self) -> None:
@@ -86,14 +88,16 @@ class ChunkPrefetcher:
     def queued(self) -> int:
         return len(self._queue)
 
-    def take(self, key: str, limit: int) -> bytes | None:
-        """The object ``key``: the planned one (objects planned before it are dropped) or, unplanned, fetched now."""
+    def take(self, ref: ChunkRef | None) -> bytes | None:
+        """The chunk ``ref``: the planned one (chunks planned before it are dropped) or, unplanned, fetched now."""
+        if ref is None:
+            return None
         with self._lock:
-            entry = next((e for e in self._queue if e.key == key), None)
+            entry = next((e for e in self._queue if e.ref == ref), None)
             if entry is None:
                 while self._queue:
                     self._drop(self._queue.popleft())
-                entry = _Entry(key, int(limit))
+                entry = _Entry(ref)
                 self._queue.append(entry)
             else:
                 while self._queue[0] is not entry:
@@ -109,8 +113,8 @@ class ChunkPrefetcher:
             raise entry.error
         return entry.data
 
-    def take_many(self, items: Sequence[tuple[str, int]]) -> list[bytes | None]:
-        return [self.take(k, lim) for k, lim in items]
+    def take_many(self, items: Sequence[ChunkRef | None]) -> list[bytes | None]:
+        return [self.take(ref) for ref in items]
 
     # -- internals (called with the lock held) ---------------------------------------------
     def _drop(self, e: _Entry) -> None:
@@ -132,7 +136,7 @@ class ChunkPrefetcher:
                 continue
             if self._inflight >= self.max_requests:
                 return
-            need = e.limit + 1
+            need = e.ref.nbytes
             if self._held and self._held + need > self.max_bytes:
                 return  # in order: nothing behind the head of the line starts before it
             e.state, e.reserved = "inflight", need
@@ -142,7 +146,7 @@ class ChunkPrefetcher:
             self.peak_bytes = max(self.peak_bytes, self._held)
             self.peak_requests = max(self.peak_requests, self._inflight)
             try:
-                fut = self._fetch(e.key, e.limit)
+                fut = self._fetch(e.ref)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever takes it
                 self._landed(e, None, exc)
                 continue
@@ -169,7 +173,7 @@ class ChunkPrefetcher:
 
 
 def zarr_fetcher(zstore: Any) -> Fetch:
-    """``fetch`` for a zarr store (an fsspec URL): requests run on zarr's own event loop thread."""
+    """``fetch`` for a zarr store (an fsspec URL): range requests run on zarr's own event loop thread."""
     import asyncio
 
     from zarr.abc.store import RangeByteRequest
@@ -178,12 +182,12 @@ def zarr_fetcher(zstore: Any) -> Fetch:
 
     proto = default_buffer_prototype()
 
-    async def one(key: str, limit: int) -> bytes | None:
-        got = await zstore.get(key, proto, byte_range=RangeByteRequest(0, limit + 1))
+    async def one(ref: ChunkRef) -> bytes | None:
+        got = await zstore.get(ref.key, proto, byte_range=RangeByteRequest(ref.start, ref.stop))
         return None if got is None else got.to_bytes()
 
-    def fetch(key: str, limit: int) -> Future[bytes | None]:
-        return asyncio.run_coroutine_threadsafe(one(key, limit), _get_loop())
+    def fetch(ref: ChunkRef) -> Future[bytes | None]:
+        return asyncio.run_coroutine_threadsafe(one(ref), _get_loop())
 
     return fetch
 

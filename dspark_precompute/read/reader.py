@@ -4,18 +4,25 @@ Depends only on the contract (``dspark_precompute.contract``), zarr, numpy and t
 (never on transformers or the write side), so training jobs and notebooks can read caches
 without the target.
 
-Opening checks what is cheap and already in hand before anything is read: the manifest
-(``Manifest.read``: every field's type and range), every array's zarr.json against it
-(``array_meta_problems``: dtype, shape, chunks, layer id, the writer's codec chain) and
-the sample/unit tables against the layout (``table_problems``). A cache that fails any of
-them is refused with a :class:`CacheFormatError` listing every problem, so nothing sized
-by a crafted value is ever allocated.
+Opening (``contract.opener.open_stored``) checks what is cheap and already in hand before
+anything is read: the manifest's fields, every array's zarr.json against it and the
+sample/unit tables against the layout; a cache that fails any of them is refused with a
+:class:`CacheFormatError` listing every problem, so nothing sized by a crafted value is ever
+allocated.
 
-Chunks are decoded by ``contract.chunks`` (crc32c, header sizes, bounded buffers); a
-chunk that is not there raises :class:`MissingChunkError` (zarr would return zeros).
-Decoded chunks go through a small LRU: a sample only touches the chunks that hold its
-tokens, neighbouring samples (disk order is longest-first within a unit) reuse them, and
-one sample's chunks are decoded concurrently.
+Inner chunks are found by ``contract.chunks.ChunkSource`` (format 2: a byte range of the
+unit's shard, from its index, read once per shard) and decoded by ``contract.chunks``
+(crc32c, header sizes, bounded buffers); a chunk that is not there raises
+:class:`MissingChunkError` and a damaged shard :class:`DamagedShardError`, each naming the
+array and the samples. Decoded chunks go through a small LRU: a sample only touches the
+chunks that hold its tokens, neighbouring samples (disk order is longest-first within a unit)
+reuse them, and one sample's chunks are decoded concurrently on the reader's own threads
+(:meth:`CacheReader.close` stops them).
+
+``max_length=L`` serves a cache made at a longer ``seq_length`` as one made at ``L``: a causal
+target's states for the first ``L`` tokens do not depend on what follows, so each sample is
+cut at ``L`` and samples left with no supervised token are dropped (``cut_dropped`` counts
+them).
 
 An fp8 cache (``storage.dtype=fp8_e4m3``) reads like a bf16 one: its states are dequantized
 to bf16 by ``contract.fp8`` (exactly as documented there); :meth:`CacheReader.read_fp8` gives
@@ -27,88 +34,45 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import os
-import re
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from dspark_precompute.contract.arrays import ArrayMeta
-from dspark_precompute.contract.chunks import decode_chunk, get_many, read_array_metas, read_file
-from dspark_precompute.contract.commits import CommitRecord, committed_units
-from dspark_precompute.contract.fp8 import E4M3, convert
-from dspark_precompute.contract.layout import SampleIndex, table_problems
-from dspark_precompute.contract.manifest import Manifest, listing, weights_problems
-from dspark_precompute.contract.spec import (
-    INPUT_IDS,
-    LOSS_MASK,
-    SAMPLE_ARRAYS,
-    STORAGE_DTYPES,
-    UNIT_ARRAYS,
-    WEIGHTS,
-    disk_dtype,
-)
-from dspark_precompute.contract.store import CacheStore
-from dspark_precompute.errors import CacheFormatError, ChecksumError, IncompleteCacheError, MissingChunkError
+from dspark_precompute.contract.chunks import ChunkRef, decode_chunk
+from dspark_precompute.contract.commits import committed_units
+from dspark_precompute.contract.fp8 import bf16_bits_to_float32, convert
+from dspark_precompute.contract.layout import SampleIndex
+from dspark_precompute.contract.manifest import listing, weights_problems
+from dspark_precompute.contract.opener import open_stored
+from dspark_precompute.contract.spec import INPUT_IDS, LAST, LOSS_MASK, PRE_NORM, TABLES, WEIGHTS
+from dspark_precompute.contract.vocab import StorageDtype
+from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, MissingChunkError
 from dspark_precompute.read import summary
 
-log = logging.getLogger(__name__)
-
-_CRC_RE = re.compile(r"checksum", re.IGNORECASE)
-TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SAMPLE_KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
+PRE_NORM_KEY = "target_pre_norm_hidden_states"
 DEFAULT_CHUNK_CACHE_BYTES = 64 << 20
-TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS)
 _MASK_WINDOW = 1 << 22  # loss_mask tokens read at a time when counting supervised tokens
 
 
-def is_checksum_error(exc: BaseException) -> bool:
-    """zarr's crc32c codec raises a plain ValueError; recognise it by its message."""
-    return isinstance(exc, ValueError) and bool(_CRC_RE.search(str(exc)))
-
-
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16) -> float32, exactly (bf16 is the top half of a float32)."""
-    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+def torch_dtype(d: str) -> torch.dtype:
+    """The torch dtype a storage dtype is returned as (fp8 dequantized to bf16)."""
+    return getattr(torch, StorageDtype(d).torch_name)  # type: ignore[no-any-return]
 
 
 def to_torch(a: np.ndarray, storage_dtype: str) -> torch.Tensor:
     """A stored hidden-state array as a tensor of its logical dtype (bf16 bits viewed back)."""
     a = np.ascontiguousarray(a)
-    if STORAGE_DTYPES[storage_dtype][1] == "bfloat16":
+    if StorageDtype(storage_dtype) is StorageDtype.bf16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-
-
-def _pool() -> ThreadPoolExecutor:
-    """A decode pool for this process (a forked DataLoader worker gets its own)."""
-    pid = os.getpid()
-    if pid not in _POOLS:
-        _POOLS[pid] = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="dspark-read")
-    return _POOLS[pid]
-
-
-@dataclass(frozen=True)
-class _FastArray:
-    """A local array whose chunk files are read straight from disk (no zarr machinery per call)."""
-
-    root: Path
-    meta: ArrayMeta
-
-
-def _fast_array(meta: ArrayMeta, root: Path) -> _FastArray | None:
-    """The direct file reader for a local array (every checked array has the writer's codec chain)."""
-    return _FastArray(root, meta)
 
 
 class _ChunkLRU:
@@ -135,87 +99,68 @@ class _ChunkLRU:
             self.nbytes -= old.nbytes
 
 
+def _check_max_length(max_length: int | None, seq_length: int) -> int | None:
+    if max_length is None:
+        return None
+    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or not \
+            1 <= int(max_length) <= seq_length:
+        raise ValueError(f"max_length={max_length!r} must be a number of tokens in [1, seq_length={seq_length}] "
+                         "(a cache serves any length up to the one it was made at), or None")
+    return None if int(max_length) == seq_length else int(max_length)
+
+
 class CacheReader:
     """A read-only view of one cache (``len``, ``c[i]``, ``c[a:b]``, ``c[[i, j]]``).
 
     Index ``i`` is the i-th *readable* sample: every sample of a complete cache, in input
     order; for an incomplete cache opened with ``allow_incomplete=True``, the samples of
-    committed units only (``c.indices[i]`` is then its id in the full cache).
+    committed units only. A context manager: :meth:`close` (or leaving the ``with``) stops
+    its decode threads and closes its files.
     """
 
     def __init__(self, path: str | Path, allow_incomplete: bool = False,
-                 chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES):
-        self.store = CacheStore(str(path))
-        self.path = self.store.path
-        self.allow_incomplete = bool(allow_incomplete)
-        self._zstore: Any = None
-        self._group: Any = None
-        self.manifest = Manifest.read(self.store)
-        self.complete = self.manifest.complete
-        committed = self._committed_units()
-        if not self.complete and not allow_incomplete:
-            raise IncompleteCacheError(
-                f"{path} is incomplete ({len(committed)}/{self.num_units} units committed): the precompute run "
-                "has not finished. Re-run it with the same command to finish, or open_cache(..., "
-                "allow_incomplete=True) to read the committed samples only."
-            )
-        self.layer_ids: list[int] = list(self.manifest.layer_ids)
-        self.hidden_size = self.manifest.hidden_size
-        self.storage_dtype: str = self.manifest.storage_dtype
-        # what samples hold: the storage dtype, except fp8 (dequantized to bf16); the last state may differ
-        self.output_dtype: str = self.manifest.output_dtype
-        self.last_output_dtype: str = self.manifest.last_output_dtype
-        self.logical_dtype = STORAGE_DTYPES[self.output_dtype][1]
-        self.torch_dtype = TORCH_DTYPES[self.output_dtype]
-        self._dtypes = self.manifest.array_dtypes  # hidden array -> storage dtype
-        self._scales = self.manifest.scale_arrays  # fp8 array -> its scale array
-        self.seq_length = self.manifest.seq_length
-        self.chunk_tokens = self.manifest.layout.chunk_tokens
-        self._names: dict[str, str] = dict(self.manifest.arrays)
-        self._fast: dict[str, _FastArray | None] = {}
+                 chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES, max_length: int | None = None,
+                 _units: list[int] | None = None):
+        opened = open_stored(str(path), allow_incomplete=allow_incomplete)
+        self.store, self.manifest = opened.store, opened.manifest
+        self.path: str = opened.path
+        self.complete: bool = self.manifest.complete and _units is None
+        m = self.manifest
+        self.layer_ids: list[int] = list(m.layer_ids)
+        self.hidden_size: int = m.hidden_size
+        self.storage_dtype = m.dtype
+        # what samples hold: the storage dtype, except fp8 (dequantized to bf16); the final states may differ
+        self.output_dtype: StorageDtype = m.output_dtype
+        self.last_output_dtype: StorageDtype = m.last_output_dtype
+        self.seq_length: int = m.seq_length
+        self.chunk_tokens: int = m.layout.chunk_tokens
+        self.max_length = _check_max_length(max_length, self.seq_length)
+        self._names: dict[str, str] = dict(m.arrays)
+        self._dtypes = m.array_dtypes  # hidden array -> storage dtype
+        self._scales = m.scale_arrays  # fp8 array -> its scale array
+        self._metas, self._source, self._zstore = opened.metas, opened.source, opened.zstore
         self._lru = _ChunkLRU(chunk_cache_bytes)
+        self._owned: dict[str, Any] = {"pool": None, "opened": opened}  # released by close() or by the finalizer
+        self._finalizer = weakref.finalize(self, _shutdown, self._owned)
         self._where: SampleIndex | None = None
-        metas, problems = read_array_metas(self.store, self.manifest, self._zarr_store() if self.store.url else None)
-        if problems:
-            raise CacheFormatError(listing(f"{self.path}: the arrays disagree with the manifest",
-                                            [p for _, p in problems],
-                                            f"Run `dspark-cache verify {self.path}` for a full report; re-create the "
-                                            "cache (re-run the precompute command with overwrite=true)."))
-        self._metas = metas
-        tables = self._read_tables()
-        table_found = table_problems(self.manifest, tables)
-        if table_found:
-            raise CacheFormatError(listing(f"{self.path}: the sample/unit tables disagree with the layout", table_found,
-                                            "Samples would be read from the wrong tokens, so the cache is refused. "
-                                            f"Run `dspark-cache verify {self.path}` for a full report; re-create the "
-                                            "cache (re-run the precompute command with overwrite=true)."))
-        self._start = tables["samples/start"]
-        self._length = tables["samples/length"]
-        self._source_row = tables["samples/source_row"]
-        self._unit = tables["samples/unit"]
-        self._untruncated = tables["samples/untruncated_length"]
-        self._unit_start = tables["units/token_start"]
-        self._unit_stop = tables["units/token_stop"]
-        self._dropped = self._dropped_samples(committed)
-        self.indices = self._readable(None if self.complete else sorted(committed))
+        t = opened.tables
+        self._start, self._length, self._unit = t["samples/start"], t["samples/length"], t["samples/unit"]
+        self._source_row, self._untruncated = t["samples/source_row"], t["samples/untruncated_length"]
+        self._unit_start, self._unit_stop = t["units/token_start"], t["units/token_stop"]
+        units = _units if _units is not None else (None if m.complete else sorted(opened.committed))
+        self._readable_units = units
+        self.indices = opened.readable(units)
+        self._cut = self._cut_lengths()
+        self.cut_dropped = 0  # samples dropped by max_length (no supervised token left)
+        if self.max_length is not None:
+            keep = self._supervised_within(self.indices) > 0
+            self.cut_dropped = int((~keep).sum())
+            self.indices = self.indices[keep]
         self._supervised: np.ndarray | None = None
 
-    def _dropped_samples(self, committed: set[int]) -> np.ndarray:
-        """Samples whose states were not finite: the manifest lists them once complete, the commits before."""
-        if self.complete:
-            return np.asarray(self.manifest.dropped_samples or [], dtype=np.int64)
-        out = []
-        for u in sorted(committed):
-            rec = CommitRecord.read(self.store, u)
-            for d in (rec.extra.get("dropped") or []) if rec is not None else []:
-                out.append(int(d["sample"]))
-        return np.asarray(sorted(out), dtype=np.int64)
-
-    def _readable(self, units: list[int] | None) -> np.ndarray:
-        """Sample ids a reader may return: every sample (or those of ``units``), minus the dropped ones."""
-        ids = np.arange(len(self._start), dtype=np.int64) if units is None else np.flatnonzero(
-            np.isin(self._unit, units)).astype(np.int64)
-        return ids[~np.isin(ids, self._dropped)] if len(self._dropped) else ids
+    def _cut_lengths(self) -> np.ndarray:
+        """Tokens each stored sample gives a reader: its length, at most ``max_length``."""
+        return self._length if self.max_length is None else np.minimum(self._length, self.max_length)
 
     # -- metadata --------------------------------------------------------------------------
     @property
@@ -233,131 +178,131 @@ class CacheReader:
         return self._source_row[self.indices]
 
     @property
-    def token_bytes(self) -> int:
-        """Bytes one token slot takes in the stored arrays, decoded (ids, mask and every hidden array once)."""
-        names = dict.fromkeys([INPUT_IDS, LOSS_MASK, *self._names.values()])
-        return sum(int(self._metas[n].dtype.itemsize) * int(np.prod(self._metas[n].chunks[1:], dtype=np.int64))
-                   for n in names)
+    def array_names(self) -> dict[str, str]:
+        """Layer id (as a string, plus ``"last"`` and ``"pre_norm"`` when stored) -> zarr array name."""
+        return dict(self._names)
 
     @property
-    def array_names(self) -> dict[str, str]:
-        """Layer id (as a string, plus ``"last"``) -> zarr array name."""
-        return dict(self._names)
+    def has_pre_norm(self) -> bool:
+        """Whether the last decoder output before the final norm is stored (``capture.last_state``)."""
+        return PRE_NORM in self._names
 
     @property
     def group(self) -> Any:
         """The cache as a zarr group (read-only), for inspection with zarr's own API."""
-        if self._group is None:
-            import zarr
+        import zarr
 
-            self._group = zarr.open_group(self._zarr_store(), mode="r")
-        return self._group
+        return zarr.open_group(self.store.zarr_store(read_only=True), mode="r")
 
-    def _zarr_store(self) -> Any:
-        if self._zstore is None:
-            self._zstore = self.store.zarr_store(read_only=True)
-        return self._zstore
+    def close(self) -> None:
+        """Stop the decode threads and close the shard files (the reader can still be used: they come back)."""
+        pool = self._owned.pop("pool", None)
+        self._owned["pool"] = None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._source.forget()
 
-    def _committed_units(self) -> set[int]:
-        return committed_units(self.store, self.num_units)
+    def __enter__(self) -> CacheReader:
+        return self
 
-    # -- low-level reads -------------------------------------------------------------------
-    def _fast_spec(self, name: str) -> _FastArray | None:
-        """The direct file reader for array ``name`` (None for a cache behind a URL: read through zarr's store)."""
-        if name not in self._fast:
-            self._fast[name] = None if self.store.url else _fast_array(self._metas[name], Path(self.store.root) / name)
-        return self._fast[name]
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- low-level reads (the read package's plumbing) --------------------------------------
+    def _threads(self) -> ThreadPoolExecutor:
+        pool = self._owned.get("pool")
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="dspark-read")
+            self._owned["pool"] = pool
+        return pool  # type: ignore[no-any-return]
 
     def _samples_in(self, lo: int, hi: int) -> np.ndarray:
         if self._where is None:
             self._where = SampleIndex(self._start, self._length)
         return self._where.in_range(lo, hi)
 
-    def _missing(self, name: str, idx: tuple[int, ...]) -> MissingChunkError:
+    def _named(self, ids: np.ndarray) -> str:
+        shown = ", ".join(str(int(i)) for i in ids[:8]) + (f" (+{len(ids) - 8} more)" if len(ids) > 8 else "")
+        return f"samples {shown}" if len(ids) else "no samples"
+
+    def _missing(self, name: str, c: int) -> MissingChunkError:
         meta = self._metas[name]
-        key = f"{name}/{meta.chunk_key(idx)}"
-        lo, hi = idx[0] * meta.chunks[0], min((idx[0] + 1) * meta.chunks[0], meta.shape[0])
-        if name in TABLES:
-            return MissingChunkError(
-                f"{self.path}: table {name!r} chunk {idx} is missing (file {key}): its rows [{lo}, {hi}) would read "
-                "back as zeros, so every sample's place is unknown. The cache is damaged: re-create it (re-run the "
-                "precompute command with overwrite=true).", array=name, chunk=idx)
+        idx, key = meta.chunk_index(c), meta.object_key(c)
+        lo, hi = c * meta.chunks[0], min((c + 1) * meta.chunks[0], meta.shape[0])
         holds = self._samples_in(lo, hi)
         units = sorted({int(u) for u in self._unit[holds]}) if len(holds) else []
-        shown = ", ".join(str(int(i)) for i in holds[:8]) + (f" (+{len(holds) - 8} more)" if len(holds) > 8 else "")
-        pending = [] if self.complete else sorted(set(units) - self._committed_units())
-        if pending:  # read_tokens asked for slots of a unit the run has not committed: nothing is damaged
+        pending = [] if self.manifest.complete else sorted(set(units) - committed_units(self.store, self.num_units))
+        where = f"chunk {idx} ({'in shard ' if meta.sharded else 'file '}{key})"
+        if pending:  # slots of a unit the run has not committed: nothing is damaged
             return MissingChunkError(
-                f"{self.path}: array {name!r} chunk {idx} (file {key}) is not written yet: it belongs to unit(s) "
-                f"{pending}, which have no commit record; only committed units of an incomplete cache are readable.",
+                f"{self.path}: array {name!r} {where} is not written yet: it belongs to unit(s) {pending}, which have "
+                "no commit record; only committed units of an incomplete cache are readable.",
                 array=name, chunk=idx, samples=tuple(int(i) for i in holds))
         return MissingChunkError(
-            f"{self.path}: array {name!r} chunk {idx} is missing (file {key}): it holds token slots [{lo}, {hi}) of "
-            f"unit(s) {units}, " + (f"samples {shown}" if len(holds) else "no samples") + ", which would read back as "
-            f"zeros. The cache is damaged: run `dspark-cache verify --repair {self.path}` to mark the unit(s) for "
-            "recomputation, then re-run the precompute command that wrote the cache (same overrides).",
-            array=name, chunk=idx, samples=tuple(int(i) for i in holds))
+            f"{self.path}: array {name!r} {where} is missing: it holds token slots [{lo}, {hi}) of unit(s) {units}, "
+            f"{self._named(holds)}, which would read back as zeros. The cache is damaged: run `dspark-cache verify "
+            f"--repair {self.path}` to mark the unit(s) for recomputation, then re-run the precompute command that "
+            "wrote the cache (same overrides).", array=name, chunk=idx, samples=tuple(int(i) for i in holds))
 
-    def chunk_object(self, name: str, c: int) -> tuple[str, int]:
-        """Where chunk ``c`` (along the token axis) of array ``name`` is stored: (key in the store, size limit).
+    def _damaged(self, exc: DamagedShardError, jobs: Sequence[tuple[str, int]]) -> DamagedShardError:
+        """``exc`` again, naming the samples of the shard (or of the chunks asked for)."""
+        name = exc.array or (jobs[0][0] if jobs else "")
+        meta = self._metas.get(name)
+        if meta is not None and meta.sharded and exc.shard is not None:
+            lo = exc.shard[0] * int(meta.shard_chunks or 1) * meta.chunks[0]
+            holds = self._samples_in(lo, lo + int(meta.shard_chunks or 1) * meta.chunks[0])
+        else:
+            ct = self.chunk_tokens
+            holds = np.unique(np.concatenate([self._samples_in(c * ct, (c + 1) * ct) for n, c in jobs if n == name]
+                                             or [np.zeros(0, dtype=np.int64)]))
+        units = sorted({int(u) for u in self._unit[holds]}) if len(holds) else []
+        return DamagedShardError(
+            f"{self.path}: {exc}; it holds {self._named(holds)} of unit(s) {units}. Nothing was decoded from it. Run "
+            f"`dspark-cache verify --repair {self.path}` to mark the unit(s) for recomputation, then re-run the "
+            "precompute command that wrote the cache.", array=name, shard=exc.shard,
+            samples=tuple(int(i) for i in holds), checksum=exc.checksum)
 
-        A stored chunk is never larger than the limit (the reader fetches at most one byte more to tell)."""
-        meta = self._metas[name]
-        return f"{name}/{meta.chunk_key(meta.chunk_index(c))}", meta.max_stored_bytes()
+    def _chunk_refs(self, jobs: Sequence[tuple[str, int]]) -> list[ChunkRef | None]:
+        """Where each chunk's stored bytes are (loading the shard indexes not in hand); None for an absent one."""
+        try:
+            return self._source.locate(jobs)
+        except DamagedShardError as exc:
+            raise self._damaged(exc, jobs) from None
 
-    def _decode_jobs(self, jobs: list[tuple[str, int]], legacy_zeros: bool = False,
-                     raws: Sequence[bytes | None] | None = None, threads: bool = True) -> list[np.ndarray]:
+    def _decode_jobs(self, jobs: list[tuple[str, int]], raws: Sequence[bytes | None] | None = None,
+                     threads: bool = True) -> list[np.ndarray]:
         """Chunks ``(array, chunk number)`` decoded, concurrently when there are several (and ``threads``).
 
-        Local arrays are read straight from their files; others (a URL) through the zarr
-        store, every object fetched in one round of requests, unless their bytes are given
-        in ``raws`` (fetched ahead). ``legacy_zeros`` reads an absent chunk as zeros (tables
-        of caches written before every table chunk was).
+        The stored bytes are fetched together (local shards with ``pread``, remote ones with
+        range requests all at once) unless given in ``raws`` (fetched ahead).
         """
         where = f"{self.path}: "
+        if raws is None:
+            try:
+                raws = self._source.fetch(self._chunk_refs(jobs))
+            except DamagedShardError as exc:
+                raise self._damaged(exc, jobs) from None
 
         def finish(job: tuple[str, int], raw: bytes | None) -> np.ndarray:
             meta = self._metas[job[0]]
-            idx = meta.chunk_index(job[1])
             if raw is None:
-                if legacy_zeros:
-                    return np.zeros(meta.chunks, dtype=meta.dtype)
-                raise self._missing(job[0], idx)
-            return decode_chunk(meta, idx, raw, where)
+                raise self._missing(job[0], job[1])
+            return decode_chunk(meta, meta.chunk_index(job[1]), raw, where)
 
-        parallel = threads and len(jobs) > 1
-        if raws is not None:
-            return list(_pool().map(finish, jobs, raws)) if parallel else [finish(j, r) for j, r in zip(jobs, raws)]
-        maybe_fast = [self._fast_spec(name) for name, _ in jobs]
-        if all(f is not None for f in maybe_fast):
-            fast = [f for f in maybe_fast if f is not None]
+        if threads and len(jobs) > 1:
+            return list(self._threads().map(finish, jobs, raws))
+        return [finish(j, r) for j, r in zip(jobs, raws)]
 
-            def one(k: int) -> np.ndarray:
-                spec, c = fast[k], jobs[k][1]
-                meta = spec.meta
-                raw = read_file(spec.root / meta.chunk_key(meta.chunk_index(c)), meta.max_stored_bytes())
-                return finish(jobs[k], raw)
-
-            return list(_pool().map(one, range(len(jobs)))) if parallel else [one(k) for k in range(len(jobs))]
-        metas = [self._metas[name] for name, _ in jobs]
-        keys = [f"{m.name}/{m.chunk_key(m.chunk_index(c))}" for m, (_, c) in zip(metas, jobs)]
-        fetched = get_many(self.store, self._zarr_store(), keys, [m.max_stored_bytes() for m in metas])
-        if parallel:
-            return list(_pool().map(finish, jobs, fetched))
-        return [finish(j, r) for j, r in zip(jobs, fetched)]
-
-    def decoded_chunks(self, jobs: list[tuple[str, int]], raws: Sequence[bytes | None] | None = None,
-                       threads: bool = True, reuse: bool = True) -> list[np.ndarray]:
+    def _decoded_chunks(self, jobs: list[tuple[str, int]], raws: Sequence[bytes | None] | None = None,
+                        threads: bool = True, reuse: bool = True) -> list[np.ndarray]:
         """Chunks ``(array, chunk number along the token axis)``, decoded and checked, as stored (read-only use).
 
         ``reuse`` takes chunks from (and keeps them in) the small LRU of decoded chunks;
         ``raws`` are the chunks' stored bytes when fetched ahead (then the LRU is bypassed:
         the bytes in hand are decoded). ``threads`` decodes several at once.
         """
-        if raws is not None:
+        if raws is not None or not reuse:
             return self._decode_jobs(jobs, raws=raws, threads=threads)
-        if not reuse:
-            return self._decode_jobs(jobs, threads=threads)
         out: list[np.ndarray | None] = [self._lru.get(job) for job in jobs]
         todo = [k for k, hit in enumerate(out) if hit is None]
         for k, piece in zip(todo, self._decode_jobs([jobs[k] for k in todo], threads=threads)):
@@ -365,59 +310,34 @@ class CacheReader:
             self._lru.put(jobs[k], piece)
         return [x for x in out if x is not None]
 
-    def _read_tables(self) -> dict[str, np.ndarray]:
-        """Every sample/unit table, whole. A missing table chunk is damage, except in caches from before
-        the writer wrote all-zero table chunks (no ``weights_sha256``), where it reads as zeros and the
-        table checks that follow catch any zero that is not the truth."""
-        legacy = self.manifest.tool_version in ("", "0.1.0")  # before every table chunk was written
-        jobs = [(name, c) for name in TABLES for c in range(self._metas[name].num_chunks)]
-        decoded = self._decode_jobs(jobs, legacy_zeros=legacy)
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in TABLES}
-        for (name, _), data in zip(jobs, decoded):
-            parts[name].append(data)
-        out = {}
-        for name in TABLES:
-            meta = self._metas[name]
-            out[name] = (np.concatenate(parts[name]) if parts[name] else np.zeros(0, meta.dtype))[:meta.shape[0]]
-        return out
-
-    def _chunks(self, wants: dict[str, tuple[int, int]]) -> dict[tuple[str, int], np.ndarray]:
-        """Decoded chunks ``first..last`` of each array in ``{array: (first, last)}``, from the LRU when there."""
-        out: dict[tuple[str, int], np.ndarray] = {}
-        jobs: list[tuple[str, int]] = []
-        for name, (c0, c1) in wants.items():
-            for c in range(c0, c1 + 1):
-                hit = self._lru.get((name, c))
-                if hit is None:
-                    jobs.append((name, c))
-                else:
-                    out[(name, c)] = hit
-        for job, piece in zip(jobs, self._decode_jobs(jobs)):
-            out[job] = piece
-            self._lru.put(job, piece)
-        return out
-
-    def read_tokens(self, names: Sequence[str], a: int, b: int) -> dict[str, np.ndarray]:
+    def _read_tokens(self, names: Sequence[str], a: int, b: int) -> dict[str, np.ndarray]:
         """Token slots ``[a, b)`` of each named token array, as stored (bf16 as uint16 bits), copied."""
         ct = self.chunk_tokens
         names = list(dict.fromkeys(names))
         unknown = [nm for nm in names if nm in TABLES or nm not in self._metas]
         if unknown:
-            raise ValueError(f"read_tokens: {unknown} are not token arrays of this cache; those are "
+            raise ValueError(f"_read_tokens: {unknown} are not token arrays of this cache; those are "
                              f"{sorted(n for n in self._metas if n not in TABLES)}")
         total = self.manifest.layout.total_token_slots
         if not 0 <= a <= total or not 0 <= b <= total:
-            raise ValueError(f"read_tokens: token slots [{a}, {b}) lie outside the token axis [0, {total})")
+            raise ValueError(f"_read_tokens: token slots [{a}, {b}) lie outside the token axis [0, {total})")
         if b <= a:
             return {nm: np.zeros((0, *self._metas[nm].shape[1:]), dtype=self._metas[nm].dtype) for nm in names}
         c0, c1 = a // ct, (b - 1) // ct
-        chunks = self._chunks({name: (c0, c1) for name in names})
+        jobs = [(name, c) for name in names for c in range(c0, c1 + 1)]
+        chunks = dict(zip(jobs, self._decoded_chunks(jobs)))
         out: dict[str, np.ndarray] = {}
         for name in names:
             parts = [chunks[(name, c)][max(a, c * ct) - c * ct:min(b, (c + 1) * ct) - c * ct]
                      for c in range(c0, c1 + 1)]
             out[name] = parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
         return out
+
+    def _token_bytes(self) -> int:
+        """Bytes one token slot takes in the stored arrays, decoded (ids, mask and every hidden array once)."""
+        names = dict.fromkeys([INPUT_IDS, LOSS_MASK, *self._names.values()])
+        return sum(int(self._metas[n].dtype.itemsize) * int(np.prod(self._metas[n].chunks[1:], dtype=np.int64))
+                   for n in names)
 
     # -- sequence protocol -----------------------------------------------------------------
     def __len__(self) -> int:
@@ -455,21 +375,34 @@ class CacheReader:
                              f"{self.layer_ids}. Pick a subset of those.")
         return chosen
 
-    def read_raw(self, i: int, layers: Sequence[int] | None = None, last: bool = True) -> dict[str, np.ndarray]:
+    def _final_name(self, key: str) -> str:
+        name = self._names.get(key)
+        if name is None:
+            what = ("the post-norm state (target_last_hidden_states)" if key == LAST else
+                    "the pre-norm last decoder output (target_pre_norm_hidden_states)")
+            fix = "post_norm or both" if key == LAST else "pre_norm or both"
+            raise ValueError(f"{self.path} does not store {what}; re-run the precompute with "
+                             f"capture.last_state={fix}, or pass {'last' if key == LAST else 'pre_norm'}=False")
+        return name
+
+    def read_raw(self, i: int, layers: Sequence[int] | None = None, last: bool = True,
+                 pre_norm: bool = False) -> dict[str, np.ndarray]:
         """Sample ``i`` as stored: int32 ids, uint8 mask, hidden states in the output dtype.
 
         bf16 stays as its uint16 bit pattern: the cheapest form to copy elsewhere (export).
         fp8 states come dequantized, as bf16 bits (``contract.fp8``); a layer stored in
-        another dtype than the rest (the post-norm state under ``storage.last_dtype``) is
-        converted to ``output_dtype`` in ``target_hidden_states``.
+        another dtype than the rest (the final states under ``storage.last_dtype``) is
+        converted to ``output_dtype`` in ``target_hidden_states``. ``pre_norm`` adds
+        ``target_pre_norm_hidden_states`` (the last decoder output before the final norm).
         """
         s = self._resolve(i)
         chosen = self.check_layers(layers)
-        a, n = int(self._start[s]), int(self._length[s])
+        a, n = int(self._start[s]), int(self._cut[s])
         layer_names = [self._names[str(lid)] for lid in chosen]
-        last_name = self._names["last"]
-        names = [INPUT_IDS, LOSS_MASK, *layer_names] + ([last_name] if last else [])
-        got = self.read_tokens(names + [self._scales[nm] for nm in names if nm in self._scales], a, a + n)
+        finals = {key: self._final_name(name) for key, name, want in ((LAST, LAST, last), (PRE_NORM, PRE_NORM,
+                                                                                          pre_norm)) if want}
+        names = [INPUT_IDS, LOSS_MASK, *layer_names, *finals.values()]
+        got = self._read_tokens(names + [self._scales[nm] for nm in names if nm in self._scales], a, a + n)
 
         def states(nm: str, to: str) -> np.ndarray:
             scale = got[self._scales[nm]] if nm in self._scales else None
@@ -479,10 +412,12 @@ class CacheReader:
             parts = [states(nm, self.output_dtype) for nm in layer_names]
             hidden = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         else:
-            hidden = np.zeros((n, 0), dtype=disk_dtype(self.output_dtype))
+            hidden = np.zeros((n, 0), dtype=self.output_dtype.disk)
         out = {"input_ids": got[INPUT_IDS], "loss_mask": got[LOSS_MASK], "target_hidden_states": hidden}
-        if last:
-            out["target_last_hidden_states"] = states(last_name, self.last_output_dtype)
+        if LAST in finals:
+            out["target_last_hidden_states"] = states(finals[LAST], self.last_output_dtype)
+        if PRE_NORM in finals:
+            out[PRE_NORM_KEY] = states(finals[PRE_NORM], self.last_output_dtype)
         return out
 
     def read_fp8(self, i: int, layers: Sequence[int] | None = None, last: bool = True) -> dict[str, Any]:
@@ -495,54 +430,56 @@ class CacheReader:
         post-norm state under ``storage.last_dtype=bf16`` is not); the post-norm state is
         included (``target_last_hidden_states``/``_scales``) when ``last`` and it is fp8.
         """
-        if E4M3 not in self._dtypes.values():
+        if not any(d.is_fp8 for d in self._dtypes.values()):
             raise ValueError(f"{self.path} stores no fp8 states (storage dtype {self.storage_dtype}); use sample()")
         if layers is None:
-            chosen = [lid for lid in self.layer_ids if self._dtypes[self._names[str(lid)]] == E4M3]
+            chosen = [lid for lid in self.layer_ids if self._dtypes[self._names[str(lid)]].is_fp8]
         else:
             chosen = self.check_layers(layers)
-            other = [lid for lid in chosen if self._dtypes[self._names[str(lid)]] != E4M3]
+            other = [lid for lid in chosen if not self._dtypes[self._names[str(lid)]].is_fp8]
             if other:
                 raise ValueError(f"layers {other} are stored as {self._dtypes[self._names[str(other[0])]]}, not fp8 "
                                  "(the post-norm state keeps storage.last_dtype); read them with sample()")
         s = self._resolve(i)
-        a, n = int(self._start[s]), int(self._length[s])
+        a, n = int(self._start[s]), int(self._cut[s])
         layer_names = [self._names[str(lid)] for lid in chosen]
-        last_name = self._names["last"]
-        with_last = last and self._dtypes[last_name] == E4M3
-        names = [*layer_names] + ([last_name] if with_last else [])
-        got = self.read_tokens([INPUT_IDS, LOSS_MASK, *names, *(self._scales[nm] for nm in names)], a, a + n)
+        last_name = self._names.get(LAST)
+        with_last = last and last_name is not None and self._dtypes[last_name].is_fp8
+        names = [*layer_names] + ([last_name] if with_last and last_name else [])
+        got = self._read_tokens([INPUT_IDS, LOSS_MASK, *names, *(self._scales[nm] for nm in names)], a, a + n)
 
-        def joined(arrays: list[np.ndarray], width: int, dtype: Any) -> np.ndarray:
-            return np.concatenate(arrays, axis=1) if arrays else np.zeros((n, width), dtype=dtype)
+        def joined(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:
+            return np.concatenate(arrays, axis=1) if arrays else np.zeros((n, 0), dtype=dtype)
 
         out: dict[str, Any] = {
             "input_ids": got[INPUT_IDS], "loss_mask": got[LOSS_MASK], "layer_ids": chosen,
             "fp8_group": self.manifest.fp8_group or self.hidden_size,
-            "target_hidden_states": joined([got[nm] for nm in layer_names], 0, np.uint8),
-            "target_hidden_scales": joined([got[self._scales[nm]] for nm in layer_names], 0, np.float32),
+            "target_hidden_states": joined([got[nm] for nm in layer_names], np.uint8),
+            "target_hidden_scales": joined([got[self._scales[nm]] for nm in layer_names], np.float32),
         }
-        if with_last:
+        if with_last and last_name:
             out["target_last_hidden_states"] = got[last_name]
             out["target_last_hidden_scales"] = got[self._scales[last_name]]
         return out
 
     def sample(self, i: int, layers: Sequence[int] | None = None, as_numpy: bool = False,
-               last: bool = True) -> dict[str, Any]:
+               last: bool = True, pre_norm: bool = False) -> dict[str, Any]:
         """Sample ``i``: input_ids, loss_mask, target_hidden_states (chosen layers), last state.
 
         ``layers`` picks a subset (and order) of the captured layer ids; only their arrays'
-        chunks are read. ``last=False`` skips the post-norm state. Torch output (training)
-        keeps the storage dtype (bf16/fp16/fp32; fp8 dequantized to bf16) with int64 ids and mask, as NeMo does;
-        ``as_numpy=True`` (notebooks) gives float32 for bf16 caches, numpy having no bf16.
+        chunks are read. ``last=False`` skips the post-norm state, ``pre_norm=True`` adds the
+        pre-norm one. Torch output (training) keeps the storage dtype (bf16/fp16/fp32; fp8
+        dequantized to bf16) with int64 ids and mask, as NeMo does; ``as_numpy=True``
+        (notebooks) gives float32 for bf16 caches, numpy having no bf16.
         """
-        raw = self.read_raw(i, layers, last)
+        raw = self.read_raw(i, layers, last, pre_norm)
         ids = raw["input_ids"].astype(np.int64)
         mask = raw["loss_mask"].astype(np.int64)
-        dtypes = {"target_hidden_states": self.output_dtype, "target_last_hidden_states": self.last_output_dtype}
+        dtypes = {"target_hidden_states": self.output_dtype, "target_last_hidden_states": self.last_output_dtype,
+                  PRE_NORM_KEY: self.last_output_dtype}
         floats: dict[str, np.ndarray] = {k: raw[k] for k in dtypes if k in raw}
         if as_numpy:
-            floats = {k: bf16_bits_to_float32(v) if dtypes[k] == "bf16" else v for k, v in floats.items()}
+            floats = {k: bf16_bits_to_float32(v) if dtypes[k] is StorageDtype.bf16 else v for k, v in floats.items()}
             return {"input_ids": ids, "loss_mask": mask, **floats}
         return {"input_ids": torch.from_numpy(ids), "loss_mask": torch.from_numpy(mask),
                 **{k: to_torch(v, dtypes[k]) for k, v in floats.items()}}
@@ -575,13 +512,13 @@ class CacheReader:
         problems = weights_problems({k: tuple(v.shape) for k, v in tensors.items()}, self.manifest)
         if problems:
             raise CacheFormatError(listing(f"{self.path}/{WEIGHTS} does not fit the manifest", problems,
-                                            "Re-create the cache."))
+                                           "Re-create the cache."))
         return tensors
 
     # -- description -----------------------------------------------------------------------
     def lengths(self) -> np.ndarray:
-        """Tokens per readable sample (int32)."""
-        return self._length[self.indices]
+        """Tokens per readable sample (int32; at most ``max_length``)."""
+        return self._cut[self.indices].astype(np.int32)
 
     def starts(self) -> np.ndarray:
         """First token slot of each readable sample (int64): sort by it to read in disk order."""
@@ -590,27 +527,28 @@ class CacheReader:
     def untruncated_lengths(self) -> np.ndarray:
         return self._untruncated[self.indices]
 
-    def supervised_counts(self) -> np.ndarray:
-        """Supervised (loss_mask=1) tokens per readable sample, from the stored masks.
+    def _supervised_within(self, ids: np.ndarray) -> np.ndarray:
+        """Supervised tokens of samples ``ids`` within their (cut) lengths, from the stored masks (one pass per
+        unit, a bounded window of ``loss_mask`` at a time; never the hidden states)."""
+        counts = np.zeros(len(self._start), dtype=np.int64)
+        members = self._unit[ids]
+        window = max(self.chunk_tokens, _MASK_WINDOW // self.chunk_tokens * self.chunk_tokens)
+        for u in np.unique(members):
+            mine = ids[members == u]
+            s0 = self._start[mine].astype(np.int64)
+            s1 = s0 + self._cut[mine]
+            for w0 in range(int(self._unit_start[u]), int(self._unit_stop[u]), window):
+                w1 = min(w0 + window, int(self._unit_stop[u]))
+                mask = self._read_tokens([LOSS_MASK], w0, w1)[LOSS_MASK]
+                csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+                lo, hi = np.clip(s0 - w0, 0, w1 - w0), np.clip(s1 - w0, 0, w1 - w0)
+                counts[mine] += csum[hi] - csum[lo]
+        return counts[ids]
 
-        Reads ``loss_mask`` (1 byte per token, a bounded window at a time), never the hidden states.
-        """
+    def supervised_counts(self) -> np.ndarray:
+        """Supervised (loss_mask=1) tokens per readable sample, from the stored masks."""
         if self._supervised is None:
-            counts = np.zeros(len(self._start), dtype=np.int64)
-            members = self._unit[self.indices]
-            window = max(self.chunk_tokens, _MASK_WINDOW // self.chunk_tokens * self.chunk_tokens)
-            for u in np.unique(members):
-                u = int(u)
-                ids = self.indices[members == u]
-                s0 = self._start[ids].astype(np.int64)
-                s1 = s0 + self._length[ids]
-                for w0 in range(int(self._unit_start[u]), int(self._unit_stop[u]), window):
-                    w1 = min(w0 + window, int(self._unit_stop[u]))
-                    mask = self.read_tokens([LOSS_MASK], w0, w1)[LOSS_MASK]
-                    csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
-                    lo, hi = np.clip(s0 - w0, 0, w1 - w0), np.clip(s1 - w0, 0, w1 - w0)
-                    counts[ids] += csum[hi] - csum[lo]
-            self._supervised = counts[self.indices]
+            self._supervised = self._supervised_within(self.indices)
         return self._supervised
 
     def rejects(self) -> dict[str, Any]:
@@ -627,18 +565,14 @@ class CacheReader:
 
     def __repr__(self) -> str:
         """What is in hand (no store walk: ``summary()`` lists every file, which a repr must not)."""
-        lengths = self.lengths()
-        tokens = int(lengths.sum())
-        if self.complete:
-            sup = f"{self.manifest.counts.supervised_tokens / max(1, tokens):.1%} supervised, "
-        else:
-            sup = ""
+        tokens = int(self.lengths().sum())
+        sup = f"{self.manifest.counts.supervised_tokens / max(1, tokens):.1%} supervised, " \
+            if self.complete and self.max_length is None else ""
         r = self.rejects()
-        return (
-            f"<dspark cache {self.path!r}: {len(self)} samples, {tokens} tokens ({sup}{r['rejected']} of "
-            f"{r['rows_in']} rows rejected), layers {self.layer_ids} x {self.hidden_size}, {self.storage_dtype}"
-            + ("" if self.complete else ", INCOMPLETE") + ">"
-        )
+        cut = f", cut at {self.max_length}" if self.max_length else ""
+        return (f"<dspark cache {self.path!r}: {len(self)} samples, {tokens} tokens ({sup}{r['rejected']} of "
+                f"{r['rows_in']} rows rejected), layers {self.layer_ids} x {self.hidden_size}, {self.storage_dtype}"
+                + cut + ("" if self.complete else ", INCOMPLETE") + ">")
 
     # -- re-opening in another process (DataLoader workers) ---------------------------------
     def _fingerprint(self) -> str:
@@ -646,63 +580,74 @@ class CacheReader:
         h = hashlib.sha256()
         m = self.manifest
         keep = {"config_hash": m.config_hash, "created_at": m.created_at, "layout": dataclasses.asdict(m.layout),
-                "arrays": m.arrays}
+                "arrays": m.arrays, "max_length": self.max_length}
         h.update(json.dumps(keep, sort_keys=True).encode())
         for t in (self._start, self._length, self._unit, self._source_row):
             h.update(np.ascontiguousarray(t).tobytes())
         return h.hexdigest()
 
-    def handle_state(self) -> dict[str, Any]:
-        """A small picklable description from which :meth:`reopen` rebuilds this very view elsewhere."""
+    def _handle_state(self) -> dict[str, Any]:
+        """A small picklable description from which :meth:`_reopen` rebuilds this very view elsewhere."""
         units = None if self.complete else sorted({int(u) for u in self._unit[self.indices]})
         return {"path": self.path, "chunk_cache_bytes": self._lru.max_bytes, "complete": self.complete,
-                "units": units, "samples": len(self), "fingerprint": self._fingerprint()}
+                "units": units, "samples": len(self), "fingerprint": self._fingerprint(),
+                "max_length": self.max_length}
 
     @classmethod
-    def reopen(cls, state: dict[str, Any]) -> CacheReader:
-        """Open the cache of ``state`` (from :meth:`handle_state`) afresh: the same samples under the same indices.
+    def _reopen(cls, state: dict[str, Any]) -> CacheReader:
+        """Open the cache of ``state`` (from :meth:`_handle_state`) afresh: the same samples under the same indices.
 
         Refuses (:class:`CacheFormatError`) a cache rewritten or repaired since: a worker
         must never read different samples under the indices its parent handed out.
         """
-        fresh = cls(state["path"], allow_incomplete=True, chunk_cache_bytes=state["chunk_cache_bytes"])
+        units = state["units"]
+        fresh = cls(state["path"], allow_incomplete=True, chunk_cache_bytes=state["chunk_cache_bytes"],
+                    max_length=state.get("max_length"), _units=units)
         if fresh._fingerprint() != state["fingerprint"]:
             raise CacheFormatError(f"{state['path']} changed since it was opened (it was re-created or its tables "
                                    "rewritten): samples would not be the ones the opening process indexed. Open it "
                                    "again (restart the DataLoader or training job).")
-        units = state["units"]
-        committed = fresh._committed_units()
-        need = set(range(fresh.num_units)) if units is None else set(units)
-        lost = sorted(need - committed) if not fresh.complete else []
+        lost = sorted(set(units) - committed_units(fresh.store, fresh.num_units)) if units is not None and not \
+            fresh.manifest.complete else []
         if lost:
             raise CacheFormatError(f"{state['path']}: units {lost[:10]} were readable when the cache was opened and "
                                    "have no commit record now (marked for repair?); open it again once the "
                                    "precompute run has rewritten them.")
-        if units is not None:
-            fresh.indices = fresh._readable(units)
-            fresh.complete = False
         if len(fresh) != state["samples"]:
             raise CacheFormatError(f"{state['path']}: {len(fresh)} samples are readable now, {state['samples']} "
                                    "were when it was opened; open it again.")
         return fresh
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.handle_state()
+        return self._handle_state()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(CacheReader.reopen(state).__dict__)
+        fresh = CacheReader._reopen(state)
+        fresh._finalizer.detach()  # its resources become this object's
+        self.__dict__.update(fresh.__dict__)
+        self._finalizer = weakref.finalize(self, _shutdown, self._owned)
+
+
+def _shutdown(owned: dict[str, Any]) -> None:
+    """What a reader owns, released when it is garbage-collected without :meth:`CacheReader.close`."""
+    pool = owned.get("pool")
+    if pool is not None:
+        pool.shutdown(wait=False)
+    owned["opened"].close()
 
 
 def open_cache(path: str | Path, allow_incomplete: bool = False,
-               chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES) -> CacheReader:
+               chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES, max_length: int | None = None) -> CacheReader:
     """Open a cache written by ``python -m dspark_precompute`` (a local path or fsspec URL).
 
     An unfinished cache raises :class:`IncompleteCacheError` unless ``allow_incomplete``;
-    ``chunk_cache_bytes`` bounds the decoded chunks kept for reuse (0 disables it). A
-    cache whose manifest, array metadata or tables are inconsistent raises
-    :class:`CacheFormatError` listing every problem.
+    ``chunk_cache_bytes`` bounds the decoded chunks kept for reuse (0 disables it);
+    ``max_length`` cuts every sample at that many tokens and drops those left with no
+    supervised token (``c.cut_dropped`` counts them). A cache whose manifest, array metadata or
+    tables are inconsistent raises :class:`CacheFormatError` listing every problem.
     """
-    return CacheReader(path, allow_incomplete=allow_incomplete, chunk_cache_bytes=chunk_cache_bytes)
+    return CacheReader(path, allow_incomplete=allow_incomplete, chunk_cache_bytes=chunk_cache_bytes,
+                       max_length=max_length)
 
 
 Cache = CacheReader  # the name before 0.2

@@ -10,6 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dspark_precompute.contract.commits import committed_units
 from dspark_precompute.contract.spec import HIDDEN_GROUP, INPUT_IDS, LOSS_MASK, SCALE_GROUP
 from dspark_precompute.humanize import human_bytes
 
@@ -70,10 +71,10 @@ def provenance_lines(c: CacheReader) -> list[str]:
     """``describe()``'s provenance lines (``not recorded`` for what an older cache lacks)."""
     p = provenance(c)
     unknown = "not recorded"
-    if p["last_state"] == "post_final_norm":
-        last = f"after the final norm ({p['final_norm_class'] or 'norm class not recorded'})"
-    else:
-        last = p["last_state"] or unknown
+    norm = p["final_norm_class"] or "norm class not recorded"
+    last = {"post_final_norm": f"after the final norm ({norm})", "post_norm": f"after the final norm ({norm})",
+            "pre_norm": f"before the final norm ({norm}) only", "both": f"after and before the final norm ({norm})"
+            }.get(p["last_state"] or "", p["last_state"] or unknown)
     mask = p["mask_policy"]
     if mask:
         rule = {"generation_template": "the template's {% generation %} mask",
@@ -112,6 +113,7 @@ def summary(c: CacheReader) -> dict[str, Any]:
     tokens = int(lengths.sum())
     supervised = m.counts.supervised_tokens if c.complete else int(c.supervised_counts().sum())
     on_disk = c.store.nbytes()
+    entries = c.store.entries()
     token_disk = sum(_bytes_under(c, p) for p in (INPUT_IDS, LOSS_MASK, HIDDEN_GROUP, SCALE_GROUP))
     raw = tokens * m.bytes_per_token
     return {
@@ -130,11 +132,14 @@ def summary(c: CacheReader) -> dict[str, Any]:
         "hidden_size": c.hidden_size,
         "target_hidden_dim": c.hidden_size * len(c.layer_ids),
         "num_hidden_layers": m.num_hidden_layers,
-        "dtype": c.storage_dtype,
-        "last_dtype": m.last_storage_dtype,
+        "dtype": str(c.storage_dtype),
+        "last_dtype": str(m.last_storage_dtype),
         "fp8_group": (m.fp8_group or m.hidden_size) if m.scale_arrays else None,
         "chunk_tokens": c.chunk_tokens,
-        "units_committed": len(c._committed_units()),
+        "units_committed": len(committed_units(c.store, c.num_units)),
+        "files": entries[0],
+        "directories": entries[1],
+        "format_version": m.format_version,
         "num_units": c.num_units,
         "bytes_on_disk": on_disk,
         "token_bytes_on_disk": token_disk,
@@ -154,7 +159,7 @@ def _dtype_line(s: dict[str, Any]) -> str:
         extra.append(f"a float32 scale per {per}")
     if s["last_dtype"] != s["dtype"]:
         extra.append(f"last state {s['last_dtype']}")
-    return s["dtype"] + (f" ({'; '.join(extra)})" if extra else "")
+    return str(s["dtype"]) + (f" ({'; '.join(extra)})" if extra else "")
 
 
 def describe(c: CacheReader) -> str:
@@ -162,7 +167,9 @@ def describe(c: CacheReader) -> str:
     s = summary(c)
     m = c.manifest
     last = m.last_array
-    last_src = next((f"layer {lid}" for lid in m.layer_ids if m.arrays[str(lid)] == last), "final norm")
+    last_src = next((f"layer {lid}" for lid in m.layer_ids if m.arrays[str(lid)] == last),
+                    "final norm" if last else "not stored")
+    pre = ", the pre-norm state too" if m.pre_norm_array else ""
     ratio = f"{s['compression_ratio']:.2f}x" if s["compression_ratio"] else "n/a"
     status = "complete" if s["complete"] else f"INCOMPLETE: {s['units_committed']}/{s['num_units']} units committed"
     lines = [
@@ -174,8 +181,9 @@ def describe(c: CacheReader) -> str:
         f"  rejected    {rejects_line(c)}",
         f"  supervised  {s['supervised_tokens']:,} tokens ({s['supervised_fraction']:.1%})",
         f"  layers      {s['layer_ids']} -> target_hidden_states [T, {s['target_hidden_dim']}], "
-        f"target_last_hidden_states [T, {s['hidden_size']}] ({last_src})",
-        f"  storage     {_dtype_line(s)}, {s['chunk_tokens']} tokens per chunk, {s['num_units']} unit(s)",
+        f"target_last_hidden_states [T, {s['hidden_size']}] ({last_src}{pre})",
+        f"  storage     {_dtype_line(s)}, format {s['format_version']}: {s['chunk_tokens']} tokens per chunk, "
+        f"{s['num_units']} unit(s) (a shard each per array); {s['files']:,} files, {s['directories']:,} directories",
         f"  on disk     {human_bytes(s['bytes_on_disk'])} (token arrays {human_bytes(s['token_bytes_on_disk'])}"
         f" = {ratio} compression of {human_bytes(s['raw_token_bytes'])})",
         *provenance_lines(c),

@@ -7,7 +7,7 @@ fast causal kernels and the real tokens' states are bit-identical to an unpadded
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -28,18 +28,17 @@ def make_batches(order: np.ndarray, lengths: np.ndarray, max_tokens: int, max_sa
     return out
 
 
-def batch_inputs(samples: Any, batch: np.ndarray, lengths: np.ndarray, pad_id: int, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def batch_inputs(ids_of: Mapping[int, np.ndarray], batch: np.ndarray, lengths: np.ndarray, pad_id: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward's right-padded ids, and the real-token mask (None when nothing is padded).
 
-    ``samples[s].input_ids`` holds sample ``s``'s tokens; the mask picks the real tokens
-    out of the output.
+    ``ids_of[s]`` holds sample ``s``'s tokens; the mask picks the real tokens out of the output.
     """
     blens = lengths[batch]
     T = int(blens.max())
     ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
     for r, s in enumerate(batch):
-        ids[r, : blens[r]] = torch.from_numpy(samples[s].input_ids.astype(np.int64))
+        ids[r, : blens[r]] = torch.from_numpy(np.asarray(ids_of[int(s)]).astype(np.int64))
     rows = None
     if bool((blens != T).any()):
         rows = (torch.arange(T)[None, :] < torch.from_numpy(np.asarray(blens))[:, None]).to(device)

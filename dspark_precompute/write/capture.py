@@ -2,7 +2,8 @@
 
 Never the vocabulary projection. Forward hooks collect id ``-1`` from the embedding
 output and ``0..N-2`` from decoder layer outputs; ``N-1`` is the decoder's own post-norm
-output (HF ``output_hidden_states[-1]``).
+output (HF ``output_hidden_states[-1]``). With ``pre_norm`` the last decoder layer's own
+output (before the final norm) is kept too, under key ``N``.
 """
 
 from __future__ import annotations
@@ -25,18 +26,23 @@ def decoder_of(model: Any) -> Any:
 class HiddenStateCapture:
     """Runs the decoder once per batch and returns the chosen layers' hidden states."""
 
-    def __init__(self, model: Any, layer_ids: list[int]):
+    def __init__(self, model: Any, layer_ids: list[int], pre_norm: bool = False):
         self.model = model
         self.decoder = decoder_of(model)
         self.num_layers = len(self.decoder.layers)
         self.layer_ids = list(layer_ids)
+        self.keys = self.layer_ids + ([self.num_layers] if pre_norm else [])
         self._store: dict[int, torch.Tensor] = {}
-        self._handles = []
-        for lid in self.layer_ids:
-            if lid == self.num_layers - 1:
-                continue  # the post-norm output of the decoder itself
-            module = self.decoder.embed_tokens if lid == -1 else self.decoder.layers[lid]
-            self._handles.append(module.register_forward_hook(self._hook(lid)))
+        self._handles: list[Any] = []
+        try:
+            for lid in self.keys:
+                if lid == self.num_layers - 1:
+                    continue  # the post-norm output of the decoder itself
+                module = self.decoder.embed_tokens if lid == -1 else self.decoder.layers[min(lid, self.num_layers - 1)]
+                self._handles.append(module.register_forward_hook(self._hook(lid)))
+        except BaseException:
+            self.close()
+            raise
 
     def _hook(self, lid: int):
         def fn(_module, _inputs, output):
@@ -54,7 +60,7 @@ class HiddenStateCapture:
         device = input_ids.device
         last = last.to(device)
         states = {lid: (last if lid == self.num_layers - 1 else self._store[lid].to(device))
-                  for lid in self.layer_ids}
+                  for lid in self.keys}
         self._store = {}
         return states, last
 
@@ -62,6 +68,12 @@ class HiddenStateCapture:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def __enter__(self) -> HiddenStateCapture:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def export_weights(model: Any) -> dict[str, torch.Tensor]:

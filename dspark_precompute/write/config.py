@@ -9,23 +9,22 @@ naming every bad key, its value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dspark_precompute.contract.spec import MAX_CHUNK_TOKENS, MAX_SEQ_LENGTH
+from dspark_precompute.contract.vocab import Compressor, LastState, Shuffle, StorageDtype
 from dspark_precompute.errors import ConfigError
 from dspark_precompute.write.layers import LAYER_PRESETS, layer_id_problems
 
 EMBEDDED = "embedded"  # data.path value: the chat set shipped inside the package
 TINY = "tiny"  # model.path value: a random-weight Qwen3 built from model.random
 
-STORAGE_DTYPES = ("bf16", "fp16", "fp32", "fp8_e4m3")
-FP8 = "fp8_e4m3"
+FP8 = StorageDtype.fp8_e4m3
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
-COMPRESSORS = ("none", "zstd", "blosc_zstd", "blosc_lz4")
-SHUFFLES = ("none", "byte", "bit")
 DATA_FORMATS = ("auto", "messages", "sharegpt")
 ON_INVALID = ("skip", "error")
 ON_NONFINITE = ("reject", "error")
@@ -205,34 +204,36 @@ class StorageConfig:
 
     path: str | None = None  # null: derived from model, data and seq_length under root
     root: str = "caches"
-    dtype: str = "bf16"  # the intermediate layers' storage dtype; fp8_e4m3: e4m3 bits + a float32 scale per token
-    last_dtype: str | None = None  # the post-norm state's; null: storage.dtype (bf16 when that is fp8_e4m3)
+    dtype: StorageDtype = StorageDtype.bf16  # the captured layers' storage dtype; fp8_e4m3: e4m3 bits + scales
+    last_dtype: StorageDtype | None = None  # the final states'; null: storage.dtype (bf16 when that is fp8_e4m3)
     fp8_group: int | None = None  # channels per fp8 scale (must divide the hidden size); null: the whole row
-    compressor: str = "blosc_zstd"
+    compressor: Compressor = Compressor.blosc_zstd
     compression_level: int = 1
-    shuffle: str = "byte"
-    fp8_shuffle: str = "bit"  # fp8 bit arrays' shuffle (one-byte values: byte shuffle does nothing, bit shuffle helps)
-    chunk_tokens: int | None = None  # null: about 1 MiB per chunk of the widest array (>= 512 tokens)
-    unit_tokens: int | None = None  # null: as many chunks as fit in unit_mib
-    unit_mib: int = 256
+    shuffle: Shuffle = Shuffle.byte
+    fp8_shuffle: Shuffle = Shuffle.bit  # fp8 bit arrays' shuffle (byte shuffle does nothing to one-byte values)
+    chunk_tokens: int | None = None  # null: about 1 MiB per inner chunk of the widest array (>= 512 tokens)
+    unit_tokens: int | None = None  # null: as many chunks as fit in unit_mib; one shard per array per unit
+    unit_mib: int = 2048  # raw bytes per unit (and per shard row): fewer files, more memory and lost work per kill
     writer_slots: int = 2  # unit buffers in flight between the forward loop and the writers
     writers: int | None = None  # writer processes; null = the cores this rank may use, less one (at least 1)
+    fsync: bool = True  # make each shard and commit record durable before it counts (off: kill-safe, not power-safe)
 
-    def resolved_last_dtype(self) -> str:
+    def resolved_last_dtype(self) -> StorageDtype:
         """The post-norm state's storage dtype: ``last_dtype``, else ``dtype`` (bf16 for an fp8 ``dtype``).
 
         The trainer turns that state into the teacher distribution through ``lm_head``, so it
         stays bf16 unless asked otherwise.
         """
-        return self.last_dtype or ("bf16" if self.dtype == FP8 else self.dtype)
+        return StorageDtype(self.last_dtype or (StorageDtype.bf16 if self.dtype == FP8 else self.dtype))
 
     def problems(self) -> list[str]:
         out = []
-        if self.dtype not in STORAGE_DTYPES:
-            out.append(f"storage.dtype={self.dtype!r} is not one of {list(STORAGE_DTYPES)}")
-        if self.last_dtype is not None and self.last_dtype not in STORAGE_DTYPES:
-            out.append(f"storage.last_dtype={self.last_dtype!r} is not one of {list(STORAGE_DTYPES)} (the post-norm "
-                       "state's storage dtype), or null for storage.dtype (bf16 when storage.dtype=fp8_e4m3)")
+        dtypes = [d.value for d in StorageDtype]
+        if self.dtype not in dtypes:
+            out.append(f"storage.dtype={self.dtype!r} is not one of {dtypes}")
+        if self.last_dtype is not None and self.last_dtype not in dtypes:
+            out.append(f"storage.last_dtype={self.last_dtype!r} is not one of {dtypes} (the final states' storage "
+                       "dtype), or null for storage.dtype (bf16 when storage.dtype=fp8_e4m3)")
         if self.fp8_group is not None:
             if isinstance(self.fp8_group, bool) or self.fp8_group < 1:
                 out.append(f"storage.fp8_group={self.fp8_group!r} must be a positive number of channels per scale "
@@ -241,12 +242,9 @@ class StorageConfig:
                 out.append(f"storage.fp8_group={self.fp8_group} applies only to fp8 arrays, but storage.dtype="
                            f"{self.dtype} and storage.last_dtype={self.resolved_last_dtype()}: drop storage.fp8_group "
                            "or set storage.dtype=fp8_e4m3")
-        if self.compressor not in COMPRESSORS:
-            out.append(f"storage.compressor={self.compressor!r} is not one of {list(COMPRESSORS)}")
-        if self.shuffle not in SHUFFLES:
-            out.append(f"storage.shuffle={self.shuffle!r} is not one of {list(SHUFFLES)}")
-        if self.fp8_shuffle not in SHUFFLES:
-            out.append(f"storage.fp8_shuffle={self.fp8_shuffle!r} is not one of {list(SHUFFLES)}")
+        for key, vocab in (("compressor", Compressor), ("shuffle", Shuffle), ("fp8_shuffle", Shuffle)):
+            if getattr(self, key) not in [v.value for v in vocab]:
+                out.append(f"storage.{key}={getattr(self, key)!r} is not one of {[v.value for v in vocab]}")
         if self.compressor == "zstd" and not -7 <= self.compression_level <= 22:
             out.append(f"storage.compression_level={self.compression_level} must be in [-7, 22] for zstd")
         if self.compressor.startswith("blosc") and not 0 <= self.compression_level <= 9:
@@ -302,6 +300,21 @@ def _storage_path_problems(path: str) -> list[str]:
 
 
 @dataclass
+class CaptureConfig:
+    """Which final decoder states are stored (part of the cache identity)."""
+
+    # post_norm: after the final norm (NeMo, DeepSpec, SpecForge); pre_norm: the last decoder layer's output
+    # before it (vLLM speculators); both
+    last_state: LastState = LastState.post_norm
+
+    def problems(self) -> list[str]:
+        states = [v.value for v in LastState]
+        if self.last_state not in states:
+            return [f"capture.last_state={self.last_state!r} is not one of {states}"]
+        return []
+
+
+@dataclass
 class BatchConfig:
     """How samples are grouped for each forward pass (not part of the cache identity)."""
 
@@ -338,6 +351,7 @@ class PrecomputeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     seq_length: int = 2048
@@ -365,7 +379,7 @@ class PrecomputeConfig:
             )
         if str(self.log_level).upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             out.append(f"log_level={self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
-        for part in (self.model, self.data, self.storage, self.batch, self.plan):
+        for part in (self.model, self.data, self.storage, self.capture, self.batch, self.plan):
             out += part.problems()
         group, hidden = self.storage.fp8_group, self.model.random.hidden_size
         if self.model.path == TINY and isinstance(group, int) and group >= 1 and hidden >= 1 and hidden % group:
@@ -373,7 +387,8 @@ class PrecomputeConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain JSON values (vocabulary members as their strings)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
 def _leaves(values: Any, prefix: str = "") -> list[tuple[str, Any]]:

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from dspark_precompute.contract.vocab import RejectReason
 from dspark_precompute.errors import DataError
 from dspark_precompute.write.config import EMBEDDED, DataConfig
 
@@ -65,21 +66,7 @@ _NOT_UTF8 = [
 ]
 
 
-class Reason:
-    """Reason codes recorded in the rejects file (stable strings, part of the format)."""
-
-    MALFORMED_JSON = "malformed_json"
-    INVALID_UTF8 = "invalid_utf8"  # bytes that are not UTF-8, or text holding an unpaired surrogate
-    ROW_TOO_LARGE = "row_too_large"  # more than data.max_row_bytes
-    MISSING_MESSAGES = "missing_messages"
-    UNKNOWN_ROLE = "unknown_role"
-    NON_TEXT_CONTENT = "non_text_content"
-    EMPTY_CONVERSATION = "empty_conversation"
-    NO_ASSISTANT_TURN = "no_assistant_turn"
-    TEMPLATE_ERROR = "template_error"
-    UNMASKABLE = "unmaskable_template"
-    NO_SUPERVISED_TOKENS = "no_supervised_tokens"
-    NONFINITE = "nonfinite_hidden_states"  # found after the forward; the sample is dropped from the cache
+Reason = RejectReason  # the reject codes are part of the format: contract/vocab.py owns them
 
 
 @dataclass

@@ -19,17 +19,11 @@ from typing import Any
 import numpy as np
 
 from dspark_precompute.contract.commits import committed_units
+from dspark_precompute.contract.inventory import inventory
 from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.manifest import Manifest, identity_differences
-from dspark_precompute.contract.spec import (
-    INPUT_IDS,
-    LOSS_MASK,
-    OUTPUT_DTYPES,
-    SAFETENSORS_DTYPES,
-    SAMPLE_ARRAYS,
-    UNIT_ARRAYS,
-    disk_dtype,
-)
+from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS, UNIT_ARRAYS
+from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import DsparkError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.write import resume, signals
@@ -113,7 +107,8 @@ class DryRunPlan:
     num_units: int
     chunk_tokens: int
     unit_tokens: int
-    total_token_slots: int
+    total_token_slots: int  # the token axis: num_units x unit_tokens (one shard per unit)
+    written_slots: int  # token slots the units write: each unit's tokens rounded up to whole chunks
     forward_tokens: int  # tokens the forward passes process, padding of the length-sorted batches included
     arrays: list[ArrayPlan] = field(default_factory=list)
     bytes_per_token: int = 0
@@ -128,6 +123,9 @@ class DryRunPlan:
     tokens_per_second: float = 0.0
     rate_note: str = ""
     estimated_seconds: float = 0.0
+    files: int = 0  # the finished cache's files and directories (exact; .hydra/ as the command line writes it)
+    directories: int = 0
+    entries_per_tb: float = 0.0  # files and directories per 10^12 bytes of raw hidden states
 
     def rows(self) -> list[tuple[str, str]]:
         """The plan as (label, value) lines: the CLI's table and the log's report."""
@@ -146,11 +144,13 @@ class DryRunPlan:
                             f"{self.max_length:,})"),
             ("supervised tokens", f"{self.supervised_tokens:,} ({pct:.1f}%)"),
             ("truncated samples", f"{self.truncated_samples:,}"),
-            ("units", f"{self.num_units:,} of up to {self.unit_tokens:,} tokens, chunks of {self.chunk_tokens:,}; "
-                      f"{self.total_token_slots:,} token slots"),
+            ("units", f"{self.num_units:,} of up to {self.unit_tokens:,} tokens (a shard each per array), chunks of "
+                      f"{self.chunk_tokens:,}; {self.written_slots:,} token slots written"),
+            ("files", f"{self.files:,} files and {self.directories:,} directories, exact "
+                      f"({self.entries_per_tb:,.0f} per TB of raw hidden states)"),
             ("forward tokens", f"{self.forward_tokens:,} ({pad:.1f}% padding in the length-sorted batches)"),
             ("token arrays", f"{self.token_array_bytes:,} B ({human_bytes(self.token_array_bytes)}) uncompressed, "
-                             f"exact: {self.total_token_slots:,} slots x {sum(a.row_bytes for a in self.arrays)} B "
+                             f"exact: {self.written_slots:,} slots x {sum(a.row_bytes for a in self.arrays)} B "
                              f"({arrays}); real tokens {self.tokens * self.bytes_per_token:,} B"),
             ("other files", f"{self.table_bytes:,} B of sample/unit tables, {self.weights_file_bytes:,} B "
                             f"target_weights.safetensors, {self.rejects_file_bytes:,} B rejects.jsonl (exact; "
@@ -214,12 +214,12 @@ def storage_state(plan: Plan) -> str:
 
 def weights_file_bytes(plan: Plan) -> int:
     """Exact size of ``target_weights.safetensors``: header (compact JSON, padded to 8 bytes) plus the tensors."""
-    t, sdt = plan.target, OUTPUT_DTYPES[plan.cfg.storage.dtype]  # an fp8 cache's weights are bf16
-    n = t.vocab_size * t.hidden_size * disk_dtype(sdt).itemsize
+    t, sdt = plan.target, StorageDtype(plan.cfg.storage.dtype).output  # an fp8 cache's weights are bf16
+    n = t.vocab_size * t.hidden_size * sdt.disk.itemsize
     names = ["embed_tokens.weight"] + ([] if t.tied else ["lm_head.weight"])
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     for i, name in enumerate(names):
-        header[name] = {"dtype": SAFETENSORS_DTYPES[sdt], "shape": [t.vocab_size, t.hidden_size],
+        header[name] = {"dtype": sdt.safetensors, "shape": [t.vocab_size, t.hidden_size],
                         "data_offsets": [i * n, (i + 1) * n]}
     text = len(json.dumps(header, separators=(",", ":")).encode())
     return 8 + -(-text // 8) * 8 + n * len(names)
@@ -244,7 +244,7 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
     layout = build_layout(tok.lengths, plan.chunk_tokens, plan.unit_tokens)
     s = cfg.storage
     t = plan.target
-    slots = layout.total_slots
+    slots = int(sum(layout.unit_slots(u) for u in range(layout.num_units)))
     tokens = int(tok.lengths.sum())
     arrays, notes = [], set()
     for spec in plan.specs:
@@ -295,7 +295,8 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
         rows_in=tok.rows_in, samples=n, rejected=len(tok.rejects), rejected_by_reason=reason_counts(tok.rejects),
         tokens=tokens, supervised_tokens=int(tok.supervised.sum()),
         truncated_samples=int((tok.untruncated > tok.lengths).sum()), max_length=int(tok.lengths.max()),
-        num_units=u, chunk_tokens=layout.chunk_tokens, unit_tokens=layout.unit_tokens, total_token_slots=slots,
+        num_units=u, chunk_tokens=layout.chunk_tokens, unit_tokens=layout.unit_tokens,
+        total_token_slots=layout.total_slots, written_slots=slots,
         forward_tokens=fwd, arrays=arrays,
         bytes_per_token=sum(spec.row_bytes for spec in plan.specs),
         token_array_bytes=token_bytes, table_bytes=table_bytes, weights_file_bytes=wbytes, rejects_file_bytes=rbytes,
@@ -303,6 +304,9 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
         estimate_note=note, parameters=params, tokens_per_second=rate, rate_note=rate_note,
         estimated_seconds=seconds,
     )
+    files = inventory(len(plan.specs), u, n, any(spec.scale_of for spec in plan.specs))
+    hidden_raw = sum(a.raw_bytes for a in arrays if a.name not in (INPUT_IDS, LOSS_MASK))
+    out.files, out.directories, out.entries_per_tb = files.files, files.directories, files.per_tb(hidden_raw)
     for k, v in out.rows():
         log.info("dry run: %s: %s", k, v)
     for a in arrays:

@@ -26,12 +26,14 @@ from dspark_precompute.contract.spec import (
     hidden_arrays,
 )
 from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.contract.vocab import LastState
 from dspark_precompute.errors import ConfigError, DataError, TargetError
 from dspark_precompute.write.chat import resolve_chat_template, sha256_text
 from dspark_precompute.write.config import EMBEDDED, FP8, DataConfig, PrecomputeConfig, StorageConfig, fp8_group_problem
 from dspark_precompute.write.data import resolve_source
 from dspark_precompute.write.layers import layer_id_problems, resolve_layer_ids
 from dspark_precompute.write.provenance import plan_capture
+from dspark_precompute.write.specs import ArraySpec, token_array_specs
 from dspark_precompute.write.target import (
     TargetInfo,
     fit_problem,
@@ -41,7 +43,6 @@ from dspark_precompute.write.target import (
     resolve_device,
     tokenizer_sha256,
 )
-from dspark_precompute.write.writer import ArraySpec, token_array_specs
 
 # storage settings that change what is stored (the rest: where, and how fast it is written)
 STORED_STORAGE_KEYS = ("dtype", "compressor", "compression_level", "shuffle")
@@ -53,9 +54,9 @@ def stored_dtype_knobs(s: StorageConfig) -> dict[str, Any]:
     existed keep their hash and path."""
     out: dict[str, Any] = {}
     if s.resolved_last_dtype() != s.dtype:
-        out["last_dtype"] = s.resolved_last_dtype()
+        out["last_dtype"] = s.resolved_last_dtype().value
     if FP8 in (s.dtype, s.resolved_last_dtype()):
-        out.update(fp8_group=s.fp8_group, fp8_shuffle=s.fp8_shuffle)
+        out.update(fp8_group=s.fp8_group, fp8_shuffle=str(s.fp8_shuffle))
     return out
 
 
@@ -87,6 +88,8 @@ def default_storage_path(cfg: PrecomputeConfig) -> str:
         "storage": {**{k: getattr(s, k) for k in (*STORED_STORAGE_KEYS, "chunk_tokens", "unit_tokens", "unit_mib")},
                     **stored_dtype_knobs(s)},
         "seq_length": cfg.seq_length,
+        # the default keeps the paths of earlier configurations
+        **({"last_state": str(cfg.capture.last_state)} if cfg.capture.last_state != LastState.post_norm else {}),
     }
     tag = config_hash(knobs)[:8]
     root = s.root.rstrip("/")
@@ -122,7 +125,7 @@ class Plan:
             config_hash=self.config_hash, identity=self.identity, config=self.cfg.to_dict(),
             target_model=t.path, target_model_type=t.model_type, target_vocab_size=t.vocab_size,
             num_hidden_layers=t.num_hidden_layers, hidden_size=t.hidden_size, layer_ids=list(self.layer_ids),
-            seq_length=self.cfg.seq_length, storage_dtype=self.cfg.storage.dtype, chat_template=self.template,
+            seq_length=self.cfg.seq_length, storage_dtype=str(self.cfg.storage.dtype), chat_template=self.template,
             last_dtype=stored_dtype_knobs(self.cfg.storage).get("last_dtype"),
             fp8_group=stored_dtype_knobs(self.cfg.storage).get("fp8_group"),
             arrays=dict(self.names),
@@ -131,6 +134,7 @@ class Plan:
             pad_token_id=getattr(self.tokenizer, "pad_token_id", None),
             eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
             tool_version=__version__, created_at=created_at or now(), capture=self.capture,
+            format_version=FORMAT_VERSION,
         )
 
     @property
@@ -203,9 +207,10 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
     assert tokenizer is not None and template is not None and target is not None  # else a problem was listed
     hidden = target.hidden_size
     knobs = stored_dtype_knobs(cfg.storage)
+    state = LastState(cfg.capture.last_state)
     specs = token_array_specs(layer_ids, target.num_hidden_layers, hidden, cfg.storage.dtype,
-                              knobs.get("last_dtype"), knobs.get("fp8_group"))
-    names = hidden_arrays(layer_ids, target.num_hidden_layers)
+                              knobs.get("last_dtype"), knobs.get("fp8_group"), state)
+    names = hidden_arrays(layer_ids, target.num_hidden_layers, post_norm=state.post, pre_norm=state.pre)
     # the widest hidden array sizes the chunk (an fp8 cache keeping the post-norm state bf16: 2 bytes)
     itemsize = max(disk_dtype(s.storage).itemsize for s in specs if s.storage)
     chunk = cfg.storage.chunk_tokens or auto_chunk_tokens(hidden, itemsize)
@@ -216,7 +221,8 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
     per_token = sum(s.row_bytes for s in specs)
     unit = cfg.storage.unit_tokens or max(chunk, (cfg.storage.unit_mib << 20) // per_token // chunk * chunk)
     unit = max(unit, -(-cfg.seq_length // chunk) * chunk)
-    storage_knobs = {k: getattr(cfg.storage, k) for k in STORED_STORAGE_KEYS}
+    storage_knobs = {k: str(getattr(cfg.storage, k)) if k != "compression_level" else cfg.storage.compression_level
+                     for k in STORED_STORAGE_KEYS}
     storage_knobs.update(chunk_tokens=chunk, unit_tokens=unit, **knobs)
     identity = {
         "format_version": FORMAT_VERSION,
@@ -242,10 +248,11 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
         },
         "seq_length": cfg.seq_length,
         "layer_ids": layer_ids,
+        **({"last_state": str(state)} if state != LastState.post_norm else {}),
         # the preset that chose them; recorded only when not NeMo's, so earlier caches keep their hash
         **({"layer_preset": cfg.model.layer_preset} if cfg.model.layer_preset != "nemo" else {}),
         "storage": storage_knobs,
     }
     return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,
                 config_hash(identity), specs, names, chunk, unit, data_sha,
-                plan_capture(cfg.model, cfg.data, template, target, cfg.model.fingerprint))
+                plan_capture(cfg.model, cfg.data, template, target, cfg.model.fingerprint, state))

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_precompute.contract.chunks import read_slots
 from dspark_precompute.contract.spec import INPUT_IDS
 from dspark_precompute.errors import CacheFormatError
 from dspark_precompute.write.capture import HiddenStateCapture
@@ -118,17 +117,20 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
     if sampled is None:
         return out
     run, picked, target, dev, dtype = sampled.run, sampled.picked, sampled.target, sampled.dev, sampled.dtype
-    m, store, zstore, metas = run.m, run.store, run.zstore, run.metas
+    m = run.m
     lengths, start = run.lengths, run.start
     out.compute_dtype = str(dtype).replace("torch.", "")
     head = target.get_output_embeddings()
-    capture = HiddenStateCapture(target, m.layer_ids)
+    capture = HiddenStateCapture(target, m.layer_ids, pre_norm=m.pre_norm_array is not None)
     last_id = m.num_hidden_layers - 1
-    layer_of = {v: int(k) for k, v in m.arrays.items() if k != "last"}
+    layer_of = {v: int(k) for k, v in m.arrays.items() if k.lstrip("-").isdigit()}
+    if m.pre_norm_array is not None:
+        layer_of[m.pre_norm_array] = m.num_hidden_layers  # the capture's key of the pre-norm state
     errors = []
     for name in m.hidden_array_names:
         lid = layer_of.get(name, last_id)
-        label = "embeddings" if lid == -1 else f"layer {lid}" if name in layer_of else "final norm"
+        label = "embeddings" if lid == -1 else "pre-norm" if name == m.pre_norm_array else f"layer {lid}" \
+            if name in layer_of else "final norm"
         label += " (post-norm)" if name == m.last_array else ""
         errors.append(ArrayError(name, label, m.array_dtypes[name]))
     scales = m.scale_arrays
@@ -143,8 +145,7 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
             for s, toks in by_sample.items():
                 a, length = int(start[s]), int(lengths[s])
                 try:
-                    got = read_slots(store, metas, [INPUT_IDS, *m.hidden_array_names, *scales.values()], a,
-                                     a + length, zstore)
+                    got = run.read([INPUT_IDS, *m.hidden_array_names, *scales.values()], a, a + length)
                 except CacheFormatError as exc:
                     out.add(f"sample {s}: cannot read it ({exc})", sample=s, array=getattr(exc, "array", None))
                     continue

@@ -16,8 +16,9 @@ from typing import Any
 
 from dspark_precompute import __version__
 from dspark_precompute.contract.commits import CommitRecord
-from dspark_precompute.contract.manifest import LAST_STATE_POST_NORM, Capture, MaskPolicy, RunProvenance
+from dspark_precompute.contract.manifest import Capture, MaskPolicy, RunProvenance
 from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.contract.vocab import LastState
 from dspark_precompute.write.capture import decoder_of
 from dspark_precompute.write.chat import GENERATION_RE
 from dspark_precompute.write.config import TINY, DataConfig, ModelConfig
@@ -62,10 +63,10 @@ def weights_dtype(model: ModelConfig, info: TargetInfo) -> str | None:
 
 
 def plan_capture(model: ModelConfig, data: DataConfig, template: str, info: TargetInfo,
-                 fingerprint_kind: str) -> Capture:
+                 fingerprint_kind: str, last_state: str = LastState.post_norm) -> Capture:
     """Everything in ``capture`` that is known before weights load (the norm's class comes with the model)."""
     return Capture(
-        last_state=LAST_STATE_POST_NORM,
+        last_state=str(LastState(last_state)),
         final_norm_class=None,
         layer_preset="explicit" if model.layer_ids is not None else model.layer_preset,
         mask=mask_policy(template, data),

@@ -23,11 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_precompute.contract.chunks import read_array_metas, read_slots
-from dspark_precompute.contract.commits import committed_units
+from dspark_precompute.contract.chunks import read_slots
 from dspark_precompute.contract.fp8 import E4M3, E4M3_EPS, E4M3_MIN_NORMAL, dequantize
 from dspark_precompute.contract.layout import build_layout
 from dspark_precompute.contract.manifest import Manifest, identity_differences
+from dspark_precompute.contract.opener import OpenedCache
+from dspark_precompute.contract.opener import open_stored as open_cache_files
 from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, DsparkError
@@ -161,41 +162,42 @@ def changed_identity(recorded: dict[str, Any], now: dict[str, Any], moved_target
 class StoredRun:
     """A cache opened for a check that reruns its target: what it holds and which samples may be read."""
 
-    m: Manifest
-    store: CacheStore
-    zstore: Any
-    metas: dict[str, Any]
+    opened: OpenedCache
     cfgd: dict[str, Any]  # the run's config, made safe (no code from the cache)
     lengths: np.ndarray
     start: np.ndarray
     readable: np.ndarray  # committed, not dropped
     source_row: np.ndarray
 
+    @property
+    def m(self) -> Manifest:
+        return self.opened.manifest
+
+    @property
+    def store(self) -> CacheStore:
+        return self.opened.store
+
+    def read(self, names: list[str], a: int, b: int) -> dict[str, np.ndarray]:
+        """Token slots ``[a, b)`` of the named arrays, as stored."""
+        return read_slots(self.opened.source, names, a, b)
+
 
 def open_stored(path: str | Path, *, model: str | None, trust_remote_code: bool, device: str | None,
                 what: str) -> tuple[StoredRun | None, list[str], str | None]:
     """The cache at ``path`` for ``what`` (a check that reruns the target): (run, notes, problem); a problem
     when the manifest, its config or the arrays cannot be trusted to rebuild the run."""
-    store = CacheStore(str(path))
     try:
-        m = Manifest.read(store)
+        opened = open_cache_files(str(path), allow_incomplete=True)
     except CacheFormatError as exc:
         return None, [], f"skipped: {exc}"
-    cfgd, notes, problem = safe_run_config(m, store, model=model, trust_remote_code=trust_remote_code,
+    m = opened.manifest
+    cfgd, notes, problem = safe_run_config(m, opened.store, model=model, trust_remote_code=trust_remote_code,
                                            device=device, what=what)
     if problem or cfgd is None:
         return None, notes, problem or "the run cannot be rebuilt"
-    zstore = store.zarr_store(read_only=True) if store.url else None
-    metas, problems = read_array_metas(store, m, zstore)
-    if problems:
-        return None, notes, f"skipped: the arrays disagree with the manifest ({problems[0][1]})"
-    tables = {name: read_slots(store, metas, [name], 0, metas[name].shape[0], zstore)[name].astype(np.int64)
-              for name in SAMPLE_ARRAYS}
-    lengths = tables["samples/length"]
-    readable = np.arange(len(lengths)) if m.complete else np.flatnonzero(
-        np.isin(tables["samples/unit"], sorted(committed_units(store, m.layout.num_units))))
-    readable = readable[~np.isin(readable, m.dropped_samples or [])]  # zeroed non-finite samples: never compared
-    return StoredRun(m, store, zstore, metas, cfgd, lengths, tables["samples/start"], readable,
+    tables = {name: opened.tables[name].astype(np.int64) for name in SAMPLE_ARRAYS}
+    readable = opened.readable(None if m.complete else sorted(opened.committed))  # dropped ones: never compared
+    return StoredRun(opened, cfgd, tables["samples/length"], tables["samples/start"], readable,
                      tables["samples/source_row"]), notes, None
 
 
@@ -280,7 +282,7 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
     if problem or run is None:
         out.add(problem or "the run cannot be rebuilt")
         return out
-    m, store, zstore, metas, readable = run.m, run.store, run.zstore, run.metas, run.readable
+    m, readable = run.m, run.readable
     lengths, start = run.lengths, run.start
     try:
         cfg = from_dict(run.cfgd)
@@ -294,18 +296,16 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
         out.add(f"the target, tokenizer or data named in the manifest changed since the cache was written "
                 f"({listed}); recomputing would compare against a different run")
         return out
-    layout = build_layout(lengths, m.layout.chunk_tokens, m.layout.unit_tokens)
+    layout = build_layout(lengths, m.layout.chunk_tokens, m.layout.unit_tokens, m.format_version)
     pick = np.sort(np.random.default_rng(seed).choice(readable, size=min(int(n), len(readable)), replace=False))
     rows = read_rows(resolve_source(cfg.data.path, cfg.data.split_slice()[0]), cfg.data)
     encoder = ChatEncoder(plan.tokenizer, plan.template, cfg.seq_length, cfg.data.mask_reasoning_content,
                           cfg.data.mask_generation_prompt)
     target = load_target(cfg.model, plan.target, len(plan.tokenizer), plan.device, plan.compute_dtype)
-    capture = HiddenStateCapture(target, plan.layer_ids)
+    capture = HiddenStateCapture(target, plan.layer_ids, pre_norm=m.pre_norm_array is not None)
     ct = m.layout.chunk_tokens
-    names = {int(k): v for k, v in m.arrays.items() if k != "last"}
-
-    def stored(names_: list[str], a: int, b: int) -> dict[str, np.ndarray]:
-        return read_slots(store, metas, names_, a, b, zstore)
+    names = {int(k): v for k, v in m.arrays.items() if k.lstrip("-").isdigit()}
+    stored = run.read
 
     try:
         for s in (int(x) for x in pick):
@@ -343,7 +343,10 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
             r = int(np.flatnonzero(batch == s)[0])
             worst, exact = 0.0, True
             checks = [(f"layer {lid}", names[lid], states[lid]) for lid in plan.layer_ids]
-            checks.append(("last (post-norm)", m.last_array, last))
+            if m.last_array is not None:
+                checks.append(("last (post-norm)", m.last_array, last))
+            if m.pre_norm_array is not None:
+                checks.append(("last (pre-norm)", m.pre_norm_array, states[m.num_hidden_layers]))
             for label, arr_name, t in checks:
                 steps, same = storage_steps(got_all, arr_name, m, t[r, :length].detach().cpu())
                 exact = exact and same

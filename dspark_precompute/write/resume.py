@@ -9,19 +9,26 @@ holds nothing else.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from dspark_precompute.contract.chunks import read_array_metas, read_slots
-from dspark_precompute.contract.layout import Layout
+from dspark_precompute.contract.chunks import read_slots
+from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.manifest import Manifest
+from dspark_precompute.contract.opener import OpenedCache, open_stored
 from dspark_precompute.contract.spec import (
     COMMITS,
     FORMAT_NAME,
+    FORMAT_VERSION,
+    INPUT_IDS,
     LOCK,
+    LOSS_MASK,
     MANIFEST,
     OWN_ENTRIES,
+    REJECTS,
+    SAMPLE_ARRAYS,
     WEIGHTS,
     foreign_entries,
     is_own_temporary,
@@ -98,9 +105,22 @@ def existing_manifest(plan: Plan) -> Manifest | None:
         manifest = Manifest.read(store)
     except CacheFormatError as exc:
         raise CacheFormatError(f"{exc} (pass overwrite=true to replace it)") from None
+    if manifest.format_version != FORMAT_VERSION:
+        raise CacheFormatError(version_problem(plan.path, manifest))
     if manifest.config_hash != plan.config_hash:
         raise IncompatibleCacheError(plan.path, manifest.differences(plan.identity))
     return manifest
+
+
+def version_problem(path: str, m: Manifest) -> str:
+    """Why a cache of another format version is not resumed, and what to do instead."""
+    by = f"dspark-precompute {m.tool_version}" if m.tool_version else "an earlier dspark-precompute"
+    state = "It is complete: read it as it is (this version reads and verifies it)" if m.complete else (
+        f"It is unfinished: finish it with the version that wrote it (pip install 'dspark-precompute=="
+        f"{m.tool_version or '0.2.0'}', then the same command)")
+    return (f"storage.path={path} holds a format {m.format_version} cache written by {by}; this version writes and "
+            f"resumes format {FORMAT_VERSION} only. {state}, or pass overwrite=true to re-create it in format "
+            f"{FORMAT_VERSION}.")
 
 
 def clear(store: CacheStore) -> None:
@@ -111,16 +131,74 @@ def clear(store: CacheStore) -> None:
 
 
 def check_same_layout(store: CacheStore, layout: Layout, tables: dict[str, np.ndarray], manifest: Manifest) -> None:
-    """A resume must lay samples out exactly as the first run did (same tokenization, same tables)."""
-    zstore = store.zarr_store(read_only=True) if store.url else None
-    metas, problems = read_array_metas(store, manifest, zstore)
-    if problems:
-        raise CacheFormatError(f"{store.path}: {problems[0][1]}; pass overwrite=true to re-create the cache")
-    for name in ("samples/length", "samples/source_row", "samples/start"):
-        recorded = read_slots(store, metas, [name], 0, metas[name].shape[0], zstore)[name]
-        if not np.array_equal(recorded, tables[name]):
-            raise CacheFormatError(
-                f"{store.path}: the recorded {name} differs from this run's tokenization although the "
-                "configuration hash matches (non-deterministic tokenizer?); pass overwrite=true")
+    """A resume that tokenized again must lay samples out exactly as the first run did (same tables)."""
+    try:
+        opened = open_stored(store, allow_incomplete=True, check_tables=False)
+    except CacheFormatError as exc:
+        raise CacheFormatError(f"{exc}; pass overwrite=true to re-create the cache") from None
+    try:
+        for name in ("samples/length", "samples/source_row", "samples/start"):
+            if not np.array_equal(opened.tables[name], tables[name]):
+                raise CacheFormatError(
+                    f"{store.path}: the recorded {name} differs from this run's tokenization although the "
+                    "configuration hash matches (non-deterministic tokenizer?); pass overwrite=true")
+    finally:
+        opened.close()
     if manifest.layout.num_units != layout.num_units:
         raise CacheFormatError(f"{store.path}: recorded unit count differs; pass overwrite=true")
+
+
+@dataclass
+class Stored:
+    """What a resumed run reads back from the cache instead of tokenizing: the layout and the token ids."""
+
+    opened: OpenedCache
+    layout: Layout
+
+    @property
+    def tables(self) -> dict[str, np.ndarray]:
+        return {name: self.opened.tables[name] for name in SAMPLE_ARRAYS}
+
+    def ids(self, units: list[int]) -> dict[int, np.ndarray]:
+        """Sample id -> its stored ``input_ids``, for the samples of ``units`` (one read of each unit's shard)."""
+        out: dict[int, np.ndarray] = {}
+        for u in units:
+            a, b = int(self.layout.unit_start[u]), int(self.layout.unit_stop[u])
+            ids = read_slots(self.opened.source, [INPUT_IDS], a, b)[INPUT_IDS]
+            for s in self.layout.unit_order[u]:
+                lo = int(self.layout.start[s]) - a
+                out[int(s)] = ids[lo:lo + int(self.layout.length[s])]
+        return out
+
+    def supervised(self, samples: np.ndarray) -> int:
+        """Supervised tokens (loss_mask 1) of the given samples, read from the stored masks."""
+        total = 0
+        for s in np.asarray(samples, dtype=np.int64):
+            a = int(self.layout.start[s])
+            total += int(read_slots(self.opened.source, [LOSS_MASK], a, a + int(self.layout.length[s]))[LOSS_MASK]
+                         .sum())
+        return total
+
+    def rejects(self) -> bytes:
+        """rejects.jsonl as the first run wrote it."""
+        store = self.opened.store
+        return store.read_bytes(REJECTS) if store.exists(REJECTS) else b""
+
+    def close(self) -> None:
+        self.opened.close()
+
+
+def load_stored(plan: Plan, manifest: Manifest) -> Stored:
+    """Open a resumed cache's tables and token arrays (checked as a reader checks them) and rebuild its layout."""
+    try:
+        opened = open_stored(plan.store, allow_incomplete=True)
+    except CacheFormatError as exc:
+        raise CacheFormatError(f"{exc} (pass overwrite=true to re-create the cache)") from None
+    m = opened.manifest
+    layout = build_layout(opened.tables["samples/length"], m.layout.chunk_tokens, m.layout.unit_tokens)
+    if not (np.array_equal(layout.start, opened.tables["samples/start"])
+            and np.array_equal(layout.unit_start, opened.tables["units/token_start"])):
+        opened.close()
+        raise CacheFormatError(f"{plan.path}: the stored tables are not the layout of their lengths; pass "
+                               "overwrite=true to re-create the cache")
+    return Stored(opened, layout)

@@ -1,9 +1,10 @@
-"""``run(cfg)``: config -> target & tokenizer -> samples -> batches -> capture -> writer -> store.
+"""``run(cfg)``: config -> target & tokenizer -> samples -> batches -> capture -> writers -> store.
 
 Everything cheap happens first (config checks, fingerprints, the resume decision, the
-tokenization of every row) so a wrong run fails in seconds, before weights load. Then
-the layout is allocated, the target loads, and each unit's batches are forwarded into a
-unit buffer the writer compresses and commits while the next unit runs.
+tokenization of every row) so a wrong run fails in seconds, before weights load. Then the
+layout is allocated and every unit's ``input_ids`` and ``loss_mask`` are written (a resume
+reads them back instead of tokenizing again), the target loads, and each unit's batches are
+forwarded into a unit buffer the writers compress and commit while the next unit runs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,25 +24,14 @@ from dspark_precompute.contract.commits import CommitRecord, committed_units
 from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.lock import WriterLock
 from dspark_precompute.contract.manifest import Counts, Manifest
-from dspark_precompute.contract.spec import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    HYDRA_RECORD,
-    INPUT_IDS,
-    LOCK,
-    LOSS_MASK,
-    MANIFEST,
-    OUTPUT_DTYPES,
-    REJECTS,
-    WEIGHTS,
-)
+from dspark_precompute.contract.spec import FORMAT_NAME, FORMAT_VERSION, HYDRA_RECORD, LOCK, MANIFEST, REJECTS, WEIGHTS
 from dspark_precompute.contract.store import CacheStore, is_url
+from dspark_precompute.contract.vocab import RejectReason, StorageDtype
 from dspark_precompute.errors import (
     CacheFormatError,
     ConfigError,
     ForeignDirectoryError,
     InterruptedRunError,
-    NonFiniteStatesError,
     RankFailedError,
     StoppedBySignal,
     StorageWriteError,
@@ -48,26 +39,24 @@ from dspark_precompute.errors import (
 from dspark_precompute.faults import fault_point
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.write import resume, signals
-from dspark_precompute.write.batching import batch_inputs, make_batches
-from dspark_precompute.write.capture import HiddenStateCapture, export_weights
-from dspark_precompute.write.chat import Encoded
+from dspark_precompute.write.allocate import allocate, write_tokens
+from dspark_precompute.write.capture import export_weights
 from dspark_precompute.write.config import PrecomputeConfig
-from dspark_precompute.write.data import Reason, Reject
+from dspark_precompute.write.data import Reject
 from dspark_precompute.write.distributed import Coordinator, Ranks, assign_units, init_ranks
+from dspark_precompute.write.forward import ForwardLoop, torch_dtype
 from dspark_precompute.write.plan import Plan, prepare
-from dspark_precompute.write.progress import Progress
 from dspark_precompute.write.provenance import run_record, with_loaded_model
 from dspark_precompute.write.target import load_target
 from dspark_precompute.write.tokenize import Tokenized, ensure_encoded, reason_counts, tokenize, warn_about_rejects
-from dspark_precompute.write.transfer import StateArray, UnitCheck, UnitTransfer, zero_samples
-from dspark_precompute.write.writer import ArraySpec, UnitWriter, allocate, resolve_writers
 
 log = logging.getLogger(__name__)
-TORCH_STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
 class RunResult:
+    """What a run did: the cache, its counts, bytes on disk, time, and the units written now and before."""
+
     path: str
     samples: int
     tokens: int
@@ -81,6 +70,12 @@ class RunResult:
     complete: bool = True
     timing: dict[str, float] = field(default_factory=dict)
     finalized: bool = False  # this run wrote the final manifest (a no-op run on a complete cache did not)
+
+    @classmethod
+    def of(cls, path: str, counts: Counts, nbytes: int, seconds: float, written: int, before: int,
+           complete: bool = True, timing: dict[str, float] | None = None, finalized: bool = False) -> RunResult:
+        return cls(path, counts.samples, counts.tokens, counts.supervised_tokens, counts.truncated_samples,
+                   counts.rejected, nbytes, seconds, written, before, complete, dict(timing or {}), finalized)
 
 
 def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunResult:
@@ -99,163 +94,267 @@ def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunR
     clean = False
     try:
         with signals.handled():
-            result = _run(cfg, ranks, provenance or {})
+            result = _Run(cfg, ranks, provenance or {}).execute()
         clean = True
         return result
     finally:
         ranks.close(clean)
 
 
-def _run(cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]) -> RunResult:
-    t_start = time.perf_counter()
-    timing: dict[str, float] = {}
-    plan = prepare(cfg)
-    store = plan.store
-    if ranks.main:  # before anything is created: never leave even a lock file in a foreign directory
-        problem = resume.directory_problem(store, plan.path, deleting=cfg.overwrite)
-        if problem:
-            raise ForeignDirectoryError(problem)
-    lock = WriterLock(store.root) if ranks.main and not is_url(plan.path) else None
+@dataclass
+class _Samples:
+    """The selection's samples: from tokenizing now (``tok``) or read back from a resumed cache (``stored``)."""
 
-    def decide() -> Manifest | None:
-        if lock:
+    layout: Layout
+    counts: Counts  # before any sample is dropped for non-finite states
+    tables: dict[str, np.ndarray]
+    tok: Tokenized | None = None
+    stored: resume.Stored | None = None
+
+    def ids(self, plan: Plan, units: list[int]) -> Mapping[int, np.ndarray]:
+        """Sample id -> input ids, for the samples of ``units``."""
+        if self.stored is not None:
+            return self.stored.ids(units)
+        assert self.tok is not None
+        ensure_encoded(plan, self.tok, {int(s) for u in units for s in self.layout.unit_order[u]})
+        return {s: e.input_ids for s, e in self.tok.encoded.items()}
+
+    def rejects(self) -> bytes:
+        return self.stored.rejects() if self.stored is not None else _rejects_bytes(self.tok)
+
+    def close(self) -> None:
+        if self.stored is not None:
+            self.stored.close()
+
+
+class _Run:
+    """One run on one rank: decide, read or tokenize, allocate, store the tokens, forward, finish."""
+
+    def __init__(self, cfg: PrecomputeConfig, ranks: Ranks, provenance: dict[str, Any]):
+        self.cfg, self.ranks, self.provenance = cfg, ranks, provenance
+        self.t_start = time.perf_counter()
+        self.timing: dict[str, float] = {}
+        self.plan = prepare(cfg)
+        self.store: CacheStore = self.plan.store
+        self.lock = WriterLock(self.store.root) if ranks.main and not is_url(self.plan.path) else None
+
+    def execute(self) -> RunResult:
+        plan, ranks = self.plan, self.ranks
+        if ranks.main:  # before anything is created: never leave even a lock file in a foreign directory
+            problem = resume.directory_problem(self.store, plan.path, deleting=self.cfg.overwrite)
+            if problem:
+                raise ForeignDirectoryError(problem)
+        try:
+            manifest = ranks.broadcast(ranks.together(self._decide))
+            if manifest is not None and manifest.complete:
+                log.info("cache %s is complete (%d samples): nothing to do", plan.path, manifest.counts.samples)
+                return RunResult.of(plan.path, manifest.counts, self.store.nbytes(),
+                                    time.perf_counter() - self.t_start, 0, manifest.layout.num_units)
+            samples = self._samples(manifest)
             try:
-                lock.acquire()
+                return self._write(manifest, samples)
+            finally:
+                samples.close()
+        finally:
+            if self.lock:
+                self.lock.release()
+
+    def _decide(self) -> Manifest | None:
+        """Rank 0: take the lock, then the manifest this run continues (None: start afresh)."""
+        if self.lock:
+            try:
+                self.lock.acquire()
             except OSError as exc:
-                raise StorageWriteError(f"cannot create the writer lock in {plan.path}: {exc}. Check the path's "
-                                        "permissions and free space.") from exc
-        return resume.existing_manifest(plan) if ranks.main else None
+                raise StorageWriteError(f"cannot create the writer lock in {self.plan.path}: {exc}. Check the "
+                                        "path's permissions and free space.") from exc
+        return resume.existing_manifest(self.plan) if self.ranks.main else None
 
-    try:
-        manifest = ranks.broadcast(ranks.together(decide))
-        if manifest is not None and manifest.complete:
-            c = manifest.counts
-            log.info("cache %s is complete (%d samples): nothing to do", plan.path, c.samples)
-            return RunResult(plan.path, c.samples, c.tokens, c.supervised_tokens, c.truncated_samples, c.rejected,
-                             store.nbytes(), time.perf_counter() - t_start, 0, manifest.layout.num_units)
-
+    def _samples(self, manifest: Manifest | None) -> _Samples:
+        """Read the samples back (a resume whose tokens are stored) or tokenize every row."""
         t0 = time.perf_counter()
-        tok = tokenize(plan, ranks)
-        timing["tokenize_s"] = time.perf_counter() - t0
-        if ranks.main:
+        if manifest is not None and manifest.tokens_stored:
+            stored = self.ranks.together(lambda: resume.load_stored(self.plan, manifest))
+            self.timing["read_tokens_s"] = time.perf_counter() - t0
+            log.info("resuming %s: samples and tokens read back from the cache (%d samples, %.1f s)", self.plan.path,
+                     manifest.stored_samples, self.timing["read_tokens_s"])
+            return _Samples(stored.layout, manifest.counts, stored.tables, stored=stored)
+        tok = tokenize(self.plan, self.ranks)
+        self.timing["tokenize_s"] = time.perf_counter() - t0
+        if self.ranks.main:
             warn_about_rejects(tok)
-        layout = build_layout(tok.lengths, plan.chunk_tokens, plan.unit_tokens)
-        counts = _counts(tok)
-        tables = {
-            "samples/start": layout.start, "samples/length": layout.length,
-            "samples/source_row": tok.sample_rows, "samples/unit": layout.unit,
-            "samples/untruncated_length": tok.untruncated.astype(np.int32),
-        }
-        run_id = ranks.broadcast(Coordinator.new_run_id() if ranks.main else None)
-        coord = Coordinator(store, ranks, run_id)
+        layout = build_layout(tok.lengths, self.plan.chunk_tokens, self.plan.unit_tokens)
+        tables = {"samples/start": layout.start, "samples/length": layout.length,
+                  "samples/source_row": tok.sample_rows, "samples/unit": layout.unit,
+                  "samples/untruncated_length": tok.untruncated.astype(np.int32)}
+        return _Samples(layout, _counts(tok), tables, tok=tok)
 
-        def setup() -> tuple[str, set[int]]:
-            if not ranks.main:
-                return "", set()
-            if manifest is None:
-                if set(store.top_level_names()) - {LOCK}:
-                    # ours (checked above): an overwrite, or an allocation a kill interrupted
-                    log.warning("%s: deleting the existing cache in %s", "overwrite=true" if cfg.overwrite
-                                else "restarting an allocation that was interrupted", plan.path)
-                    resume.clear(store)
-                fresh = plan.manifest(layout, counts)
-                attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "manifest": MANIFEST}
-                try:
-                    allocate(store, plan.specs, layout, plan.cfg.storage, tables, attrs)
-                except OSError as exc:
-                    raise StorageWriteError(
-                        f"allocating the cache in {plan.path} failed: {exc}. Free space or fix the storage, then "
-                        "re-run the same command: an interrupted allocation is started again.") from exc
-                _put(store, REJECTS, _rejects_bytes(tok))
-                _write_manifest(store, fresh)
-                return fresh.created_at, set()
-            resume.check_same_layout(store, layout, tables, manifest)
-            done = committed_units(store, layout.num_units)
-            log.info("resuming %s: %d of %d units already committed", plan.path, len(done), layout.num_units)
-            return manifest.created_at, done
-
-        created, done = ranks.broadcast(ranks.together(setup))
+    def _write(self, manifest: Manifest | None, samples: _Samples) -> RunResult:
+        plan, ranks, layout = self.plan, self.ranks, samples.layout
+        coord = Coordinator(self.store, ranks, ranks.broadcast(Coordinator.new_run_id() if ranks.main else None))
+        created, done = ranks.broadcast(ranks.together(lambda: self._setup(manifest, samples)))
+        if manifest is None or not manifest.tokens_stored:
+            self._store_tokens(samples, created)
         todo_all = [u for u in range(layout.num_units) if u not in done]
-        unit_tok = (layout.unit_stop - layout.unit_start)[todo_all]
-        mine = [todo_all[i] for i in assign_units(unit_tok, ranks.world)[ranks.rank]]
-        ensure_encoded(plan, tok, {int(s) for u in mine for s in layout.unit_order[u]})
-
-        t0 = time.perf_counter()
-        device = plan.device
-        if device.type == "cuda" and ranks.world > 1 and plan.cfg.model.device == "auto":
-            device = torch.device("cuda", ranks.local_rank)
-        model = ranks.together(lambda: load_target(cfg.model, plan.target, len(plan.tokenizer), device,
-                                                   plan.compute_dtype))
-        timing["load_target_s"] = time.perf_counter() - t0
-        if ranks.main and not store.exists(WEIGHTS):
-            _write_weights(plan, model)
+        mine = [todo_all[i] for i in assign_units((layout.unit_stop - layout.unit_start)[todo_all],
+                                                  ranks.world)[ranks.rank]]
+        ids = samples.ids(plan, mine)
+        model = self._load_target()
         t0 = time.perf_counter()
         try:
-            written = _forward_units(plan, model, tok.encoded, layout, mine, timing, coord, device) if mine else 0
+            loop = ForwardLoop(plan, model, ids, layout, self._device())
+            written = loop.run(mine, coord) if mine else 0
+            self.timing.update(loop.stats.as_dict())
         except StoppedBySignal as exc:
             coord.fail(f"{type(exc).__name__}: {exc}")
-            committed = len(committed_units(store, layout.num_units)) if ranks.main else 0
+            committed = len(committed_units(self.store, layout.num_units)) if ranks.main else 0
             raise InterruptedRunError(exc.signum, plan.path, committed, layout.num_units) from None
         except BaseException as exc:
             coord.fail(f"{type(exc).__name__}: {exc}")
             raise
-        timing["forward_write_s"] = time.perf_counter() - t0
+        self.timing["forward_write_s"] = time.perf_counter() - t0
         try:  # the end barrier: a peer that died (any way) closes its sockets and gloo raises here
             hosts = ranks.gather(socket.gethostname())
         except RuntimeError as exc:
             raise RankFailedError(f"a peer rank ended before finishing its units: {exc}") from exc
         coord.check()
         if not ranks.main:
-            return RunResult(plan.path, counts.samples, counts.tokens, counts.supervised_tokens,
-                             counts.truncated_samples, counts.rejected, 0, time.perf_counter() - t_start,
-                             written, len(done), False, timing)
+            return RunResult.of(plan.path, samples.counts, 0, time.perf_counter() - self.t_start, written, len(done),
+                                False, self.timing)
+        coord.cleanup()
+        return self._finish(samples, created, done, written, hosts, model)
+
+    def _setup(self, manifest: Manifest | None, samples: _Samples) -> tuple[str, set[int]]:
+        """Rank 0: allocate a fresh cache (tables, rejects, manifest), or find a resumed one's committed units."""
+        if not self.ranks.main:
+            return "", set()
+        plan, store, layout = self.plan, self.store, samples.layout
+        if manifest is not None:
+            if samples.tok is not None:  # tokenized again: it must be the layout the first run wrote
+                resume.check_same_layout(store, layout, samples.tables, manifest)
+            done = committed_units(store, layout.num_units)
+            log.info("resuming %s: %d of %d units already committed", plan.path, len(done), layout.num_units)
+            return manifest.created_at, done
+        if set(store.top_level_names()) - {LOCK}:
+            # ours (checked before): an overwrite, or an allocation a kill interrupted
+            log.warning("%s: deleting the existing cache in %s", "overwrite=true" if self.cfg.overwrite
+                        else "restarting an allocation that was interrupted", plan.path)
+            resume.clear(store)
+        fresh = plan.manifest(layout, samples.counts)
+        attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "manifest": MANIFEST}
+        try:
+            allocate(store, plan.specs, layout, plan.cfg.storage, samples.tables, attrs)
+        except OSError as exc:
+            raise StorageWriteError(
+                f"allocating the cache in {plan.path} failed: {exc}. Free space or fix the storage, then re-run the "
+                "same command: an interrupted allocation is started again.") from exc
+        _put(store, REJECTS, samples.rejects(), plan.cfg.storage.fsync)
+        _write_manifest(store, fresh)
+        return fresh.created_at, set()
+
+    def _store_tokens(self, samples: _Samples, created: str) -> None:
+        """Every unit's input_ids and loss_mask (each rank its share), then the manifest says they are stored."""
+        plan, ranks, layout = self.plan, self.ranks, samples.layout
+        t0 = time.perf_counter()
+        share = assign_units(layout.unit_stop - layout.unit_start, ranks.world)[ranks.rank]
+        assert samples.tok is not None
+        ensure_encoded(plan, samples.tok, {int(s) for u in share for s in layout.unit_order[u]})
+        try:
+            nbytes = ranks.together(lambda: write_tokens(self.store, layout, plan.cfg.storage, plan.specs,
+                                                         samples.tok.encoded if samples.tok else {}, share))
+        except OSError as exc:
+            raise StorageWriteError(f"writing the token ids of {plan.path} failed: {exc}. Free space or fix the "
+                                    "storage, then re-run the same command.") from exc
+        ranks.gather(nbytes)  # every rank's tokens are durable before the manifest says so
+        if ranks.main:
+            m = plan.manifest(layout, samples.counts, created)
+            m.tokens_stored = True
+            _write_manifest(self.store, m)
+        self.timing["store_tokens_s"] = time.perf_counter() - t0
+
+    def _device(self) -> torch.device:
+        device = self.plan.device
+        if device.type == "cuda" and self.ranks.world > 1 and self.plan.cfg.model.device == "auto":
+            device = torch.device("cuda", self.ranks.local_rank)
+        return device
+
+    def _load_target(self) -> Any:
+        plan, t0 = self.plan, time.perf_counter()
+        model = self.ranks.together(lambda: load_target(self.cfg.model, plan.target, len(plan.tokenizer),
+                                                        self._device(), plan.compute_dtype))
+        self.timing["load_target_s"] = time.perf_counter() - t0
+        if self.ranks.main and not self.store.exists(WEIGHTS):
+            _write_weights(plan, model)
+        return model
+
+    def _finish(self, samples: _Samples, created: str, done: set[int], written: int, hosts: list[str],
+                model: Any) -> RunResult:
+        """Rank 0, every unit committed: the rejects and counts with dropped samples, the final manifest."""
+        plan, store, layout = self.plan, self.store, samples.layout
         missing = sorted(set(range(layout.num_units)) - committed_units(store, layout.num_units))
         if missing:
             raise CacheFormatError(f"units {missing[:10]} have no commit record after every rank finished; "
                                    "re-run the same command to write them")
-        coord.cleanup()
-        _write_provenance(store, provenance)
+        _write_provenance(store, self.provenance, plan.cfg.storage.fsync)
         dropped = _dropped_samples(store, layout.num_units)
+        counts = samples.counts
         if dropped:  # samples whose states were not finite: rejects now, so rows_in = samples + rejected holds
-            counts = _counts(tok, dropped)
-            _put(store, REJECTS, _rejects_bytes(tok, dropped))
-        timing["wall_s"] = time.perf_counter() - t_start
+            counts = _dropped_counts(counts, samples, dropped, plan)
+            _put(store, REJECTS, _with_dropped(samples.rejects(), samples.tables, dropped), plan.cfg.storage.fsync)
+        self.timing["wall_s"] = time.perf_counter() - self.t_start
         final = plan.manifest(layout, counts, created)
+        final.tokens_stored = True
         if dropped:
             final.dropped_samples = sorted(dropped)
             final.nonfinite_values = _nonfinite_totals(dropped)
         final.capture = with_loaded_model(final.capture, model)
-        final.mark_complete(timing, store.sha256(WEIGHTS), run_record(provenance, hosts, ranks.world, store, done))
+        final.mark_complete(self.timing, store.sha256(WEIGHTS),
+                            run_record(self.provenance, hosts, self.ranks.world, store, done))
         _write_manifest(store, final)
-        nbytes = store.nbytes()
-        result = RunResult(plan.path, counts.samples, counts.tokens, counts.supervised_tokens,
-                           counts.truncated_samples, counts.rejected, nbytes, timing["wall_s"], written,
-                           len(done), True, timing, finalized=True)
+        result = RunResult.of(plan.path, counts, store.nbytes(), self.timing["wall_s"], written, len(done), True,
+                              self.timing, finalized=True)
         _log_summary(result)
         return result
-    finally:
-        if lock:
-            lock.release()
 
 
-def _counts(tok: Tokenized, dropped: dict[int, dict[str, int]] | None = None) -> Counts:
-    """The accounting of the selection; ``dropped`` samples (non-finite states) count as rejects."""
-    keep = np.ones(len(tok.lengths), dtype=bool)
-    keep[list(dropped or {})] = False
-    by = reason_counts(tok.rejects)
-    if dropped:
-        by[Reason.NONFINITE] = by.get(Reason.NONFINITE, 0) + len(dropped)
-    return Counts(rows_in=tok.rows_in, samples=int(keep.sum()), rejected=len(tok.rejects) + len(dropped or {}),
-                  tokens=int(tok.lengths[keep].sum()), supervised_tokens=int(tok.supervised[keep].sum()),
-                  truncated_samples=int((tok.untruncated > tok.lengths)[keep].sum()), rejected_by_reason=by)
+def _counts(tok: Tokenized) -> Counts:
+    """The accounting of the selection as tokenized."""
+    return Counts(rows_in=tok.rows_in, samples=len(tok.lengths), rejected=len(tok.rejects),
+                  tokens=int(tok.lengths.sum()), supervised_tokens=int(tok.supervised.sum()),
+                  truncated_samples=int((tok.untruncated > tok.lengths).sum()),
+                  rejected_by_reason=reason_counts(tok.rejects))
 
 
-def _rejects_bytes(tok: Tokenized, dropped: dict[int, dict[str, int]] | None = None) -> bytes:
-    """rejects.jsonl: the tokenizer's rejects, then the dropped samples, in selection order (deterministic)."""
-    rows = [r.to_json() for r in tok.rejects]
-    for s, arrays in sorted((dropped or {}).items()):
-        row = int(tok.sample_rows[s])
-        rows.append(Reject(row, Reason.NONFINITE, "the target's hidden states for this row are not finite ("
+def _dropped_counts(counts: Counts, samples: _Samples, dropped: dict[int, dict[str, int]], plan: Plan) -> Counts:
+    """``counts`` with the ``dropped`` samples (non-finite states) moved from the samples to the rejects."""
+    ids = np.asarray(sorted(dropped), dtype=np.int64)
+    length = samples.tables["samples/length"].astype(np.int64)[ids]
+    untrunc = samples.tables["samples/untruncated_length"].astype(np.int64)[ids]
+    if samples.tok is not None:
+        supervised = int(samples.tok.supervised[ids].sum())
+    else:
+        assert samples.stored is not None
+        supervised = samples.stored.supervised(ids)
+    by = dict(counts.rejected_by_reason)
+    by[RejectReason.NONFINITE] = by.get(RejectReason.NONFINITE, 0) + len(ids)
+    return Counts(rows_in=counts.rows_in, samples=counts.samples - len(ids), rejected=counts.rejected + len(ids),
+                  tokens=counts.tokens - int(length.sum()), supervised_tokens=counts.supervised_tokens - supervised,
+                  truncated_samples=counts.truncated_samples - int((untrunc > length).sum()),
+                  rejected_by_reason=dict(sorted((str(k), v) for k, v in by.items())))
+
+
+def _rejects_bytes(tok: Tokenized | None) -> bytes:
+    """rejects.jsonl as the tokenizer found them, in selection order (deterministic)."""
+    rows = sorted((r.to_json() for r in (tok.rejects if tok else [])), key=lambda r: r["row"])
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+
+
+def _with_dropped(rejects: bytes, tables: dict[str, np.ndarray], dropped: dict[int, dict[str, int]]) -> bytes:
+    """rejects.jsonl with a line for each dropped sample, in selection order."""
+    rows = [json.loads(line) for line in rejects.decode("utf-8").splitlines() if line.strip()]
+    source = tables["samples/source_row"]
+    for s, arrays in sorted(dropped.items()):
+        rows.append(Reject(int(source[s]), RejectReason.NONFINITE,
+                           "the target's hidden states for this row are not finite ("
                            + ", ".join(f"{k}: {v} values" for k, v in sorted(arrays.items())) + ")").to_json())
     rows.sort(key=lambda r: r["row"])
     return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
@@ -279,9 +378,9 @@ def _nonfinite_totals(dropped: dict[int, dict[str, int]]) -> dict[str, int]:
     return dict(sorted(totals.items()))
 
 
-def _put(store: CacheStore, key: str, data: bytes) -> None:
+def _put(store: CacheStore, key: str, data: bytes, fsync: bool = True) -> None:
     try:
-        store.write_bytes(key, data)
+        store.write_bytes(key, data, fsync)
     except OSError as exc:
         raise StorageWriteError(
             f"writing {store.path}/{key} ({len(data) / 1e6:,.1f} MB) failed: {exc}. Free space or fix the "
@@ -301,129 +400,21 @@ def _write_manifest(store: CacheStore, manifest: Manifest) -> None:
 def _write_weights(plan: Plan, model: Any) -> None:
     from safetensors.torch import save
 
-    dtype = TORCH_STORAGE[OUTPUT_DTYPES[plan.cfg.storage.dtype]]  # an fp8 cache's weights are bf16
+    dtype = torch_dtype(StorageDtype(plan.cfg.storage.dtype).output)  # an fp8 cache's weights are bf16
     tensors = {k: v.to("cpu", dtype).contiguous() for k, v in export_weights(model).items()}
     fault_point("weights")
     # One metadata key only: safetensors orders several keys differently from run to run,
     # and the file must be byte-identical across resumes. Tying is recorded in the manifest.
-    _put(plan.store, WEIGHTS, save(tensors, metadata={"format": "pt"}))
+    _put(plan.store, WEIGHTS, save(tensors, metadata={"format": "pt"}), plan.cfg.storage.fsync)
 
 
-def _write_provenance(store: CacheStore, provenance: dict[str, Any]) -> None:
+def _write_provenance(store: CacheStore, provenance: dict[str, Any], fsync: bool = True) -> None:
     """This run's Hydra record (built in memory by the entry point) into ``.hydra/``."""
     files = provenance.get("files") or {}
     if files:
         store.delete(HYDRA_RECORD)
     for name, text in sorted(files.items()):
-        _put(store, f"{HYDRA_RECORD}/{name}", text.encode())
-
-
-def _forward_units(plan: Plan, model: Any, samples: dict[int, Encoded], layout: Layout, todo: list[int],
-                   timing: dict[str, float], coord: Coordinator, device: torch.device) -> int:
-    """Forward every unit in ``todo`` and hand it to the writers; fills ``timing`` per stage.
-
-    A sample whose states hold NaN/Inf is dropped (its states zeroed, its id in the unit's
-    commit record) or stops the run, per ``data.on_nonfinite``. A first SIGINT/SIGTERM
-    drops the unit in flight, lets the writers finish the units they already hold, and
-    raises :class:`StoppedBySignal`; a second one raises at once.
-    """
-    cfg = plan.cfg
-    capture = HiddenStateCapture(model, plan.layer_ids)
-    lengths = layout.length.astype(np.int64)
-    total_tok = int(sum(layout.unit_stop[u] - layout.unit_start[u] for u in todo))
-    total_smp = int(sum(len(layout.unit_order[u]) for u in todo))
-    progress = Progress(total_smp, total_tok, enabled=cfg.progress)
-    n_writers = resolve_writers(cfg.storage.writers)
-    writer = UnitWriter(plan.store, plan.specs, layout, cfg.storage.writer_slots, todo, writers=n_writers,
-                        pin_memory=device.type == "cuda", storage=cfg.storage)
-    hidden = state_arrays(plan.specs)
-    transfer = UnitTransfer(hidden, device=device)
-    fills = {s.name: s.fill for s in plan.specs if s.fill}
-    t_batch = t_forward = t_copy = 0.0
-    stop = signals.STATE
-    try:
-        with signals.graceful():
-            for u in todo:
-                if stop.signum is not None:
-                    break
-                coord.check()
-                slot = writer.acquire()
-                bufs = writer.buffers(slot)
-                transfer.start(bufs)
-                base = int(layout.unit_start[u])
-                order = layout.unit_order[u]
-                for s in order:
-                    a = int(layout.start[s]) - base
-                    bufs[INPUT_IDS][a:a + lengths[s]] = samples[s].input_ids
-                    bufs[LOSS_MASK][a:a + lengths[s]] = samples[s].loss_mask
-                for batch in make_batches(order, lengths, cfg.batch.max_tokens, cfg.batch.max_samples):
-                    if stop.signum is not None:
-                        break
-                    c0 = time.perf_counter()
-                    blens = lengths[batch]
-                    ids, _ = batch_inputs(samples, batch, lengths, plan.pad_id, device)
-                    c1 = time.perf_counter()
-                    states, last = capture(ids)
-                    c2 = time.perf_counter()
-                    transfer.add(batch, blens, ids.shape[1], states, last, int(layout.start[batch[0]]) - base)
-                    c3 = time.perf_counter()
-                    t_batch, t_forward, t_copy = t_batch + (c1 - c0), t_forward + (c2 - c1), t_copy + (c3 - c2)
-                    progress.update(samples=len(batch), tokens=int(blens.sum()), bytes_written=writer.raw_bytes)
-                    writer.poll()
-                if stop.signum is not None:  # drop the unit in flight, keep the ones the writers hold
-                    transfer.finish()
-                    writer.release(slot)
-                    break
-                c4 = time.perf_counter()
-                check = transfer.finish()  # on CUDA: the unit's copies are done
-                t_copy += time.perf_counter() - c4
-                n_tok = int(layout.unit_stop[u] - layout.unit_start[u])
-                record = CommitRecord(u, base, base + n_tok, len(order), socket.gethostname())
-                if check.bad_samples:
-                    names = [a.name for a in hidden] + [a.scale for a in hidden if a.scale]
-                    _drop_nonfinite(plan, check, layout, bufs, base, names, record, fills)
-                writer.submit(u, slot, n_tok, record)
-                fault_point("unit_submitted")
-            writer.drain()
-        if stop.signum is not None and len(writer.committed) < len(todo):
-            raise StoppedBySignal(stop.signum)
-        progress.update(bytes_written=writer.raw_bytes)
-        progress.close()
-        timing.update(batch_s=t_batch, forward_s=t_forward, copy_s=t_copy, writer_wait_s=writer.wait_s,
-                      writer_busy_s=writer.busy_s, writers=float(n_writers))
-    finally:
-        writer.close()
-        capture.close()
-    return len(todo)
-
-
-def state_arrays(specs: list[ArraySpec]) -> list[StateArray]:
-    """The hidden-state arrays of a run's specs, each with its cast (or fp8 quantization) and its layer."""
-    return [StateArray(s.name, int(s.layer_id), None if s.scale else TORCH_STORAGE[str(s.storage)],
-                       s.storage == "bf16", s.scale, int(s.group or 0))
-            for s in specs if s.width and s.layer_id is not None]
-
-
-def _drop_nonfinite(plan: Plan, check: UnitCheck, layout: Layout, bufs: dict[str, np.ndarray], base: int,
-                    names: list[str], record: CommitRecord, fills: dict[str, float] | None = None) -> None:
-    """Samples whose states are not finite: stop (``data.on_nonfinite=error``) or drop them from the cache.
-
-    A dropped sample's states are zeroed (no Inf is ever stored) and its id goes into the
-    unit's commit record; the run's end moves it from the samples to the rejects.
-    """
-    bad = check.bad_samples
-    if plan.cfg.data.on_nonfinite == "error":
-        s = min(bad)
-        raise NonFiniteStatesError(
-            f"sample {s} has non-finite hidden states ({', '.join(f'{k}: {v} values' for k, v in bad[s].items())}) "
-            f"and {len(bad) - 1} more sample(s) of unit {record.unit} too; a {plan.cfg.model.dtype} forward "
-            "overflowed or the target is broken. Use model.dtype=bf16 or fp32 instead of fp16, or pass "
-            "data.on_nonfinite=reject to drop such samples (listed in rejects.jsonl); committed units are kept.")
-    spans = [(int(layout.start[s]) - base, int(layout.start[s] + layout.length[s]) - base) for s in sorted(bad)]
-    zero_samples(bufs, names, spans, fills)
-    record.extra["dropped"] = [{"sample": s, "nonfinite": bad[s]} for s in sorted(bad)]
-    log.warning("unit %d: %d sample(s) with non-finite hidden states dropped (%s)", record.unit, len(bad),
-                ", ".join(f"{k}={v}" for k, v in check.nonfinite.items()))
+        _put(store, f"{HYDRA_RECORD}/{name}", text.encode(), fsync)
 
 
 def _log_summary(r: RunResult) -> None:

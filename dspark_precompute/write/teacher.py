@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_precompute.contract.chunks import read_slots
 from dspark_precompute.contract.spec import INPUT_IDS
 from dspark_precompute.errors import CacheFormatError
 from dspark_precompute.write.provenance import final_norm_of
@@ -93,7 +92,7 @@ def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None
     if sampled is None:
         return out
     run, picked, target, dev, dtype = sampled.run, sampled.picked, sampled.target, sampled.dev, sampled.dtype
-    m, store, zstore, metas = run.m, run.store, run.zstore, run.metas
+    m = run.m
     lengths, start = run.lengths, run.start
     head = target.get_output_embeddings()
     norm = final_norm_of(target)
@@ -103,6 +102,10 @@ def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None
         out.notes.append(f"the manifest records the final norm as {recorded_norm}, the loaded target's is "
                          f"{norm_class}")
     last = m.last_array
+    if last is None:
+        out.add("this cache stores no post-norm state (capture.last_state=pre_norm): there is no teacher "
+                "distribution to check")
+        return out
     last_scale = m.scale_arrays.get(last)
     by_sample: dict[int, list[int]] = {}
     for s, t in picked:
@@ -112,8 +115,7 @@ def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None
         for s, toks in by_sample.items():
             a, length = int(start[s]), int(lengths[s])
             try:
-                got = read_slots(store, metas, [INPUT_IDS, last, *([last_scale] if last_scale else [])], a, a + length,
-                                 zstore)
+                got = run.read([INPUT_IDS, last, *([last_scale] if last_scale else [])], a, a + length)
             except CacheFormatError as exc:
                 out.add(f"sample {s}: cannot read it ({exc})", sample=s, array=getattr(exc, "array", None))
                 continue

@@ -1,270 +1,61 @@
-"""Writes the cache: allocate every array up front, then one whole unit at a time.
+"""Writes the hidden states: one whole unit at a time, one shard per array, committed when all are durable.
 
-The forward loop fills a unit buffer in shared memory; ``storage.writers`` writer
-processes (not threads: compression would fight the forward loop for the GIL) split the
-unit into pieces (a chunk-aligned range of one array each), compress and write them in
-parallel, and once every piece of the unit is written the forward loop's process writes
-the unit's commit record. A unit is visible to readers only once that record exists, so
-it stays all-or-nothing however many writers wrote it.
+The forward loop fills a unit buffer in shared memory (:mod:`~dspark_precompute.write.buffers`);
+``storage.writers`` writer processes (not threads: compression would fight the forward loop for
+the GIL) each take one array of a unit at a time, encode its whole shard (inner chunks, then the
+index: :func:`~dspark_precompute.contract.shards.encode_shard`, the bytes zarr would write) and
+write it as one object: a temporary file, fsynced and renamed (the directory fsynced after), or
+one put on an object store. Once every array of the unit is written the forward loop's process
+writes the unit's commit record. A unit is visible to readers only once that record exists, so
+it stays all-or-nothing however many writers wrote it, and a power loss never leaves a committed
+unit without its bytes.
 
-On a local directory a writer encodes each whole chunk itself (:func:`chunk_encoder`: the
-bytes zarr would store, built from the same codec chain) and writes the file; zarr's array
-assignment, which an object store still goes through, costs about as much CPU again.
+Tasks are dealt to whichever writer has the fewest in flight (at most two each), largest first,
+so writers stay busy across unit boundaries.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import multiprocessing as mp
 import os
-import tempfile
 import time
 import traceback
-from dataclasses import dataclass
-from pathlib import Path
+from collections import deque
+from contextlib import ExitStack
 from typing import Any, cast
 
 import numpy as np
 
-from dspark_precompute.contract.arrays import ArrayMeta, chunk_encoder, codec_chain
+from dspark_precompute.contract.arrays import chunk_encoder
 from dspark_precompute.contract.commits import CommitRecord
-from dspark_precompute.contract.fp8 import E4M3, SCALE_DTYPE, ZERO_ROW_SCALE, scale_columns
 from dspark_precompute.contract.layout import Layout
-from dspark_precompute.contract.spec import (
-    FINAL_NORM,
-    HIDDEN_GROUP,
-    INPUT_IDS,
-    LOSS_MASK,
-    STORAGE_DTYPES,
-    hidden_arrays,
-    layer_array,
-    scale_array,
-)
 from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.contract.vocab import Message
 from dspark_precompute.errors import StorageWriteError
 from dspark_precompute.faults import fault_point
 from dspark_precompute.write import processes
+from dspark_precompute.write.allocate import encode_unit_shard, shard_key
+from dspark_precompute.write.buffers import Slot, pin, unpin
 from dspark_precompute.write.config import StorageConfig
+from dspark_precompute.write.specs import ArraySpec, array_codec
 
 log = logging.getLogger(__name__)
+DEPTH = 2  # tasks in flight per writer: one being written, one queued behind it
 
 
-@dataclass(frozen=True)
-class ArraySpec:
-    """One token-axis array: its name, on-disk dtype and row width (None for 1-D)."""
-
-    name: str
-    dtype: str
-    width: int | None = None
-    logical_dtype: str | None = None
-    layer_id: int | None = None
-    storage: str | None = None  # a hidden array's storage dtype name (bf16, fp16, fp32, fp8_e4m3)
-    scale: str | None = None  # an fp8 array's scale array
-    scale_of: str | None = None  # a scale array's fp8 array
-    group: int | None = None  # fp8: channels per scale
-    fill: float = 0  # the value of slots no sample writes (scales: 1, so every stored scale is positive)
-
-    @property
-    def row_bytes(self) -> int:
-        return np.dtype(self.dtype).itemsize * (self.width or 1)
+def resolve_writers(writers: int | None) -> int:
+    """``storage.writers``: null = the cores this rank may use, less one for the forward loop (at least 1)."""
+    return max(1, int(writers)) if writers else max(1, processes.available_cores() - 1)
 
 
-def token_array_specs(layer_ids: list[int], num_layers: int, hidden: int, storage_dtype: str,
-                      last_dtype: str | None = None, fp8_group: int | None = None) -> list[ArraySpec]:
-    """Every token-axis array: ids, mask, one per hidden array (the post-norm state's in ``last_dtype``), and a
-    float32 scale array after each fp8 one."""
-    names = hidden_arrays(layer_ids, num_layers)
-    specs = [ArraySpec(INPUT_IDS, "int32"), ArraySpec(LOSS_MASK, "uint8")]
-    hidden_names = [layer_array(lid) for lid in layer_ids]
-    if (num_layers - 1) not in layer_ids:
-        hidden_names.append(f"{HIDDEN_GROUP}/{FINAL_NORM}")
-    for name in hidden_names:
-        lid = next((i for i in layer_ids if layer_array(i) == name), num_layers - 1)
-        sd = (last_dtype or storage_dtype) if name == names["last"] else storage_dtype
-        disk, logical = STORAGE_DTYPES[sd]
-        if sd != E4M3:
-            specs.append(ArraySpec(name, np.dtype(disk).name, hidden, logical, lid, sd))
-            continue
-        group = fp8_group or hidden
-        specs.append(ArraySpec(name, np.dtype(disk).name, hidden, logical, lid, sd, scale_array(name), group=group))
-        specs.append(ArraySpec(scale_array(name), SCALE_DTYPE.name, scale_columns(hidden, fp8_group),
-                               SCALE_DTYPE.name, scale_of=name, group=group, fill=ZERO_ROW_SCALE))
-    return specs
-
-
-def array_codec(storage: StorageConfig, spec: ArraySpec) -> tuple[str, int, str, int]:
-    """(compressor, level, shuffle, typesize) of one array: what it is allocated with and its chunks encoded with."""
-    shuffle = storage.fp8_shuffle if spec.storage == E4M3 else storage.shuffle
-    return storage.compressor, storage.compression_level, shuffle, np.dtype(spec.dtype).itemsize
-
-
-def allocate(store: CacheStore, specs: list[ArraySpec], layout: Layout, storage: StorageConfig,
-             samples: dict[str, np.ndarray], attributes: dict[str, Any]) -> None:
-    """Create the group and every array at its final shape, and write the sample tables."""
-    import zarr
-
-    group = zarr.create_group(store.zarr_store(), overwrite=False, attributes=attributes)
-    total, chunk = layout.total_slots, layout.chunk_tokens
-    for i, s in enumerate(specs):
-        if i == 2:
-            fault_point("allocate")
-        shape = (total,) if s.width is None else (total, s.width)
-        chunks = (chunk,) if s.width is None else (chunk, s.width)
-        attrs: dict[str, Any] = {"logical_dtype": s.logical_dtype or s.dtype}
-        if s.layer_id is not None:
-            attrs["layer_id"] = s.layer_id
-        if s.scale is not None:
-            attrs["scale_array"] = s.scale
-        if s.scale_of is not None:
-            attrs.update(scale_of=s.scale_of, channels_per_scale=s.group)
-        group.create_array(
-            s.name, shape=shape, chunks=chunks, dtype=s.dtype, fill_value=s.fill,
-            compressors=codec_chain(*array_codec(storage, s)),
-            dimension_names=("token",) if s.width is None else ("token", "scale" if s.scale_of else "hidden"),
-            attributes=attrs,
-            # every chunk of a written unit exists on disk, zeros included, so a missing
-            # chunk file is always damage (verify relies on it)
-            config={"write_empty_chunks": True},
-        )
-    tables = dict(samples)
-    tables["units/token_start"] = layout.unit_start
-    tables["units/token_stop"] = layout.unit_stop
-    for name, values in tables.items():
-        values = np.asarray(values)
-        arr = group.create_array(
-            name, shape=values.shape, chunks=(max(1, min(len(values), 1 << 20)),), dtype=values.dtype,
-            fill_value=0,
-            compressors=codec_chain(storage.compressor, storage.compression_level, storage.shuffle,
-                                    values.dtype.itemsize),
-            dimension_names=("sample",) if name.startswith("samples/") else ("unit",),
-            # all-zero table chunks are written too: a missing chunk is damage, never zeros
-            config={"write_empty_chunks": True},
-        )
-        if len(values):
-            arr[:] = values
-
-
-class SharedBuffer:
-    """Anonymous shared memory that a spawned process maps by inheriting its file descriptor.
-
-    Nothing is ever named in ``/dev/shm`` (a ``memfd``, or an already-unlinked temporary
-    file where there is none), so however the run dies, even SIGKILL of the whole
-    process group, the kernel frees the memory with the last process that maps it.
-    Pickling it is only possible while a process is being spawned (the descriptor is
-    handed to the child then).
-    """
-
-    def __init__(self, nbytes: int):
-        self.nbytes = max(1, int(nbytes))
-        if hasattr(os, "memfd_create"):
-            fd = os.memfd_create("dspark-unit-buffer", os.MFD_CLOEXEC)
-        else:  # pragma: no cover - non-Linux POSIX
-            shm = Path("/dev/shm")
-            fh = tempfile.TemporaryFile(dir=shm if shm.is_dir() else None)
-            fd = os.dup(fh.fileno())
-            fh.close()
-        os.ftruncate(fd, self.nbytes)
-        self.fd: int | None = fd
-        self.mm = mmap.mmap(fd, self.nbytes)
-
-    def array(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        return np.ndarray(shape, dtype=dtype, buffer=self.mm)
-
-    def __getstate__(self) -> dict[str, Any]:
-        from multiprocessing import reduction
-
-        if self.fd is None:
-            raise RuntimeError("a mapped copy of a unit buffer cannot be handed on (only its creator can)")
-        return {"nbytes": self.nbytes, "fd": reduction.DupFd(self.fd)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.nbytes = state["nbytes"]
-        fd = state["fd"].detach()
-        self.mm = mmap.mmap(fd, self.nbytes)
-        os.close(fd)
-        self.fd = None
-
-    def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:  # an array still views it: the mapping goes with the process
-            pass
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-class _Slot:
-    """One unit buffer: a shared array per token array."""
-
-    def __init__(self, specs: list[ArraySpec], capacity: int):
-        self.shapes = {s.name: (capacity,) if s.width is None else (capacity, s.width) for s in specs}
-        self.dtypes = {s.name: s.dtype for s in specs}
-        self.shm = {s.name: SharedBuffer(int(np.prod(self.shapes[s.name])) * np.dtype(s.dtype).itemsize)
-                    for s in specs}
-        self.arrays = self.views()
-
-    def views(self) -> dict[str, np.ndarray]:
-        return {name: buf.array(self.shapes[name], self.dtypes[name]) for name, buf in self.shm.items()}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"shapes": self.shapes, "dtypes": self.dtypes, "shm": self.shm}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.arrays = self.views()
-
-    def close(self) -> None:
-        self.arrays = {}
-        for m in self.shm.values():
-            m.close()
-
-
-class _ChunkFiles:
-    """Writes whole chunks of a local cache's arrays as files, encoded exactly as zarr would."""
-
-    def __init__(self, root: str, specs: list[ArraySpec], chunk: int, codecs: dict[str, tuple[str, int, str, int]]):
-        self.root = Path(root)
-        self.chunk = chunk
-        self.encode = {s.name: chunk_encoder(*codecs[s.name]) for s in specs}
-        self.meta = {s.name: ArrayMeta(s.name, np.dtype(s.dtype), (0,) if s.width is None else (0, s.width),
-                                       (chunk,) if s.width is None else (chunk, s.width), None, "/", False)
-                     for s in specs}
-        self.made: set[Path] = set()
-
-    def write(self, name: str, start: int, rows: np.ndarray) -> None:
-        """``rows`` (whole chunks) go to token slots ``start`` onwards of array ``name``."""
-        meta, encode = self.meta[name], self.encode[name]
-        for k in range(0, len(rows), self.chunk):
-            c = (start + k) // self.chunk
-            path = self.root / name / meta.chunk_key(meta.chunk_index(c))
-            if path.parent not in self.made:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self.made.add(path.parent)
-            body, crc = encode(rows[k:k + self.chunk])
-            with open(path, "wb") as fh:
-                fh.write(body)
-                fh.write(crc)
-
-
-def _writer_main(index: int, path: str, specs: list[ArraySpec], slot_list: list[_Slot], tasks: Any, done: Any,
-                 env: dict[str, str], chunk: int = 0, codecs: dict[str, tuple[str, int, str, int]] | None = None
-                 ) -> None:
-    """Writer process: one task = one piece (a chunk-aligned token range of one array) to write."""
-    import zarr
-
+def _writer_main(path: str, slot_list: list[Slot], tasks: Any, done: Any, env: dict[str, str], chunk: int,
+                 per_shard: int, codecs: dict[str, tuple[Any, ...]], fsync: bool) -> None:
+    """Writer process: one task = one array of one unit, written as one shard object."""
     processes.child_setup(env)
     try:
-        # one core per writer: parallelism comes from the writers, not from codec threads
-        zarr.config.set({"threading.max_workers": 1})
         store = CacheStore(path)
-        files = _ChunkFiles(store.root, specs, chunk, codecs) if codecs and chunk and not store.url else None
-        arrays: dict[str, Any] = {}
-        if files is None:
-            group = zarr.open_group(store.zarr_store(), mode="r+")
-            # write_empty_chunks is a runtime setting, not stored metadata: set it on every handle
-            arrays = {s.name: cast(Any, group[s.name]).with_config({"write_empty_chunks": True}) for s in specs}
+        encoders = {name: chunk_encoder(*codec) for name, codec in codecs.items()}
         slots = [slot.arrays for slot in slot_list]
     except BaseException as exc:
         _send_error(done, -1, -1, exc)
@@ -286,20 +77,17 @@ def _writer_main(index: int, path: str, specs: list[ArraySpec], slot_list: list[
             break
         if task is None:
             break
-        unit, slot, name, t0, lo, hi = task  # token slots [lo, hi) of the unit starting at t0
+        unit, slot, name, n_slots = task
         try:
             busy = time.perf_counter()
             if orphaned():
-                raise SystemExit(1)
-            if files is not None:
-                files.write(name, t0 + lo, slots[slot][name][lo:hi])
-            else:
-                arrays[name][t0 + lo:t0 + hi] = slots[slot][name][lo:hi]
+                break
+            rows = slots[slot][name][:n_slots]
+            store.write_parts(shard_key(name, unit, two_d=rows.ndim == 2),
+                              encode_unit_shard(rows, chunk, per_shard, encoders[name]), fsync)
             fault_point("writer_array")
-            done.send(("done", unit, slot, ((hi - lo) * _row_bytes(specs, name), time.perf_counter() - busy)))
-        except SystemExit:
-            break
-        except (EOFError, OSError, BrokenPipeError) as exc:
+            done.send((Message.done, unit, slot, (rows.nbytes, time.perf_counter() - busy)))
+        except (EOFError, OSError) as exc:
             if orphaned():
                 break
             _send_error(done, unit, slot, exc)
@@ -307,99 +95,84 @@ def _writer_main(index: int, path: str, specs: list[ArraySpec], slot_list: list[
         except BaseException as exc:
             _send_error(done, unit, slot, exc)
             break
-    del slots, arrays
+    del slots
     for slot_ in slot_list:
         slot_.close()
 
 
-def _row_bytes(specs: list[ArraySpec], name: str) -> int:
-    return next(s.row_bytes for s in specs if s.name == name)
-
-
 def _send_error(done: Any, unit: int, slot: int, exc: BaseException) -> None:
     try:
-        done.send(("error", unit, slot, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        done.send((Message.error, unit, slot, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
     except OSError:
         pass
 
 
-def resolve_writers(writers: int | None) -> int:
-    """``storage.writers``: null = the cores this rank may use, less one for the forward loop (at least 1)."""
-    return max(1, int(writers)) if writers else max(1, processes.available_cores() - 1)
-
-
-def split_unit(specs: list[ArraySpec], n_slots: int, chunk: int, writers: int) -> list[list[tuple[str, int, int]]]:
-    """The pieces of one unit, dealt to ``writers`` writers with balanced bytes.
-
-    Each piece is a chunk-aligned token range ``[lo, hi)`` of one array, so no two writers
-    ever touch the same chunk. Each array's range is cut into at most ``writers`` parts
-    (one part per array with a single writer), largest pieces first onto the least loaded.
-    """
-    n_chunks = n_slots // chunk
-    pieces: list[tuple[int, str, int, int]] = []
-    for s in specs:
-        parts = max(1, min(writers, n_chunks))
-        for k in range(parts):
-            c0, c1 = k * n_chunks // parts, (k + 1) * n_chunks // parts
-            if c1 > c0:
-                pieces.append(((c1 - c0) * chunk * s.row_bytes, s.name, c0 * chunk, c1 * chunk))
-    load = [0] * writers
-    out: list[list[tuple[str, int, int]]] = [[] for _ in range(writers)]
-    for nbytes, name, lo, hi in sorted(pieces, key=lambda p: -p[0]):
-        w = min(range(writers), key=lambda i: (load[i], i))
-        out[w].append((name, lo, hi))
-        load[w] += nbytes
-    return out
-
-
 class UnitWriter:
-    """Main-process side: hands out free unit buffers, deals units to the writers, commits whole units."""
+    """Main-process side: hands out free unit buffers, deals units' arrays to the writers, commits whole units.
 
-    def __init__(self, store: CacheStore, specs: list[ArraySpec], layout: Layout, n_slots: int = 2,
-                 todo: list[int] | None = None, writers: int = 1, pin_memory: bool = False,
-                 storage: StorageConfig | None = None):
-        """``storage`` (the settings the arrays were allocated with) lets writers encode whole chunks themselves
-        on a local directory, with each array's :func:`array_codec`; without it they go through zarr."""
-        self.specs = specs
-        self.store = store
-        self.path = store.path
-        self.layout = layout
+    A context manager: leaving it (or :meth:`close`) stops the writers, unpins and frees the
+    buffers, also when it was left half-built by a failure.
+    """
+
+    def __init__(self, store: CacheStore, specs: list[ArraySpec], layout: Layout, storage: StorageConfig,
+                 todo: list[int] | None = None, writers: int = 1, pin_memory: bool = False):
+        self.specs = [s for s in specs if s.hidden]
+        self.store, self.path, self.layout = store, store.path, layout
         self.todo = list(range(layout.num_units)) if todo is None else list(todo)
-        row = sum(s.row_bytes for s in specs)
-        self.unit_bytes = {u: layout.unit_slots(u) * row for u in self.todo}
-        capacity = max([layout.unit_slots(u) for u in range(layout.num_units)] or [layout.chunk_tokens])
-        self.slots = [_Slot(specs, capacity) for _ in range(max(1, n_slots))]
-        self.pinned = pin_memory and _pin(self.slots)
-        self.free = list(range(len(self.slots)))
-        self.n_writers = max(1, int(writers))
-        codecs = {s.name: array_codec(storage, s) for s in specs} if storage is not None else None
-        ctx = processes.context()
-        # Pipes, not Queues: a spawn-context Queue carries named semaphores that a SIGKILL of the
-        # process group would leave in /dev/shm; pipes are plain file descriptors.
+        self.unit_bytes = {u: layout.unit_slots(u) * sum(s.row_bytes for s in self.specs) for u in self.todo}
         self.tasks: list[Any] = []
         self.done: list[Any] = []
         self.procs: list[Any] = []
-        env = dict(os.environ)
-        for i in range(self.n_writers):
-            tasks_out, tasks_in = ctx.Pipe(duplex=False)
-            done_out, done_in = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_writer_main, args=(i, store.path, specs, self.slots, tasks_out, done_in, env,
-                                                          layout.chunk_tokens, codecs),
-                               daemon=True, name=f"dspark-writer-{i}")
-            processes.start(proc)
-            tasks_out.close()  # the writer holds its ends now: when it dies, recv() here sees EOF
-            done_in.close()
-            self.tasks.append(tasks_in)
-            self.done.append(done_out)
-            self.procs.append(proc)
-        self.waiting: dict[int, int] = {}  # unit -> pieces not yet written
+        self.pinned: list[np.ndarray] = []
+        self.slots: list[Slot] = []
+        self.waiting: dict[int, int] = {}  # unit -> arrays not yet written
         self.unit_slot: dict[int, int] = {}
         self.records: dict[int, CommitRecord] = {}
-        self.pending = 0  # units handed to the writers, not yet committed
+        self.pending: deque[tuple[int, int, str, int]] = deque()  # tasks not yet dealt
+        self.inflight: list[int] = []
         self.raw_bytes = 0
         self.busy_s = 0.0  # seconds the writers spent compressing and writing (summed over writers)
         self.wait_s = 0.0  # seconds the forward loop waited for a free unit buffer
         self.committed: list[int] = []
+        with ExitStack() as undo:
+            undo.callback(self.close)
+            capacity = max([layout.unit_slots(u) for u in self.todo] or [layout.chunk_tokens])
+            shapes = {s.name: (capacity, int(s.width or 1)) for s in self.specs}
+            dtypes = {s.name: s.dtype for s in self.specs}
+            for _ in range(max(1, storage.writer_slots)):
+                self.slots.append(Slot(shapes, dtypes))
+            self.pinned = pin(self.slots) if pin_memory else []
+            self.free = list(range(len(self.slots)))
+            self._start(max(1, int(writers)), storage)
+            undo.pop_all()
+
+    def _start(self, n: int, storage: StorageConfig) -> None:
+        codecs = {s.name: array_codec(storage, s) for s in self.specs}
+        ctx = processes.context()
+        env = dict(os.environ)
+        per_shard = self.layout.unit_tokens // self.layout.chunk_tokens
+        for i in range(n):
+            # Pipes, not Queues: a spawn-context Queue carries named semaphores that a SIGKILL of the
+            # process group would leave in /dev/shm; pipes are plain file descriptors.
+            tasks_out, tasks_in = ctx.Pipe(duplex=False)
+            done_out, done_in = ctx.Pipe(duplex=False)
+            self.tasks.append(tasks_in)
+            self.done.append(done_out)
+            proc = ctx.Process(target=_writer_main, args=(self.store.path, self.slots, tasks_out, done_in, env,
+                                                          self.layout.chunk_tokens, per_shard, codecs,
+                                                          bool(storage.fsync)),
+                               daemon=True, name=f"dspark-writer-{i}")
+            processes.start(proc)
+            tasks_out.close()  # the writer holds its ends now: when it dies, recv() here sees EOF
+            done_in.close()
+            self.procs.append(proc)
+            self.inflight.append(0)
+
+    def __enter__(self) -> UnitWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def buffers(self, slot: int) -> dict[str, np.ndarray]:
         return self.slots[slot].arrays
@@ -411,9 +184,44 @@ class UnitWriter:
         return StorageWriteError(f"a writer process died (exit codes {codes}); the cache is resumable: re-run the "
                                  "same command")
 
+    def _deal(self) -> None:
+        """Hand pending tasks to the writers with the fewest in flight (at most DEPTH each)."""
+        while self.pending:
+            w = min(range(len(self.procs)), key=lambda i: (self.inflight[i], i))
+            if self.inflight[w] >= DEPTH:
+                return
+            task = self.pending.popleft()
+            try:
+                self.tasks[w].send(task)
+            except OSError:
+                raise self._dead_writer() from None
+            self.inflight[w] += 1
+
+    def _report(self, w: int) -> bool:
+        """Take one report of writer ``w``; True when it completed a unit (which is then committed)."""
+        try:
+            kind, unit, _slot, payload = cast(Any, self.done[w]).recv()
+        except (EOFError, OSError):
+            raise self._dead_writer() from None
+        if kind == Message.error:
+            log.debug("writer traceback:\n%s", payload[1])
+            left = sum(self.unit_bytes[u] for u in self.todo if u not in self.committed)
+            what = f"writing unit {unit} of {self.path}" if unit >= 0 else f"opening {self.path} for writing"
+            raise StorageWriteError(
+                f"{what} failed: {payload[0]}. About {left / 1e6:,.1f} MB (uncompressed) are still to be "
+                "written; free space or fix the storage, then re-run the same command: committed units are kept "
+                "and the cache resumes.")
+        self.inflight[w] -= 1
+        self.raw_bytes += int(payload[0])
+        self.busy_s += float(payload[1])
+        self.waiting[unit] -= 1
+        if self.waiting[unit]:
+            return False
+        self._commit(unit)
+        return True
+
     def _collect(self, block: bool) -> None:
-        """Take the writers' reports; commit each unit whose pieces are all written. Returns after one commit
-        (or at once when nothing is ready and ``block`` is false)."""
+        """Take the writers' reports and deal more work; returns after one commit (or at once if not ``block``)."""
         from multiprocessing.connection import wait
 
         while True:
@@ -424,31 +232,13 @@ class UnitWriter:
                 if all(p.is_alive() for p in self.procs):
                     continue
                 raise self._dead_writer()
-            committed_one = False
-            for conn in ready:
-                try:
-                    kind, unit, slot, payload = cast(Any, conn).recv()
-                except (EOFError, OSError):
-                    raise self._dead_writer() from None
-                if kind == "error":
-                    log.debug("writer traceback:\n%s", payload[1])
-                    left = sum(self.unit_bytes[u] for u in self.todo if u not in self.committed)
-                    what = f"writing unit {unit} of {self.path}" if unit >= 0 else f"opening {self.path} for writing"
-                    raise StorageWriteError(
-                        f"{what} failed: {payload[0]}. About {left / 1e6:,.1f} MB "
-                        "(uncompressed) are still to be written; free space or fix the storage, then re-run the "
-                        "same command: committed units are kept and the cache resumes.")
-                self.raw_bytes += int(payload[0])
-                self.busy_s += float(payload[1])
-                self.waiting[unit] -= 1
-                if self.waiting[unit] == 0:
-                    self._commit(unit)
-                    committed_one = True
-            if committed_one:
+            committed = [self._report(self.done.index(conn)) for conn in ready]
+            self._deal()
+            if any(committed):
                 return
 
     def _commit(self, unit: int) -> None:
-        """Every piece of ``unit`` is written: its record makes it visible, and its buffer is free again."""
+        """Every array of ``unit`` is durable: its record makes it visible, and its buffer is free again."""
         fault_point("writer_before_commit")
         record = self.records.pop(unit)
         try:
@@ -458,8 +248,12 @@ class UnitWriter:
                                     "space or fix the storage, then re-run the same command.") from exc
         del self.waiting[unit]
         self.free.append(self.unit_slot.pop(unit))
-        self.pending -= 1
         self.committed.append(unit)
+
+    @property
+    def in_flight(self) -> int:
+        """Units handed to the writers and not yet committed."""
+        return len(self.waiting)
 
     def acquire(self) -> int:
         self.poll()
@@ -480,34 +274,28 @@ class UnitWriter:
         bufs = self.slots[slot].arrays
         for s in self.specs:
             bufs[s.name][n_tokens:n_slots] = s.fill  # buffers are reused: the last chunk's tail must be the fill
-        t0 = int(self.layout.unit_start[unit])
-        shares = split_unit(self.specs, n_slots, chunk, self.n_writers)
-        self.waiting[unit] = sum(len(share) for share in shares)
+        self.waiting[unit] = len(self.specs)
         self.unit_slot[unit] = slot
         self.records[unit] = record
-        self.pending += 1
-        for w, share in enumerate(shares):
-            for name, lo, hi in share:
-                try:
-                    self.tasks[w].send((unit, slot, name, t0, lo, hi))
-                except OSError:
-                    self._collect(block=True)  # the writer is gone: report why
-                    raise self._dead_writer() from None
+        for s in sorted(self.specs, key=lambda s: -s.row_bytes):
+            self.pending.append((unit, slot, s.name, n_slots))
+        self._deal()
 
     def poll(self) -> None:
-        while self.pending:
-            before = self.pending
+        while self.waiting:
+            before = len(self.committed)
             self._collect(block=False)
-            if self.pending == before:
+            if len(self.committed) == before:
                 return
 
     def drain(self) -> None:
         t0 = time.perf_counter()
-        while self.pending:
+        while self.waiting:
             self._collect(block=True)
         self.wait_s += time.perf_counter() - t0
 
     def close(self, timeout: float = 30.0) -> None:
+        """Stop the writers (each finishes its task in hand), then free the buffers. Safe to call twice."""
         try:
             for conn in self.tasks:
                 try:
@@ -524,35 +312,9 @@ class UnitWriter:
         finally:
             for conn in (*self.tasks, *self.done):
                 conn.close()
-            if self.pinned:
-                _unpin(self.slots)
+            self.tasks, self.done, self.procs = [], [], []
+            unpin(self.pinned)
+            self.pinned = []
             for s in self.slots:
                 s.close()
-
-
-def _pin(slots: list[_Slot]) -> bool:
-    """Page-lock the unit buffers for CUDA, so device-to-host copies into them run asynchronously."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    cudart = torch.cuda.cudart()
-    for slot in slots:
-        for arr in slot.arrays.values():
-            if arr.nbytes:
-                err = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, 0)
-                if int(err) != 0:  # not fatal: the copies are synchronous then
-                    log.warning("could not pin a unit buffer for CUDA (error %s); device-to-host copies will be "
-                                "synchronous", err)
-                    return False
-    return True
-
-
-def _unpin(slots: list[_Slot]) -> None:
-    import torch
-
-    cudart = torch.cuda.cudart()
-    for slot in slots:
-        for arr in slot.arrays.values():
-            if arr.nbytes:
-                cudart.cudaHostUnregister(arr.ctypes.data)
+            self.slots = []

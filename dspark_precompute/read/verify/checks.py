@@ -8,7 +8,6 @@ check because an earlier check found the ground under it broken.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,11 +15,12 @@ from typing import Any
 import numpy as np
 
 from dspark_precompute.contract.arrays import ArrayMeta
-from dspark_precompute.contract.chunks import decode_chunk, get_many, read_array_metas
+from dspark_precompute.contract.chunks import ChunkSource, decode_chunk, read_array_metas
 from dspark_precompute.contract.commits import CommitRecord, commit_key, parse_commit_key
-from dspark_precompute.contract.fp8 import E4M3, is_nan_bits
+from dspark_precompute.contract.fp8 import is_nan_bits
 from dspark_precompute.contract.layout import SampleIndex, build_layout, table_problems
 from dspark_precompute.contract.manifest import Manifest, manifest_problems, weights_problems
+from dspark_precompute.contract.opener import read_tables
 from dspark_precompute.contract.spec import (
     COMMITS,
     INPUT_IDS,
@@ -32,7 +32,8 @@ from dspark_precompute.contract.spec import (
     WEIGHTS,
 )
 from dspark_precompute.contract.store import CacheStore
-from dspark_precompute.errors import CacheFormatError, ChecksumError
+from dspark_precompute.contract.vocab import Check
+from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError
 from dspark_precompute.read.verify.report import Collector, VerifyReport
 
 TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS)
@@ -50,7 +51,7 @@ class Context:
     zstore: Any = None
     metas: dict[str, ArrayMeta] = field(default_factory=dict)
     tables: dict[str, np.ndarray] = field(default_factory=dict)
-    missing_tables: dict[str, list[str]] = field(default_factory=dict)
+    source: ChunkSource | None = None
     committed: set[int] = field(default_factory=set)
     offsets_ok: bool = False
     supervised: np.ndarray | None = None
@@ -70,22 +71,6 @@ class Context:
         return list(range(self.m.layout.num_units)) if self.m.complete else sorted(self.committed)
 
 
-def list_chunk_keys(store: CacheStore, name: str) -> set[str]:
-    """Chunk keys (relative to the array, e.g. ``c/3/0``) that exist under ``name``."""
-    if store.url:
-        base = f"{store.root}/{name}"
-        if not store.fs.exists(f"{base}/c"):
-            return set()
-        return {p[len(base) + 1:] for p in store.fs.find(f"{base}/c")}
-    local = Path(store.root) / name
-    out = set()
-    for dirpath, _dirs, files in os.walk(local / "c"):
-        for f in files:
-            if not f.startswith("."):
-                out.add((Path(dirpath) / f).relative_to(local).as_posix())
-    return out
-
-
 def fmt_ids(ids: np.ndarray, limit: int = 8) -> str:
     listed = [int(x) for x in ids]
     more = f" (+{len(listed) - limit} more)" if len(listed) > limit else ""
@@ -96,22 +81,22 @@ def check_manifest(ctx: Context) -> bool:
     """Present, parseable, every field of the right type and range, complete (or allowed not to be)."""
     store, bad, path = ctx.store, ctx.bad, ctx.store.path
     if not store.exists(MANIFEST):
-        bad.add("manifest", f"{path} has no {MANIFEST}: not a dspark-precompute cache, or its run never started")
+        bad.add(Check.manifest, f"{path} has no {MANIFEST}: not a dspark-precompute cache, or its run never started")
         return False
     try:
         data = json.loads(store.read_bytes(MANIFEST))
     except (ValueError, UnicodeDecodeError) as exc:
-        bad.add("manifest", f"{path}/{MANIFEST} is not valid JSON ({exc}); re-create the cache "
+        bad.add(Check.manifest, f"{path}/{MANIFEST} is not valid JSON ({exc}); re-create the cache "
                             "(re-run the precompute command with overwrite=true)")
         return False
     problems = manifest_problems(data)
     for p in problems:
-        bad.add("manifest", p)
+        bad.add(Check.manifest, p)
     if problems:
         return False
     ctx.m = Manifest.parse(data)
     if not ctx.m.complete and not ctx.allow_incomplete:
-        bad.add("manifest", f"{path} is incomplete (complete=false): its run has not finished. Re-run the "
+        bad.add(Check.manifest, f"{path} is incomplete (complete=false): its run has not finished. Re-run the "
                             "precompute command to finish it, or pass --allow-incomplete to check the committed part")
     ctx.zstore = store.zarr_store(read_only=True) if store.url else None
     return True
@@ -120,40 +105,18 @@ def check_manifest(ctx: Context) -> bool:
 def check_structure(ctx: Context) -> bool:
     """Every array's zarr.json matches the manifest; every table chunk reads. False when a table is unreadable."""
     assert ctx.m is not None
-    store, bad = ctx.store, ctx.bad
-    metas, problems = read_array_metas(store, ctx.m, ctx.zstore)
+    metas, problems = read_array_metas(ctx.store, ctx.m, ctx.zstore)
     for name, p in problems:
-        bad.add("structure", p, array=name)
+        ctx.bad.add(Check.structure, p, array=name)
     ctx.metas = metas
-    for name in TABLES:
-        meta = metas.get(name)
-        if meta is None:
-            continue
-        keys = list_chunk_keys(store, name)
-        parts = []
-        for c in range(meta.num_chunks):
-            idx = meta.chunk_index(c)
-            key = meta.chunk_key(idx)
-            if key not in keys:
-                ctx.missing_tables.setdefault(name, []).append(key)
-                parts.append(np.zeros(meta.chunks, dtype=meta.dtype))
-                continue
-            try:
-                (raw,) = get_many(store, ctx.zstore, [f"{name}/{key}"], [meta.max_stored_bytes()])
-                if raw is None:
-                    raise FileNotFoundError(key)
-                parts.append(decode_chunk(meta, idx, raw))
-            except ChecksumError:
-                bad.add("checksum", f"table {name!r} chunk {idx} (file {name}/{key}) fails its crc32c checksum: the "
-                                    "stored bytes are corrupt; re-create the cache", array=name, chunk=idx)
-                break
-            except (CacheFormatError, FileNotFoundError) as exc:
-                bad.add("checksum", f"table {name!r} chunk {idx} (file {name}/{key}) cannot be read ({exc}); "
-                                    "re-create the cache", array=name, chunk=idx)
-                break
-            ctx.report.chunks_checked += 1
-        else:
-            ctx.tables[name] = (np.concatenate(parts) if parts else np.zeros(0, meta.dtype))[:meta.shape[0]]
+    ctx.source = ChunkSource(ctx.store, metas, ctx.zstore)
+    tables, broken = read_tables(ctx.source, ctx.m)
+    for name, found in broken.items():
+        for c, why in found:
+            check = Check.checksum if "checksum" in why.lower() or "decode" in why.lower() else Check.missing_chunk
+            ctx.bad.add(check, f"{why}; re-create the cache", array=name, chunk=metas[name].chunk_index(c))
+    ctx.tables = tables
+    ctx.report.chunks_checked += sum(metas[n].num_chunks for n in tables)
     return len(ctx.tables) == len(TABLES)  # offsets cannot be checked without every table
 
 
@@ -170,58 +133,49 @@ def check_offsets(ctx: Context) -> None:
     # the reader's own checks on open; counts are reported by check_counts (complete caches) in verify's words
     for p in table_problems(m, ctx.tables):
         if not (m.complete and p.startswith("manifest counts.")):
-            bad.add("offsets", p)
+            bad.add(Check.offsets, p)
     seq = m.seq_length
     for i in np.flatnonzero((length < 1) | (length > seq)):
-        bad.add("offsets", f"samples/length[{i}] = {length[i]} is outside [1, seq_length={seq}]",
+        bad.add(Check.offsets, f"samples/length[{i}] = {length[i]} is outside [1, seq_length={seq}]",
                 array="samples/length", sample=int(i))
     for i in np.flatnonzero(untrunc < length):
-        bad.add("offsets", f"samples/untruncated_length[{i}] = {untrunc[i]} is below its stored length {length[i]}",
+        bad.add(Check.offsets, f"samples/untruncated_length[{i}] = {untrunc[i]} is below its stored length {length[i]}",
                 array="samples/untruncated_length", sample=int(i))
     for i in np.flatnonzero((unit < 0) | (unit >= num_units)):
-        bad.add("offsets", f"samples/unit[{i}] = {unit[i]} is not a unit id in [0, {num_units})", array="samples/unit",
+        bad.add(Check.offsets, f"samples/unit[{i}] = {unit[i]} is not a unit id in [0, {num_units})", array="samples/unit",
                 sample=int(i))
-    plan = build_layout(np.clip(length, 1, seq), ct, layout.unit_tokens)
+    plan = build_layout(np.clip(length, 1, seq), ct, layout.unit_tokens, m.format_version)
     for i in np.flatnonzero(plan.start != start):
-        bad.add("offsets", f"samples/start[{i}] = {start[i]}, but the layout of the recorded lengths puts sample "
+        bad.add(Check.offsets, f"samples/start[{i}] = {start[i]}, but the layout of the recorded lengths puts sample "
                            f"{i} at token {plan.start[i]}: the offset table was altered, so sample {i} would read "
                            "another sample's tokens. Re-create the cache", array="samples/start", sample=int(i),
                 unit=int(plan.unit[i]))
     for i in np.flatnonzero(plan.unit != unit):
-        bad.add("offsets", f"samples/unit[{i}] = {unit[i]}, the layout puts sample {i} in unit {plan.unit[i]}",
+        bad.add(Check.offsets, f"samples/unit[{i}] = {unit[i]}, the layout puts sample {i} in unit {plan.unit[i]}",
                 array="samples/unit", sample=int(i))
     if plan.num_units != num_units:
-        bad.add("offsets", f"the recorded lengths give {plan.num_units} units, layout.num_units is {num_units}")
+        bad.add(Check.offsets, f"the recorded lengths give {plan.num_units} units, layout.num_units is {num_units}")
     else:
         for u in np.flatnonzero((plan.unit_start != u_start) | (plan.unit_stop != u_stop)):
-            bad.add("offsets", f"unit {u} spans tokens [{u_start[u]}, {u_stop[u]}), the layout gives "
+            bad.add(Check.offsets, f"unit {u} spans tokens [{u_start[u]}, {u_stop[u]}), the layout gives "
                                f"[{plan.unit_start[u]}, {plan.unit_stop[u]})", array="units/token_start", unit=int(u))
         if plan.total_slots != total_slots:
-            bad.add("offsets", f"layout.total_token_slots is {total_slots}, the lengths need {plan.total_slots}")
+            bad.add(Check.offsets, f"layout.total_token_slots is {total_slots}, the lengths need {plan.total_slots}")
     ok_unit = (unit >= 0) & (unit < num_units)
     su = np.where(ok_unit, unit, 0)
     if num_units:
         for i in np.flatnonzero(ok_unit & ((start < u_start[su]) | (start + length > u_stop[su]))):
-            bad.add("offsets", f"sample {i} spans tokens [{start[i]}, {start[i] + length[i]}) outside its unit "
+            bad.add(Check.offsets, f"sample {i} spans tokens [{start[i]}, {start[i] + length[i]}) outside its unit "
                                f"{unit[i]} [{u_start[unit[i]]}, {u_stop[unit[i]]})", array="samples/start",
                     sample=int(i), unit=int(unit[i]))
     order = np.argsort(start, kind="stable")
     ends = start[order] + length[order]
     for k in np.flatnonzero(start[order][1:] < ends[:-1]):
         a, b = int(order[k]), int(order[k + 1])
-        bad.add("offsets", f"samples {a} and {b} overlap on the token axis ([{start[a]}, {start[a] + length[a]}) and "
+        bad.add(Check.offsets, f"samples {a} and {b} overlap on the token axis ([{start[a]}, {start[a] + length[a]}) and "
                            f"[{start[b]}, ...))", array="samples/start", sample=b)
-    # every table chunk is written since 0.2; before, all-zero ones were not
-    legacy = m.tool_version in ("", "0.1.0")
-    may_be_zero = {"samples/start": not plan.start.any(), "samples/unit": not plan.unit.any(),
-                   "units/token_start": not plan.unit_start.any(), "samples/source_row": n <= 1}
-    for name, keys in ctx.missing_tables.items():
-        if not (legacy and may_be_zero.get(name, False)):
-            for key in keys:
-                bad.add("missing-chunk", f"table {name!r} chunk file {name}/{key} is missing: the table reads back "
-                                         "as zeros; re-create the cache", array=name)
     if n > 1 and (np.diff(ctx.table("samples/source_row")) <= 0).any():
-        bad.add("offsets", "samples/source_row is not strictly increasing: samples are stored in input order, "
+        bad.add(Check.offsets, "samples/source_row is not strictly increasing: samples are stored in input order, "
                            "so the table was altered", array="samples/source_row")
     ctx.offsets_ok = bad.per_check.get("offsets", 0) == 0
     ctx.report.samples, ctx.report.tokens = n, int(length.sum())
@@ -238,12 +192,12 @@ def check_commits(ctx: Context) -> None:
         if u is None:
             continue
         if u >= num_units:
-            bad.add("commits", f"commit record {key} names unit {u}, but the cache has {num_units} units", unit=u)
+            bad.add(Check.commits, f"commit record {key} names unit {u}, but the cache has {num_units} units", unit=u)
             continue
         try:
             data = json.loads(store.read_bytes(key))
         except (ValueError, UnicodeDecodeError) as exc:
-            bad.add("commits", f"commit record {key} is not valid JSON ({exc})", unit=u)
+            bad.add(Check.commits, f"commit record {key} is not valid JSON ({exc})", unit=u)
             continue
         ctx.committed.add(u)
         rec = CommitRecord.parse(data)
@@ -251,75 +205,96 @@ def check_commits(ctx: Context) -> None:
         for k2, v in want.items():
             got = getattr(rec, k2) if rec is not None else (data.get(k2) if isinstance(data, dict) else data)
             if got != v:
-                bad.add("commits", f"commit record {key} has {k2}={got!r:.80}, the tables give {v}", unit=u)
+                bad.add(Check.commits, f"commit record {key} has {k2}={got!r:.80}, the tables give {v}", unit=u)
     if ctx.m.complete:
         for u in sorted(set(range(num_units)) - ctx.committed):
-            bad.add("commits", f"unit {u} has no commit record {commit_key(u)} although the cache is complete",
+            bad.add(Check.commits, f"unit {u} has no commit record {commit_key(u)} although the cache is complete",
                     unit=u)
 
 
-def _holds_whole(holds: np.ndarray, start: np.ndarray, length: np.ndarray, lo: int, hi: int) -> bool:
-    """Whether some sample lies wholly inside ``[lo, hi)`` (its mask there cannot be all zero)."""
-    return bool(len(holds)) and bool(((start[holds] >= lo) & (start[holds] + length[holds] <= hi)).any())
+def _unit_chunks(ctx: Context, meta: ArrayMeta, u: int) -> range:
+    """The inner chunks unit ``u`` owns in array ``meta`` (those holding its token slots)."""
+    assert ctx.m is not None
+    ct, total = meta.chunks[0], ctx.m.layout.total_token_slots
+    u_start, u_stop = ctx.table("units/token_start"), ctx.table("units/token_stop")
+    a0, a1 = (int(np.clip(x, 0, total)) for x in (u_start[u], u_stop[u]))  # never past the array
+    return range(a0 // ct, -(-a1 // ct))
+
+
+def _damaged_shard(ctx: Context, name: str, exc: DamagedShardError, u: int, where: SampleIndex | None) -> None:
+    meta = ctx.metas[name]
+    lo = int(ctx.table("units/token_start")[u])
+    holds = where.in_range(lo, int(ctx.table("units/token_stop")[u])) if where is not None else np.zeros(0, np.int64)
+    ctx.bad.add(Check.checksum if exc.checksum else Check.structure,
+                f"{exc}: unit {u}, {fmt_ids(holds)}. Nothing in it can be read", array=name,
+                chunk=meta.object_index(_unit_chunks(ctx, meta, u).start), unit=u,
+                sample=int(holds[0]) if len(holds) else None)
 
 
 def check_chunks(ctx: Context) -> None:
-    """Every chunk a readable unit owns exists and decodes (crc32c); ids, masks and states are plausible."""
-    assert ctx.m is not None
-    m, store, bad = ctx.m, ctx.store, ctx.bad
-    ct, total_slots = m.layout.chunk_tokens, m.layout.total_token_slots
+    """Every chunk a readable unit owns exists and decodes (crc32c; in format 2 its shard's index first);
+    ids, masks and states are plausible."""
+    assert ctx.m is not None and ctx.source is not None
     start, length = ctx.table("samples/start"), ctx.table("samples/length")
-    u_start, u_stop = ctx.table("units/token_start"), ctx.table("units/token_stop")
     where = SampleIndex(start, length) if ctx.offsets_ok else None
     ctx.supervised = np.zeros(len(start), dtype=np.int64)
     ctx.mask_ok = LOSS_MASK in ctx.arrays
-    maybe_empty: list[tuple[tuple[int, ...], str, int, int, int, np.ndarray]] = []
+    total = ctx.m.layout.total_token_slots
     for name, meta in ctx.arrays.items():
-        existing = list_chunk_keys(store, name)
         for u in ctx.readable_units:
-            a0, a1 = (int(np.clip(x, 0, total_slots)) for x in (u_start[u], u_stop[u]))  # never past the array
-            for c in range(a0 // ct, -(-a1 // ct)):
-                idx = meta.chunk_index(c)
-                key = meta.chunk_key(idx)
-                lo, hi = c * ct, min((c + 1) * ct, total_slots)
+            jobs = [(name, c) for c in _unit_chunks(ctx, meta, u)]
+            try:
+                raws = ctx.source.read(jobs)
+            except DamagedShardError as exc:
+                _damaged_shard(ctx, name, exc, u, where)
+                ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
+                continue
+            if meta.sharded and jobs and all(r is None for r in raws) and ctx.source.shard_index(
+                    name, jobs[0][1] // int(meta.shard_chunks or 1)) is None:
+                lo, hi = int(ctx.table("units/token_start")[u]), int(ctx.table("units/token_stop")[u])
                 holds = where.in_range(lo, hi) if where is not None else np.zeros(0, dtype=np.int64)
-                if key not in existing and name == LOSS_MASK and where is not None and not _holds_whole(
-                        holds, start, length, lo, hi):
-                    maybe_empty.append((idx, key, lo, hi, u, holds))  # before 0.1's write_empty_chunks: judged later
-                    continue
-                first = int(holds[0]) if len(holds) else None
-                if key not in existing:
-                    bad.add("missing-chunk", f"array {name!r} chunk {idx} is missing (file {name}/{key}): token "
-                                             f"slots [{lo}, {hi}) of unit {u}, {fmt_ids(holds)}. A missing chunk "
-                                             "reads back as zeros, so these samples are silently wrong",
-                            array=name, chunk=idx, unit=u, sample=first)
-                    ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
-                    continue
-                try:
-                    (raw,) = get_many(store, ctx.zstore, [f"{name}/{key}"], [meta.max_stored_bytes()])
-                    if raw is None:
-                        raise CacheFormatError("it vanished while verify ran")
-                    data = decode_chunk(meta, idx, raw)[:hi - lo]
-                except ChecksumError:
-                    bad.add("checksum", f"array {name!r} chunk {idx} (file {name}/{key}) fails its crc32c checksum: "
-                                        f"the stored bytes are corrupt; token slots [{lo}, {hi}) of unit {u}, "
-                                        f"{fmt_ids(holds)}", array=name, chunk=idx, unit=u, sample=first)
-                    ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
-                    continue
-                except CacheFormatError as exc:  # a chunk whose size or codec header is wrong: never decoded
-                    bad.add("checksum", f"array {name!r} chunk {idx} (file {name}/{key}) cannot be decoded "
-                                        f"({exc}); {fmt_ids(holds)}", array=name, chunk=idx, unit=u)
+                ctx.bad.add(Check.missing_chunk, f"array {name!r} shard {meta.object_index(jobs[0][1])} (object "
+                                                 f"{meta.object_key(jobs[0][1])}) is missing: unit {u}, "
+                                                 f"{fmt_ids(holds)} would read back as zeros",
+                            array=name, chunk=meta.object_index(jobs[0][1]), unit=u,
+                            sample=int(holds[0]) if len(holds) else None)
+                ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
+                continue
+            for (_, c), raw in zip(jobs, raws):
+                lo, hi = c * meta.chunks[0], min((c + 1) * meta.chunks[0], total)
+                holds = where.in_range(lo, hi) if where is not None else np.zeros(0, dtype=np.int64)
+                data = _decoded(ctx, meta, c, raw, u, holds)
+                if data is None:
                     ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
                     continue
                 ctx.report.chunks_checked += 1
                 if where is not None:
-                    _check_values(ctx, name, idx, data, lo, holds, u)
-    if m.complete and ctx.mask_ok and where is not None and m.counts.supervised_tokens != int(ctx.supervised.sum()):
-        for idx, key, lo, hi, u, holds in maybe_empty:
-            bad.add("missing-chunk", f"array {LOSS_MASK!r} chunk {idx} is missing (file {LOSS_MASK}/{key}) and the "
-                                     f"supervised-token count is short: token slots [{lo}, {hi}) of unit {u}, "
-                                     f"{fmt_ids(holds)}", array=LOSS_MASK, chunk=idx, unit=u,
-                    sample=int(holds[0]) if len(holds) else None)
+                    _check_values(ctx, name, meta.chunk_index(c), data[:hi - lo], lo, holds, u)
+
+
+def _decoded(ctx: Context, meta: ArrayMeta, c: int, raw: bytes | None, u: int, holds: np.ndarray
+             ) -> np.ndarray | None:
+    """One stored chunk decoded, or None after reporting why it cannot be (missing, checksum, header)."""
+    name, idx, key = meta.name, meta.chunk_index(c), meta.object_key(c)
+    lo = c * meta.chunks[0]
+    first = int(holds[0]) if len(holds) else None
+    place = f"chunk {idx} ({'in shard ' if meta.sharded else 'file '}{key})"
+    if raw is None:
+        ctx.bad.add(Check.missing_chunk, f"array {name!r} {place} is missing: token slots [{lo}, "
+                                         f"{lo + meta.chunks[0]}) of unit {u}, {fmt_ids(holds)}. A missing chunk "
+                                         "reads back as zeros, so these samples are silently wrong",
+                    array=name, chunk=idx, unit=u, sample=first)
+        return None
+    try:
+        return decode_chunk(meta, idx, raw)
+    except ChecksumError:
+        ctx.bad.add(Check.checksum, f"array {name!r} {place} fails its crc32c checksum: the stored bytes are "
+                                    f"corrupt; token slots [{lo}, {lo + meta.chunks[0]}) of unit {u}, {fmt_ids(holds)}",
+                    array=name, chunk=idx, unit=u, sample=first)
+    except CacheFormatError as exc:  # a chunk whose size or codec header is wrong: never decoded
+        ctx.bad.add(Check.checksum, f"array {name!r} {place} cannot be decoded ({exc}); {fmt_ids(holds)}",
+                    array=name, chunk=idx, unit=u)
+    return None
 
 
 def _check_values(ctx: Context, name: str, idx: tuple[int, ...], data: np.ndarray, lo: int, holds: np.ndarray,
@@ -340,18 +315,18 @@ def _check_values(ctx: Context, name: str, idx: tuple[int, ...], data: np.ndarra
         if name == INPUT_IDS:
             badpos = np.flatnonzero((part < 0) | (part >= vocab))
             if len(badpos):
-                bad.add("values", f"array {name!r} chunk {idx}: sample {s} has token id {int(part[badpos[0]])} "
+                bad.add(Check.values, f"array {name!r} chunk {idx}: sample {s} has token id {int(part[badpos[0]])} "
                                   f"outside the vocabulary [0, {vocab})", array=name, chunk=idx, sample=int(s), unit=u)
         elif name == LOSS_MASK:
             if ((part != 0) & (part != 1)).any():
-                bad.add("values", f"array {name!r} chunk {idx}: sample {s} has loss_mask values other than 0/1",
+                bad.add(Check.values, f"array {name!r} chunk {idx}: sample {s} has loss_mask values other than 0/1",
                         array=name, chunk=idx, sample=int(s), unit=u)
             ctx.supervised[s] += int(part.sum())
         else:
-            nonfinite = ((part & 0x7F80) == 0x7F80) if stored == "bf16" else is_nan_bits(part) if stored == E4M3 \
+            nonfinite = ((part & 0x7F80) == 0x7F80) if stored == "bf16" else is_nan_bits(part) if stored == "fp8_e4m3" \
                 else ~np.isfinite(part)
             if nonfinite.any():
-                bad.add("values", f"array {name!r} chunk {idx}: sample {s} has {int(nonfinite.sum())} non-finite "
+                bad.add(Check.values, f"array {name!r} chunk {idx}: sample {s} has {int(nonfinite.sum())} non-finite "
                                   "hidden values", array=name, chunk=idx, sample=int(s), unit=u)
 
 
@@ -372,15 +347,15 @@ def check_counts(ctx: Context) -> None:
         checks["supervised_tokens"] = int(ctx.supervised[keep].sum())
     for k, v in checks.items():
         if getattr(counts, k) != v:
-            bad.add("counts", f"manifest counts.{k} = {getattr(counts, k)!r}, the cache holds {v}")
+            bad.add(Check.counts, f"manifest counts.{k} = {getattr(counts, k)!r}, the cache holds {v}")
     if store.exists(REJECTS):
         lines = [ln for ln in store.read_bytes(REJECTS).decode("utf-8", "replace").splitlines() if ln.strip()]
         if counts.rejected != len(lines):
-            bad.add("counts", f"manifest counts.rejected = {counts.rejected!r}, {REJECTS} has {len(lines)} lines")
+            bad.add(Check.counts, f"manifest counts.rejected = {counts.rejected!r}, {REJECTS} has {len(lines)} lines")
     else:
-        bad.add("structure", f"{REJECTS} is missing")
+        bad.add(Check.structure, f"{REJECTS} is missing")
     if counts.rows_in != n + counts.rejected:
-        bad.add("counts", f"manifest counts.rows_in = {counts.rows_in!r}, but samples + rejected = "
+        bad.add(Check.counts, f"manifest counts.rows_in = {counts.rows_in!r}, but samples + rejected = "
                           f"{n + counts.rejected}")
 
 
@@ -389,7 +364,7 @@ def check_weights(ctx: Context) -> None:
     assert ctx.m is not None
     m, store, bad = ctx.m, ctx.store, ctx.bad
     if not store.exists(WEIGHTS):
-        bad.add("weights", f"{WEIGHTS} is missing: training cannot initialise the draft's embedding and head. "
+        bad.add(Check.weights, f"{WEIGHTS} is missing: training cannot initialise the draft's embedding and head. "
                            "Re-run the precompute command to rewrite it")
         return
     if m.weights_sha256 is None:
@@ -399,7 +374,7 @@ def check_weights(ctx: Context) -> None:
     else:
         got = store.sha256(WEIGHTS)
         if got != m.weights_sha256:
-            bad.add("weights", f"{WEIGHTS} has sha256 {got}, the manifest records {m.weights_sha256}: the file is "
+            bad.add(Check.weights, f"{WEIGHTS} has sha256 {got}, the manifest records {m.weights_sha256}: the file is "
                                "corrupt or was replaced. Re-run the precompute command to rewrite it, or re-create "
                                "the cache")
             return
@@ -417,7 +392,7 @@ def check_weights(ctx: Context) -> None:
                 shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
                 meta = f.metadata() or {}
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        bad.add("weights", f"{WEIGHTS} cannot be read ({exc}); re-run the precompute command to rewrite it")
+        bad.add(Check.weights, f"{WEIGHTS} cannot be read ({exc}); re-run the precompute command to rewrite it")
         return
     for p in weights_problems(shapes, m, meta):
-        bad.add("weights", p)
+        bad.add(Check.weights, p)

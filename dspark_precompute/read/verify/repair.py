@@ -11,13 +11,15 @@ from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import DsparkError
 
 
-def mark_for_recompute(path: str | Path, units: list[int]) -> list[str]:
+def mark_for_recompute(path: str | Path, units: list[int], retokenize: bool = False) -> list[str]:
     """Drop the commit records of ``units`` and mark the cache incomplete; the commit keys removed.
 
     The precompute job resumes any cache whose manifest says incomplete and rewrites
     exactly the units without a commit record, so re-running the command that made the
-    cache (same overrides) repairs it. Takes the writer lock (refused while a run writes).
-    A manifest the reader refuses is not edited: that cache needs re-creating.
+    cache (same overrides) repairs it. ``retokenize`` (a damaged ``input_ids`` or
+    ``loss_mask`` shard, which a resume would otherwise read back) makes that run tokenize
+    again and rewrite every unit's token arrays. Takes the writer lock (refused while a run
+    writes). A manifest the reader refuses is not edited: that cache needs re-creating.
     """
     store = CacheStore(str(path))
     if store.url:
@@ -25,8 +27,9 @@ def mark_for_recompute(path: str | Path, units: list[int]) -> list[str]:
     lock = WriterLock(store.root).acquire()
     try:
         m = Manifest.read(store)
-        if m.complete:
+        if m.complete or (retokenize and m.tokens_stored):
             m.mark_incomplete()
+            m.tokens_stored = m.tokens_stored and not retokenize
             m.write(store)
         return drop_commits(store, [int(u) for u in units if 0 <= int(u) < m.layout.num_units])
     finally:

@@ -1,0 +1,114 @@
+"""Shards: zarr v3's ``sharding_indexed`` codec, as format 2 writes and reads it.
+
+One shard object holds one commit unit's token slots of one array. Its inner chunks
+(``chunk_tokens`` rows each, encoded as ``bytes -> [blosc|zstd] -> crc32c``) lie back to
+back from byte 0 in token order; the index follows them at the end::
+
+    [chunk 0][chunk 1]...[chunk k-1][index: n x (offset u64 LE, nbytes u64 LE)][crc32c of the index, u32 LE]
+
+``n`` is the shard's inner chunk count (``unit_tokens / chunk_tokens``); an inner chunk no
+sample touches (past the unit's last token) is absent: its entry is ``(2**64-1, 2**64-1)``
+and plain zarr reads the fill value there. Everything else in a written unit is present,
+so an absent chunk that holds samples is damage.
+
+:func:`encode_shard` builds the exact bytes zarr-python writes for the same chunks (they lie
+in C order, which for a shard one chunk wide is also zarr's Morton order), and
+:func:`parse_index` checks an index before any offset in it is trusted: its size, its
+crc32c, and that every present chunk lies inside the data region and is no larger than a
+chunk of the array can be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+ABSENT = (1 << 64) - 1
+ENTRY_BYTES = 16
+
+
+def index_nbytes(n_chunks: int) -> int:
+    """Bytes of a shard index for ``n_chunks`` inner chunks (the trailing crc32c included)."""
+    return ENTRY_BYTES * int(n_chunks) + 4
+
+
+def _crc(data: bytes | memoryview | np.ndarray) -> bytes:
+    import google_crc32c
+
+    return int(google_crc32c.value(data)).to_bytes(4, "little")
+
+
+def encode_index(lengths: Sequence[int], n_chunks: int) -> bytes:
+    """The index of a shard whose first ``len(lengths)`` inner chunks hold ``lengths`` bytes each, in order."""
+    if len(lengths) > n_chunks:
+        raise ValueError(f"{len(lengths)} chunks do not fit a shard of {n_chunks}")
+    table = np.full((n_chunks, 2), ABSENT, dtype="<u8")
+    sizes = np.asarray(lengths, dtype=np.uint64)
+    table[:len(sizes), 1] = sizes
+    table[:len(sizes), 0] = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64) if len(sizes) else sizes
+    raw = table.tobytes()
+    return raw + _crc(raw)
+
+
+def encode_shard(chunks: Sequence[Sequence[Any]], n_chunks: int) -> list[Any]:
+    """The parts of a shard object, to be written one after the other.
+
+    ``chunks`` are the encoded inner chunks in token order, each given as its parts (``(body,
+    crc)`` from :func:`~dspark_precompute.contract.arrays.chunk_encoder`: written as they are,
+    never joined); the index goes last.
+    """
+    parts: list[Any] = []
+    lengths = []
+    for pieces in chunks:
+        n = 0
+        for p in pieces:
+            n += memoryview(p).nbytes
+            parts.append(p)
+        lengths.append(n)
+    parts.append(encode_index(lengths, n_chunks))
+    return parts
+
+
+class ShardIndexProblem(ValueError):
+    """Why a shard's index cannot be used (its bytes, checksum or entries)."""
+
+    def __init__(self, message: str, checksum: bool = False):
+        super().__init__(message)
+        self.checksum = checksum  # the index's own crc32c failed (corrupt or truncated bytes)
+
+
+def parse_index(raw: bytes | memoryview, n_chunks: int, object_size: int, max_chunk_bytes: int) -> np.ndarray:
+    """A shard's index -> ``int64 [n_chunks, 2]`` (offset, nbytes; ``-1, -1`` for an absent chunk).
+
+    ``raw`` is the object's last :func:`index_nbytes` bytes and ``object_size`` its size.
+    Raises :class:`ShardIndexProblem` when the index is not that long, fails its crc32c, or
+    names a chunk outside ``[0, object_size - index)``, an empty one, or one larger than
+    ``max_chunk_bytes``; a reader then decodes nothing from the shard.
+    """
+    want = index_nbytes(n_chunks)
+    raw = bytes(raw)
+    if len(raw) != want or object_size < want:
+        raise ShardIndexProblem(f"is {object_size:,} bytes, too short to hold its index of {want:,} bytes "
+                                "(truncated)", checksum=True)
+    body, crc = raw[:-4], raw[-4:]
+    if _crc(body) != crc:
+        raise ShardIndexProblem("has an index that fails its crc32c checksum (the shard was truncated, altered or "
+                                "overwritten)", checksum=True)
+    table = np.frombuffer(body, dtype="<u8").reshape(n_chunks, 2)
+    absent = (table[:, 0] == ABSENT) & (table[:, 1] == ABSENT)
+    offset, nbytes = table[:, 0], table[:, 1]
+    data_end = object_size - want
+    with np.errstate(over="ignore"):
+        end = offset + nbytes
+    bad = ~absent & ((nbytes == 0) | (nbytes > max_chunk_bytes) | (offset > data_end) | (end > data_end)
+                     | (end < offset))
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise ShardIndexProblem(f"has an index entry for inner chunk {k} (offset {int(offset[k]):,}, "
+                                f"{int(nbytes[k]):,} bytes) that points outside its {data_end:,} data bytes or "
+                                f"exceeds a chunk's {max_chunk_bytes:,}")
+    out = table.astype(np.int64)
+    out[absent] = -1
+    return out

@@ -1,0 +1,147 @@
+"""Every closed vocabulary of the cache contract, one ``StrEnum`` each.
+
+A value read from a manifest, a config or a pipe is one of these, never a bare string
+compared in several places. Each member's value is the string written to disk (so a
+``StrEnum`` member is usable wherever its string is, JSON included), and a vocabulary
+that implies more (a storage dtype's disk dtype, its logical name, its torch dtype) carries
+it here, so no other module keeps a table of its own.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import numpy as np
+
+
+class StorageDtype(StrEnum):
+    """How one hidden-state array is stored (``storage.dtype``, ``storage.last_dtype``, the manifest)."""
+
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+    fp8_e4m3 = "fp8_e4m3"  # e4m3 bits plus a float32 scale array (contract/fp8.py)
+
+    @property
+    def disk(self) -> np.dtype:
+        """The numpy dtype written to disk (bf16 as its uint16 bit pattern: zarr has no bfloat16)."""
+        return np.dtype({"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32, "fp8_e4m3": np.uint8}[self.value])
+
+    @property
+    def logical(self) -> str:
+        """The ``logical_dtype`` attribute of its arrays (what the bits mean)."""
+        return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn"}[self.value]
+
+    @property
+    def output(self) -> StorageDtype:
+        """What readers, the loader and exports return it as: itself, except fp8 (dequantized to bf16)."""
+        return StorageDtype.bf16 if self is StorageDtype.fp8_e4m3 else self
+
+    @property
+    def torch_name(self) -> str:
+        """The name of the torch dtype its output is (``getattr(torch, name)``; the contract imports no torch)."""
+        return self.output.logical
+
+    @property
+    def safetensors(self) -> str:
+        """The safetensors dtype code of its output (the weights file and exports)."""
+        return {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[self.output.value]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self is StorageDtype.fp8_e4m3
+
+
+class Compressor(StrEnum):
+    """The lossless codec of every stored chunk (``storage.compressor``); crc32c always follows it."""
+
+    none = "none"
+    zstd = "zstd"
+    blosc_zstd = "blosc_zstd"
+    blosc_lz4 = "blosc_lz4"
+
+    @property
+    def codec(self) -> str | None:
+        """The zarr v3 codec name it writes (``blosc``, ``zstd``), None for no compressor."""
+        return None if self is Compressor.none else "zstd" if self is Compressor.zstd else "blosc"
+
+    @property
+    def cname(self) -> str | None:
+        """blosc's inner compressor (``zstd``, ``lz4``); None for the others."""
+        return self.value.split("_", 1)[1] if self.codec == "blosc" else None
+
+
+class Shuffle(StrEnum):
+    """blosc's shuffle filter (``storage.shuffle``, ``storage.fp8_shuffle``)."""
+
+    none = "none"
+    byte = "byte"
+    bit = "bit"
+
+    @property
+    def blosc(self) -> str:
+        """The name zarr's blosc codec configuration uses."""
+        return {"none": "noshuffle", "byte": "shuffle", "bit": "bitshuffle"}[self.value]
+
+    @property
+    def numcodecs(self) -> int:
+        """numcodecs.Blosc's integer for it."""
+        return {"none": 0, "byte": 1, "bit": 2}[self.value]
+
+
+class LastState(StrEnum):
+    """Which final decoder state is stored (``capture.last_state``)."""
+
+    post_norm = "post_norm"  # after the final norm: what lm_head takes (NeMo, DeepSpec, SpecForge)
+    pre_norm = "pre_norm"    # the last decoder layer's output before the final norm (vLLM speculators)
+    both = "both"
+
+    @property
+    def post(self) -> bool:
+        return self in (LastState.post_norm, LastState.both)
+
+    @property
+    def pre(self) -> bool:
+        return self in (LastState.pre_norm, LastState.both)
+
+
+class RejectReason(StrEnum):
+    """Why an input row did not become a sample: the ``reason`` of each ``rejects.jsonl`` line (stable codes)."""
+
+    MALFORMED_JSON = "malformed_json"
+    INVALID_UTF8 = "invalid_utf8"  # bytes that are not UTF-8, or text holding an unpaired surrogate
+    ROW_TOO_LARGE = "row_too_large"  # more than data.max_row_bytes
+    MISSING_MESSAGES = "missing_messages"
+    UNKNOWN_ROLE = "unknown_role"
+    NON_TEXT_CONTENT = "non_text_content"
+    EMPTY_CONVERSATION = "empty_conversation"
+    NO_ASSISTANT_TURN = "no_assistant_turn"
+    TEMPLATE_ERROR = "template_error"
+    UNMASKABLE = "unmaskable_template"
+    NO_SUPERVISED_TOKENS = "no_supervised_tokens"
+    NONFINITE = "nonfinite_hidden_states"  # found after the forward; the sample is dropped from the cache
+
+
+class Check(StrEnum):
+    """The checks ``verify`` runs; each problem it reports names one."""
+
+    manifest = "manifest"
+    structure = "structure"
+    offsets = "offsets"
+    commits = "commits"
+    checksum = "checksum"
+    missing_chunk = "missing-chunk"
+    values = "values"
+    counts = "counts"
+    weights = "weights"
+    recompute = "recompute"
+    teacher = "teacher"
+    precision = "precision"
+
+
+class Message(StrEnum):
+    """What helper processes (writers, tokenizers) report over their pipes."""
+
+    ready = "ready"
+    done = "done"
+    error = "error"

@@ -1,0 +1,123 @@
+"""Allocating a cache, and writing what is known before the first forward.
+
+:func:`allocate` creates the group and every array at its final shape (zarr writes the
+metadata; format 2 token arrays are sharded, one shard per unit) and writes the sample/unit
+tables. :func:`write_tokens` then writes ``input_ids`` and ``loss_mask`` of the given units,
+one shard per unit, so a resumed run reads them back instead of tokenizing again. Every file
+is made durable (fsync, and the directory after a rename) before the manifest that points at
+it is written, unless ``storage.fsync=false``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dspark_precompute.contract.arrays import chunk_encoder, codec_chain
+from dspark_precompute.contract.layout import Layout
+from dspark_precompute.contract.shards import encode_shard
+from dspark_precompute.contract.spec import INPUT_IDS, KEY_SEPARATOR, LOSS_MASK, MAX_TABLE_CHUNK_ROWS, UNIT_ARRAYS
+from dspark_precompute.contract.store import CacheStore, fsync_dir
+from dspark_precompute.faults import fault_point
+from dspark_precompute.write.config import StorageConfig
+from dspark_precompute.write.specs import ArraySpec, array_codec
+
+KEY_ENCODING = {"name": "default", "separator": KEY_SEPARATOR}
+
+
+def shard_key(name: str, unit: int, two_d: bool) -> str:
+    """The key of unit ``unit``'s shard of array ``name`` (``hidden_states/layer_3/c.12.0``, ``input_ids/c.12``)."""
+    return f"{name}/c{KEY_SEPARATOR}{unit}" + (f"{KEY_SEPARATOR}0" if two_d else "")
+
+
+def encode_unit_shard(rows: np.ndarray, chunk: int, chunks_per_shard: int,
+                      encode: Callable[[np.ndarray], tuple[Any, bytes]]) -> list[Any]:
+    """The parts of one unit's shard: ``rows`` (whole chunks, the unit's used slots) as inner chunks + index."""
+    return encode_shard([encode(rows[k:k + chunk]) for k in range(0, len(rows), chunk)], chunks_per_shard)
+
+
+def _attributes(s: ArraySpec) -> dict[str, Any]:
+    attrs: dict[str, Any] = {"logical_dtype": s.logical_dtype or s.dtype}
+    if s.layer_id is not None:
+        attrs["layer_id"] = s.layer_id
+    if s.final is not None:
+        attrs["final_state"] = s.final
+    if s.scale is not None:
+        attrs["scale_array"] = s.scale
+    if s.scale_of is not None:
+        attrs.update(scale_of=s.scale_of, channels_per_scale=s.group)
+    return attrs
+
+
+def _metadata_keys(root: Path) -> list[Path]:
+    return sorted(root.rglob("zarr.json"))
+
+
+def allocate(store: CacheStore, specs: list[ArraySpec], layout: Layout, storage: StorageConfig,
+             tables: dict[str, np.ndarray], attributes: dict[str, Any]) -> None:
+    """Create the group and every array at its final shape, and write the sample/unit tables (durably)."""
+    import zarr
+
+    group = zarr.create_group(store.zarr_store(), overwrite=False, attributes=attributes)
+    total, chunk, unit = layout.total_slots, layout.chunk_tokens, layout.unit_tokens
+    for i, s in enumerate(specs):
+        if i == 2:
+            fault_point("allocate")
+        width = () if s.width is None else (s.width,)
+        group.create_array(
+            s.name, shape=(total, *width), chunks=(chunk, *width), shards=(unit, *width), dtype=s.dtype,
+            fill_value=s.fill, compressors=codec_chain(*array_codec(storage, s)), chunk_key_encoding=KEY_ENCODING,
+            dimension_names=("token",) if s.width is None else ("token", "scale" if s.scale_of else "hidden"),
+            attributes=_attributes(s))
+    tables = {**tables, "units/token_start": layout.unit_start, "units/token_stop": layout.unit_stop}
+    for name, values in tables.items():
+        values = np.ascontiguousarray(values)
+        rows = max(1, min(len(values), MAX_TABLE_CHUNK_ROWS))
+        codec = (storage.compressor, storage.compression_level, storage.shuffle, values.dtype.itemsize)
+        group.create_array(name, shape=values.shape, chunks=(rows,), dtype=values.dtype, fill_value=0,
+                           compressors=codec_chain(*codec), chunk_key_encoding=KEY_ENCODING,
+                           dimension_names=("unit",) if name in UNIT_ARRAYS else ("sample",))
+        encode = chunk_encoder(*codec)
+        for k in range(0, len(values), rows):
+            block = np.zeros(rows, dtype=values.dtype)  # zarr stores an edge chunk whole, padded with the fill
+            block[:len(values[k:k + rows])] = values[k:k + rows]
+            store.write_parts(f"{name}/c{KEY_SEPARATOR}{k // rows}", list(encode(block)), storage.fsync)
+    if storage.fsync and not store.url:  # zarr wrote the metadata without fsync: make it durable
+        root = Path(store.root)
+        for meta in _metadata_keys(root):
+            with open(meta, "rb") as fh:
+                os.fsync(fh.fileno())
+        for d in sorted({p.parent for p in _metadata_keys(root)} | {root}, key=lambda p: -len(p.parts)):
+            fsync_dir(d)
+
+
+def write_tokens(store: CacheStore, layout: Layout, storage: StorageConfig, specs: list[ArraySpec],
+                 samples: Any, units: Iterable[int]) -> int:
+    """``input_ids`` and ``loss_mask`` of ``units``: one shard each, from ``samples[s]`` (an Encoded); bytes written.
+
+    Slots past a unit's last token (inside its last chunk) hold 0; inner chunks past it are
+    absent from the shard.
+    """
+    chunk, per = layout.chunk_tokens, layout.unit_tokens // layout.chunk_tokens
+    by_name = {s.name: s for s in specs}
+    encoders = {name: chunk_encoder(*array_codec(storage, by_name[name])) for name in (INPUT_IDS, LOSS_MASK)}
+    written = 0
+    for u in units:
+        base, n = int(layout.unit_start[u]), int(layout.unit_stop[u] - layout.unit_start[u])
+        n_slots = -(-n // chunk) * chunk
+        rows = {INPUT_IDS: np.zeros(n_slots, dtype=np.int32), LOSS_MASK: np.zeros(n_slots, dtype=np.uint8)}
+        for s in layout.unit_order[u]:
+            a = int(layout.start[s]) - base
+            enc = samples[int(s)]
+            rows[INPUT_IDS][a:a + len(enc.input_ids)] = enc.input_ids
+            rows[LOSS_MASK][a:a + len(enc.loss_mask)] = enc.loss_mask
+        for name, values in rows.items():
+            parts = encode_unit_shard(values, chunk, per, encoders[name])
+            store.write_parts(shard_key(name, u, two_d=False), parts, storage.fsync)
+            written += sum(memoryview(p).nbytes for p in parts)
+        fault_point("tokens_unit")
+    return written

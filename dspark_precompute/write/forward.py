@@ -1,0 +1,165 @@
+"""The forward loop: each unit's batches through the target, its states into a unit buffer, the unit to the writers.
+
+A sample whose states hold NaN/Inf is dropped (its states zeroed, its id in the unit's commit
+record) or stops the run, per ``data.on_nonfinite``. A first SIGINT/SIGTERM drops the unit in
+flight, lets the writers finish the units they already hold, and raises
+:class:`~dspark_precompute.errors.StoppedBySignal`; a second one raises at once. Everything
+the loop builds (hooks, writers, buffers, the transfer stream) is owned by one ``ExitStack``,
+so a constructor that fails leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark_precompute.contract.commits import CommitRecord
+from dspark_precompute.contract.layout import Layout
+from dspark_precompute.contract.vocab import StorageDtype
+from dspark_precompute.errors import NonFiniteStatesError, StoppedBySignal
+from dspark_precompute.faults import fault_point
+from dspark_precompute.write import signals
+from dspark_precompute.write.batching import batch_inputs, make_batches
+from dspark_precompute.write.capture import HiddenStateCapture
+from dspark_precompute.write.distributed import Coordinator
+from dspark_precompute.write.plan import Plan
+from dspark_precompute.write.progress import Progress
+from dspark_precompute.write.specs import ArraySpec
+from dspark_precompute.write.transfer import StateArray, UnitCheck, UnitTransfer, zero_samples
+from dspark_precompute.write.writer import UnitWriter, resolve_writers
+
+log = logging.getLogger(__name__)
+
+
+def torch_dtype(d: str) -> torch.dtype:
+    """The torch dtype of a storage dtype's output (bf16, fp16, fp32; fp8 is dequantized to bf16)."""
+    return getattr(torch, StorageDtype(d).torch_name)  # type: ignore[no-any-return]
+
+
+def state_arrays(specs: list[ArraySpec]) -> list[StateArray]:
+    """The hidden-state arrays of a run's specs, each with its cast (or fp8 quantization) and the state feeding it."""
+    return [StateArray(s.name, int(s.source if s.source is not None else s.layer_id or 0),
+                       None if s.scale else torch_dtype(str(s.storage)), s.storage == StorageDtype.bf16, s.scale,
+                       int(s.group or 0))
+            for s in specs if s.width and s.storage is not None]
+
+
+@dataclass
+class ForwardStats:
+    """Seconds per stage of the forward loop (summed), for the manifest's ``timing``."""
+
+    batch_s: float = 0.0
+    forward_s: float = 0.0
+    copy_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"batch_s": self.batch_s, "forward_s": self.forward_s, "copy_s": self.copy_s, **self.extra}
+
+
+class ForwardLoop:
+    """Forwards units of one run's layout and hands them to the writers."""
+
+    def __init__(self, plan: Plan, model: Any, ids: Mapping[int, np.ndarray], layout: Layout, device: torch.device):
+        self.plan, self.model, self.ids, self.layout, self.device = plan, model, ids, layout, device
+        self.lengths = layout.length.astype(np.int64)
+        self.stats = ForwardStats()
+        self.fills = {s.name: s.fill for s in plan.specs if s.fill}
+        self.hidden = state_arrays(plan.specs)
+
+    def run(self, todo: list[int], coord: Coordinator) -> int:
+        """Forward every unit in ``todo``; the number handed to the writers and committed."""
+        cfg = self.plan.cfg
+        n_writers = resolve_writers(cfg.storage.writers)
+        with ExitStack() as stack:
+            capture = stack.enter_context(HiddenStateCapture(self.model, self.plan.layer_ids,
+                                                             pre_norm=any(s.final == "pre_norm"
+                                                                          for s in self.plan.specs)))
+            writer = stack.enter_context(UnitWriter(self.plan.store, self.plan.specs, self.layout, cfg.storage, todo,
+                                                    writers=n_writers, pin_memory=self.device.type == "cuda"))
+            transfer = UnitTransfer(self.hidden, device=self.device)
+            progress = Progress(int(sum(len(self.layout.unit_order[u]) for u in todo)),
+                                int(sum(self.layout.unit_stop[u] - self.layout.unit_start[u] for u in todo)),
+                                enabled=cfg.progress)
+            stack.callback(progress.close)
+            stop = signals.STATE
+            with signals.graceful():
+                for u in todo:
+                    if stop.signum is not None:
+                        break
+                    coord.check()
+                    self._unit(u, capture, writer, transfer, progress)
+                writer.drain()
+            if stop.signum is not None and len(writer.committed) < len(todo):
+                raise StoppedBySignal(stop.signum)
+            progress.update(bytes_written=writer.raw_bytes)
+            self.stats.extra.update(writer_wait_s=writer.wait_s, writer_busy_s=writer.busy_s,
+                                    writers=float(n_writers))
+        return len(todo)
+
+    def _unit(self, u: int, capture: HiddenStateCapture, writer: UnitWriter, transfer: UnitTransfer,
+              progress: Progress) -> None:
+        """One unit: its batches forwarded into a free buffer, checked, handed to the writers."""
+        cfg, layout, stop = self.plan.cfg, self.layout, signals.STATE
+        slot = writer.acquire()
+        bufs = writer.buffers(slot)
+        transfer.start(bufs)
+        base = int(layout.unit_start[u])
+        order = layout.unit_order[u]
+        for batch in make_batches(order, self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples):
+            if stop.signum is not None:
+                transfer.finish()
+                writer.release(slot)  # drop the unit in flight, keep the ones the writers hold
+                return
+            c0 = time.perf_counter()
+            blens = self.lengths[batch]
+            ids, _ = batch_inputs(self.ids, batch, self.lengths, self.plan.pad_id, self.device)
+            c1 = time.perf_counter()
+            states, last = capture(ids)
+            c2 = time.perf_counter()
+            transfer.add(batch, blens, ids.shape[1], states, last, int(layout.start[batch[0]]) - base)
+            c3 = time.perf_counter()
+            self.stats.batch_s += c1 - c0
+            self.stats.forward_s += c2 - c1
+            self.stats.copy_s += c3 - c2
+            progress.update(samples=len(batch), tokens=int(blens.sum()), bytes_written=writer.raw_bytes)
+            writer.poll()
+        c4 = time.perf_counter()
+        check = transfer.finish()  # on CUDA: the unit's copies are done
+        self.stats.copy_s += time.perf_counter() - c4
+        n_tok = int(layout.unit_stop[u] - layout.unit_start[u])
+        record = CommitRecord(u, base, base + n_tok, len(order), socket.gethostname())
+        if check.bad_samples:
+            names = [a.name for a in self.hidden] + [a.scale for a in self.hidden if a.scale]
+            self._drop_nonfinite(check, bufs, base, names, record)
+        writer.submit(u, slot, n_tok, record)
+        fault_point("unit_submitted")
+
+    def _drop_nonfinite(self, check: UnitCheck, bufs: dict[str, np.ndarray], base: int, names: list[str],
+                        record: CommitRecord) -> None:
+        """Samples whose states are not finite: stop (``data.on_nonfinite=error``) or drop them from the cache.
+
+        A dropped sample's states are zeroed (no Inf is ever stored) and its id goes into the
+        unit's commit record; the run's end moves it from the samples to the rejects.
+        """
+        bad, layout, cfg = check.bad_samples, self.layout, self.plan.cfg
+        if cfg.data.on_nonfinite == "error":
+            s = min(bad)
+            raise NonFiniteStatesError(
+                f"sample {s} has non-finite hidden states ({', '.join(f'{k}: {v} values' for k, v in bad[s].items())})"
+                f" and {len(bad) - 1} more sample(s) of unit {record.unit} too; a {cfg.model.dtype} forward "
+                "overflowed or the target is broken. Use model.dtype=bf16 or fp32 instead of fp16, or pass "
+                "data.on_nonfinite=reject to drop such samples (listed in rejects.jsonl); committed units are kept.")
+        spans = [(int(layout.start[s]) - base, int(layout.start[s] + layout.length[s]) - base) for s in sorted(bad)]
+        zero_samples(bufs, names, spans, self.fills)
+        record.extra["dropped"] = [{"sample": s, "nonfinite": bad[s]} for s in sorted(bad)]
+        log.warning("unit %d: %d sample(s) with non-finite hidden states dropped (%s)", record.unit, len(bad),
+                    ", ".join(f"{k}={v}" for k, v in check.nonfinite.items()))
