@@ -63,16 +63,16 @@ RUN_RECORD_FIELDS = ("created_at", "updated_at", "completed_at", "timing", "prov
 class Kind(StrEnum):
     """The JSON type of a manifest field."""
 
-    INT = "integer"
-    STR = "string"
-    BOOL = "boolean"
-    OBJECT = "object"
-    INTS = "list of integers"
-    STRS = "list of strings"
+    INT = "an integer"
+    STR = "a string"
+    BOOL = "true or false"
+    OBJECT = "an object"
+    INTS = "a list of integers"
+    STRS = "a list of strings"
     SHA256 = "64 lowercase hex digits"
-    COUNTS = "object of string -> integer >= 0"
-    NAMES = "object of string -> string"
-    SECONDS = "object of string -> number"
+    COUNTS = "an object of name -> count (integer >= 0)"
+    NAMES = "an object of string -> string"
+    SECONDS = "an object of stage -> seconds"
     ANY = "any JSON value"
 
 
@@ -624,11 +624,11 @@ def _field_problem(f: Field, data: dict[str, Any], version: int) -> str | None:
     if not present:
         return f"manifest lacks {f.key!r}" if f.required and version >= f.since and parent_ok else None
     if v is None:
-        return None if f.null else f"manifest {f.key} is null; it must be {f.kind.value}"
+        return None if f.null else f"manifest {f.key} = None (null) must be {f.kind.value}"
     if not _KIND_CHECKS[f.kind](v):
         return f"manifest {f.key} = {v!r:.80} ({_kind(v)}) must be {f.kind.value}" + (" or null" if f.null else "")
     if f.choices and v not in f.choices:
-        return f"manifest {f.key} = {v!r:.80} is unknown (one of {list(f.choices)})"
+        return f"manifest {f.key} = {v!r:.80} is unknown (one of {[str(c) for c in f.choices]})"
     if f.lo is not None and f.hi is not None and not f.lo <= int(v) <= f.hi:
         return f"manifest {f.key} = {int(v)} is outside [{f.lo}, {f.hi}] ({f.doc})"
     return None

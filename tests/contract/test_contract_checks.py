@@ -62,10 +62,10 @@ def good_manifest() -> dict:
         "seq_length": 256, "storage_dtype": "bf16", "bytes_per_token": 3 * 64 * 2 + 5, "pad_token_id": 256,
         "eos_token_id": None, "chat_template": "{{ x }}",
         "arrays": fmt.hidden_arrays([1, 2, 3], 4), "tied_embeddings": True,
-        "layout": {"chunk_tokens": 256, "unit_tokens": 1024, "num_units": 4, "total_token_slots": 3584},
+        "layout": {"chunk_tokens": 256, "unit_tokens": 1024, "num_units": 4, "total_token_slots": 4096},
         "counts": {"rows_in": 16, "samples": 14, "rejected": 2, "rejected_by_reason": {"no_supervised_tokens": 2},
                    "tokens": 3501, "supervised_tokens": 2142, "truncated_samples": 12},
-        "complete": True, "weights_sha256": "0" * 64,
+        "complete": True, "weights_sha256": "0" * 64, "tokens_stored": True,
     }
 
 
@@ -93,8 +93,10 @@ BAD_MANIFESTS = [
     (edit("layout.chunk_tokens", 256.0), r"layout.chunk_tokens = 256.0 \(a float\) must be an integer"),
     (edit("layout.chunk_tokens", "256"), r"layout.chunk_tokens = '256' \(a string\) must be an integer"),
     (edit("layout.chunk_tokens", True), r"layout.chunk_tokens = True \(a boolean\) must be an integer"),
-    (edit("layout.chunk_tokens", KeyError), r"manifest lacks layout.chunk_tokens"),
-    (edit("layout.total_token_slots", 3585), r"total_token_slots = 3585 is not a multiple of layout.chunk_tokens"),
+    (edit("layout.chunk_tokens", KeyError), r"manifest lacks 'layout.chunk_tokens'"),
+    (edit("layout.total_token_slots", 3585), r"total_token_slots = 3585 is not layout.num_units x layout.unit_tokens"),
+    (edit("tokens_stored", KeyError), r"manifest lacks 'tokens_stored'"),
+    (edit("tokens_stored", 1), r"tokens_stored = 1 \(an integer\) must be true or false"),
     (edit("hidden_size", 10 ** 12), r"hidden_size = 1000000000000 is outside \[1, 131072\]"),
     (edit("hidden_size", "64"), r"hidden_size = '64' \(a string\)"),
     (edit("seq_length", 0), r"seq_length = 0 is outside \[1, "),
@@ -102,8 +104,8 @@ BAD_MANIFESTS = [
     (edit("num_hidden_layers", KeyError), r"manifest lacks 'num_hidden_layers'"),
     (edit("chat_template", KeyError), r"manifest lacks 'chat_template'"),
     (edit("target_vocab_size", 0), r"target_vocab_size = 0 is outside \[1, "),
-    (edit("storage_dtype", "bf17"), r"storage_dtype 'bf17' is unknown"),
-    (edit("layer_ids", [1, True]), r"layer_ids = \[1, True\] must be integers"),
+    (edit("storage_dtype", "bf17"), r"storage_dtype = 'bf17' is unknown"),
+    (edit("layer_ids", [1, True]), r"layer_ids = \[1, True\] \(a list\) must be a list of integers"),
     (edit("layer_ids", [3, 1]), r"layer_ids = \[3, 1\] must be strictly increasing"),
     (edit("layer_ids", [1, 2, 4]), r"must lie in \[-1, num_hidden_layers - 1 = 3\]"),
     (edit("arrays.1", "input_ids"), r"arrays\['1'\] = 'input_ids' is not an array under hidden_states/"),
@@ -119,8 +121,8 @@ BAD_MANIFESTS = [
                                                                      r"is 2"),
     (edit("layout.num_units", 15), r"counts.samples = 14 does not fit layout.num_units = 15"),
     (edit("complete", "yes"), r"complete = 'yes' \(a string\) must be true or false"),
-    (edit("weights_sha256", "xyz"), r"weights_sha256 = 'xyz' must be 64 lowercase hex digits"),
-    (edit("bytes_per_token", 5), r"bytes_per_token = 5, the arrays it names store 389 bytes per token"),
+    (edit("weights_sha256", "xyz"), r"weights_sha256 = 'xyz' \(a string\) must be 64 lowercase hex digits"),
+    (edit("bytes_per_token", 5), r"bytes_per_token = 5 disagrees with the fields it is derived from, which give 389"),
     (edit("identity.data", "embedded"), r"identity.data = 'embedded' \(a string\) must be an object"),
 ]
 
@@ -149,6 +151,7 @@ def test_every_problem_is_reported_at_once():
 def test_sizes_that_would_make_a_reader_allocate_absurdly_are_refused():
     m = good_manifest()
     m["layout"]["chunk_tokens"] = 1 << 24  # 2 GiB chunks at hidden 64 bf16
+    m["layout"]["unit_tokens"] = 1 << 24
     m["layout"]["total_token_slots"] = 1 << 24
     m["layout"]["num_units"] = 1
     assert any("more than a reader decodes at once" in p for p in fmt.manifest_problems(m))
@@ -216,9 +219,9 @@ def test_a_layout_packed_otherwise_than_plan_layout_is_caught():
     m, tables = tables_of([10, 10, 10, 10], 10, 20)  # units {0,1} {2,3}
     assert fmt.table_problems(m, tables) == []
     # the same samples packed one per unit: tiled, chunk-aligned, in order, but not the layout's packing
-    tables.update({"samples/unit": np.arange(4, dtype=np.int32), "samples/start": np.arange(4) * 10,
-                   "units/token_start": np.arange(4) * 10, "units/token_stop": np.arange(4) * 10 + 10})
-    m["layout"]["num_units"] = 4
+    tables.update({"samples/unit": np.arange(4, dtype=np.int32), "samples/start": np.arange(4) * 20,
+                   "units/token_start": np.arange(4) * 20, "units/token_stop": np.arange(4) * 20 + 10})
+    m["layout"].update(num_units=4, total_token_slots=80)
     problems = fmt.table_problems(m, tables)
     assert any("a unit stops although the next sample fits" in p for p in problems), problems
 
@@ -239,43 +242,70 @@ def test_table_lengths_must_match_the_counts_and_the_unit_count():
                                             "table units/token_stop has 5 rows, manifest layout.num_units is 1"]
 
 
+INNER = [{"name": "bytes", "configuration": {"endian": "little"}},
+         {"name": "blosc", "configuration": {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "typesize": 2,
+                                             "blocksize": 1 << 20}},
+         {"name": "crc32c"}]
+
+
+def sharded(inner=INNER, chunk=(256, 64), index=None, location="end"):
+    return [{"name": "sharding_indexed", "configuration": {
+        "chunk_shape": list(chunk), "codecs": inner, "index_location": location,
+        "index_codecs": index or [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}]
+
+
 def meta_json(**over):
-    meta = {"zarr_format": 3, "node_type": "array", "shape": [3584, 64], "data_type": "uint16",
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [256, 64]}},
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}}, "fill_value": 0,
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                       {"name": "blosc", "configuration": {"cname": "zstd", "clevel": 1, "shuffle": "shuffle",
-                                                           "typesize": 2, "blocksize": 1 << 20}},
-                       {"name": "crc32c"}],
-            "attributes": {"logical_dtype": "bfloat16", "layer_id": 1}, "storage_transformers": []}
+    """A format 2 hidden array's zarr.json as the writer makes it: one shard per unit of inner chunks."""
+    meta = {"zarr_format": 3, "node_type": "array", "shape": [4096, 64], "data_type": "uint16",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1024, 64]}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}}, "fill_value": 0,
+            "codecs": sharded(), "attributes": {"logical_dtype": "bfloat16", "layer_id": 1},
+            "storage_transformers": []}
     meta.update(over)
     return meta
 
 
-def test_the_writers_array_metadata_parses_and_names_its_chunks():
+def test_the_writers_array_metadata_parses_and_names_its_shards():
     want = fmt.expected_arrays(good_manifest())["hidden_states/layer_1"]
     meta, problems = fmt.array_meta_problems("hidden_states/layer_1", meta_json(), want)
-    assert problems == [] and meta.compressor == "blosc" and meta.chunks == (256, 64)
-    assert meta.chunk_key((3, 0)) == "c/3/0" and meta.chunk_nbytes == 256 * 64 * 2 and meta.num_chunks == 14
+    assert problems == [] and meta.compressor == "blosc" and meta.chunks == (256, 64) and meta.shard_chunks == 4
+    assert meta.object_key(9) == "hidden_states/layer_1/c.2.0" and meta.chunk_nbytes == 256 * 64 * 2
+    assert meta.num_chunks == 16
+
+
+def test_a_format_1_array_reads_as_one_object_per_chunk():
+    m = good_manifest()
+    m.update(format_version=1, layout={**m["layout"], "total_token_slots": 3584})
+    del m["tokens_stored"]
+    want = fmt.expected_arrays(m)["hidden_states/layer_1"]
+    v1 = meta_json(shape=[3584, 64], chunk_grid={"name": "regular", "configuration": {"chunk_shape": [256, 64]}},
+                   chunk_key_encoding={"name": "default", "configuration": {"separator": "/"}}, codecs=INNER)
+    meta, problems = fmt.array_meta_problems("hidden_states/layer_1", v1, want)
+    assert problems == [] and not meta.sharded and meta.object_key(3) == "hidden_states/layer_1/c/3/0"
+    _, problems = fmt.array_meta_problems("hidden_states/layer_1", meta_json(), want)
+    assert problems  # a format 1 manifest does not describe sharded arrays
 
 
 @pytest.mark.parametrize("over,problem", [
-    ({"codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "gzip"}, {"name": "crc32c"}]},
+    ({"codecs": sharded([INNER[0], {"name": "gzip"}, {"name": "crc32c"}])},
      "uses codec 'gzip', which this tool never writes"),
-    ({"codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "no-such-codec"},
-                 {"name": "crc32c"}]}, "uses codec 'no-such-codec'"),
-    ({"codecs": [{"name": "transpose", "configuration": {"order": [1, 0]}},
-                 {"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]},
+    ({"codecs": sharded([INNER[0], {"name": "no-such-codec"}, {"name": "crc32c"}])}, "uses codec 'no-such-codec'"),
+    ({"codecs": sharded([{"name": "transpose", "configuration": {"order": [1, 0]}}, INNER[0], {"name": "crc32c"}])},
      "uses codec 'transpose'"),
-    ({"codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}]},
-     "has codec chain bytes -> zstd"),
-    ({"codecs": [{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}]}, "'big'-endian"),
-    ({"codecs": [{"name": "sharding_indexed"}]}, "uses codec 'sharding_indexed'"),
+    ({"codecs": sharded([INNER[0], {"name": "zstd"}])}, "has codec chain bytes -> zstd"),
+    ({"codecs": sharded([{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "crc32c"}])},
+     "'big'-endian"),
+    ({"codecs": INNER}, "format 2 stores token arrays with the single codec 'sharding_indexed'"),
+    ({"codecs": sharded(chunk=(512, 64))}, "has inner chunk shape [512, 64], the manifest implies [256, 64]"),
+    ({"codecs": sharded(index=[{"name": "bytes"}])}, "has shard index codecs"),
+    ({"codecs": sharded(location="start")}, "has its shard index at the 'start'"),
+    ({"chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}}},
+     "format 2 writes zarr's 'default' encoding with separator '.'"),
     ({"data_type": "float32"}, "has data_type 'float32', the manifest implies 'uint16'"),
-    ({"shape": [3584, 65]}, "has shape [3584, 65], the manifest implies [3584, 64] (layout.total_token_slots x "
+    ({"shape": [4096, 65]}, "has shape [4096, 65], the manifest implies [4096, 64] (layout.total_token_slots x "
                             "hidden_size)"),
     ({"chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1 << 27, 64]}}},
-     "has chunk shape [134217728, 64], the manifest implies [256, 64]"),
+     "has shard shape [134217728, 64], the manifest implies [1024, 64]"),
     ({"attributes": {"logical_dtype": "bfloat16", "layer_id": 2}},
      "has attribute layer_id=2, the manifest implies 1: the array holds another layer"),
     ({"storage_transformers": [{"name": "x"}]}, "has storage transformers"),

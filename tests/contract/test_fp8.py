@@ -76,7 +76,7 @@ def fp8_manifest(**kw) -> Manifest:
             "path": "embedded", "split": "train", "shuffle_seed": None, "mask_reasoning_content": False}},
         target_model="tiny", target_model_type="qwen3", target_vocab_size=300, num_hidden_layers=n_layers,
         hidden_size=64, layer_ids=ids, seq_length=256, storage_dtype="fp8_e4m3", chat_template="{{ x }}",
-        arrays=hidden_arrays(ids, n_layers), layout=ManifestLayout(256, 1024, 1, 256),
+        arrays=hidden_arrays(ids, n_layers), layout=ManifestLayout(256, 1024, 1, 1024),
         counts=Counts(rows_in=2, samples=2, rejected=0, tokens=200, supervised_tokens=100, truncated_samples=0),
         complete=True, last_dtype="bf16", fp8_group=16)
     fields.update(kw)
@@ -93,7 +93,7 @@ def test_an_fp8_manifest_names_each_arrays_storage_and_scale_array_and_reads_bac
     assert data["hidden_storage"]["hidden_states/layer_3"]["dtype"] == "bf16"  # the post-norm state (N-1)
     assert data["bytes_per_token"] == 2 * (64 + 4 * 4) + 64 * 2 + 5
     want = expected_arrays(m)
-    assert want["hidden_scales/layer_2"].shape == (256, 4) and want["hidden_scales/layer_2"].positive
+    assert want["hidden_scales/layer_2"].shape == (1024, 4) and want["hidden_scales/layer_2"].positive
     assert "hidden_scales/layer_3" not in want and want["hidden_states/layer_1"].dtype == np.uint8
     assert m.output_dtype == m.last_output_dtype == "bf16"
 
@@ -102,9 +102,9 @@ def test_an_fp8_manifest_names_each_arrays_storage_and_scale_array_and_reads_bac
     (lambda d: d.update(fp8_group=24), r"fp8_group = 24 does not divide hidden_size = 64"),
     (lambda d: d.update(fp8_group=0), r"fp8_group = 0 is outside"),
     (lambda d: d.update(storage_dtype="bf16", last_dtype=None), r"fp8_group = 16 but no array is stored as fp8"),
-    (lambda d: d.update(last_dtype="fp4"), r"last_dtype 'fp4' is unknown"),
+    (lambda d: d.update(last_dtype="fp4"), r"last_dtype = 'fp4' is unknown"),
     (lambda d: d["hidden_storage"]["hidden_states/layer_2"].update(dtype="bf16"), r"hidden_storage = .* disagrees"),
-    (lambda d: d.update(bytes_per_token=389), r"bytes_per_token = 389, the arrays it names store 293"),
+    (lambda d: d.update(bytes_per_token=389), r"bytes_per_token = 389 disagrees with the fields it is derived from, which give 293"),
 ])
 def test_an_edited_fp8_manifest_is_refused_naming_the_field(edit, pattern):
     data = json.loads(fp8_manifest().to_bytes())

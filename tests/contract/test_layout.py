@@ -11,10 +11,12 @@ from dspark_precompute.contract.layout import SampleIndex, build_layout
 
 @settings(max_examples=300, deadline=None)
 @given(lengths=st.lists(st.integers(1, 3000), min_size=0, max_size=60), chunk=st.sampled_from([1, 7, 64, 512]),
-       unit=st.integers(1, 6000))
-def test_units_own_whole_chunks_and_their_samples_tile_them_longest_first(lengths, chunk, unit):
+       unit=st.integers(1, 6000), version=st.sampled_from([1, 2]))
+def test_units_own_whole_chunks_and_their_samples_tile_them_longest_first(lengths, chunk, unit, version):
     lengths = np.asarray(lengths, dtype=np.int64)
-    lay = build_layout(lengths, chunk, unit)
+    if version >= 2:  # as the plan sizes it: whole chunks, at least the longest sample
+        unit = max(-(-3000 // chunk) * chunk, unit // chunk * chunk)
+    lay = build_layout(lengths, chunk, unit, version)
     n = len(lengths)
     assert lay.num_units == len(lay.unit_order) and sum(len(o) for o in lay.unit_order) == n
     seen = np.concatenate(lay.unit_order) if n else np.zeros(0, dtype=np.int64)
@@ -32,8 +34,11 @@ def test_units_own_whole_chunks_and_their_samples_tile_them_longest_first(length
         if u + 1 < lay.num_units:  # greedy: the next unit's first sample did not fit
             nxt = int(lay.unit_order[u + 1][0])
             assert pos - lay.unit_start[u] + lengths[nxt] > unit
-            assert lay.unit_start[u + 1] == -(-pos // chunk) * chunk
+            # format 2: one shard per unit, each at u x unit_tokens; format 1: packed after the last chunk
+            assert lay.unit_start[u + 1] == ((u + 1) * unit if version >= 2 else -(-pos // chunk) * chunk)
     assert lay.total_slots % chunk == 0 and (lay.total_slots >= (lay.unit_stop[-1] if n else 0))
+    if version >= 2:
+        assert lay.total_slots == lay.num_units * unit
 
 
 @settings(max_examples=200, deadline=None)

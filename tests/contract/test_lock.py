@@ -23,11 +23,26 @@ def test_a_lock_that_made_the_directories_removes_them_when_nothing_else_was_wri
     assert not (tmp_path / "a").exists()
 
 
-def test_a_lock_in_a_directory_that_holds_a_cache_stays(tmp_path):
+def test_releasing_removes_the_lock_file_but_never_the_cache_beside_it(tmp_path):
     (tmp_path / "c").mkdir()
     with WriterLock(tmp_path / "c"):
         (tmp_path / "c" / "manifest.json").write_text("{}")
-    assert (tmp_path / "c" / ".writer.lock").exists() and (tmp_path / "c" / "manifest.json").exists()
+    assert not (tmp_path / "c" / ".writer.lock").exists() and (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_a_starter_that_opened_the_lock_file_before_it_was_removed_takes_the_new_one(tmp_path):
+    import fcntl
+    import os
+
+    held = WriterLock(tmp_path / "c").acquire()
+    stale = os.open(held.path, os.O_RDWR)  # a second starter's open, before the holder releases
+    held.release()
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # it gets the unlinked file's lock ...
+    try:
+        with WriterLock(tmp_path / "c") as fresh:  # ... which excludes nobody: the path names a new file
+            assert fresh.held and (tmp_path / "c" / ".writer.lock").exists()
+    finally:
+        os.close(stale)
 
 
 def test_an_existing_empty_directory_is_kept_and_only_the_lock_file_goes(tmp_path):

@@ -18,21 +18,26 @@ from dspark_precompute.contract.manifest import (
     config_hash,
     manifest_problems,
 )
-from dspark_precompute.contract.spec import STORAGE_DTYPES, hidden_arrays
+from dspark_precompute.contract.manifest import FIELDS, fields_markdown
+from dspark_precompute.contract.spec import hidden_arrays
+from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import CacheFormatError
 
 
 @st.composite
 def manifests(draw) -> Manifest:
-    """Manifests a run could write: layout from real lengths, counts that add up."""
+    """Manifests a run could write (format 2, or format 1 as 0.2 wrote it): layout from real lengths, counts that
+    add up."""
+    version = draw(st.sampled_from([1, 2]))
     n_layers = draw(st.integers(2, 40))
     ids = sorted(draw(st.sets(st.integers(-1, n_layers - 1), min_size=1, max_size=6)))
     hidden = draw(st.sampled_from([8, 64, 1024, 4096]))
     seq = draw(st.integers(1, 4096))
     lengths = np.asarray(draw(st.lists(st.integers(1, seq), min_size=1, max_size=40)), dtype=np.int64)
     chunk = draw(st.sampled_from([1, 16, 512]))
-    unit_tokens = max(chunk, draw(st.integers(1, 8192)) // chunk * chunk)
-    layout = build_layout(lengths, chunk, unit_tokens)
+    # as the plan sizes it: whole chunks, at least seq_length (a unit always holds its longest sample)
+    unit_tokens = max(-(-seq // chunk) * chunk, draw(st.integers(1, 8192)) // chunk * chunk)
+    layout = build_layout(lengths, chunk, unit_tokens, version)
     rejected = draw(st.integers(0, 5))
     supervised = draw(st.integers(0, int(lengths.sum())))
     truncated = draw(st.integers(0, len(lengths)))
@@ -41,14 +46,15 @@ def manifests(draw) -> Manifest:
             "path": "embedded", "split": "train", "shuffle_seed": None, "mask_reasoning_content": False}},
         target_model="tiny", target_model_type="qwen3", target_vocab_size=draw(st.integers(1, 200_000)),
         num_hidden_layers=n_layers, hidden_size=hidden, layer_ids=ids, seq_length=seq,
-        storage_dtype=draw(st.sampled_from(sorted(STORAGE_DTYPES))), chat_template="{{ x }}",
-        arrays=hidden_arrays(ids, n_layers),
+        storage_dtype=draw(st.sampled_from([str(d) for d in StorageDtype])), chat_template="{{ x }}",
+        arrays=hidden_arrays(ids, n_layers, pre_norm=version >= 2 and draw(st.booleans())),
         layout=ManifestLayout(layout.chunk_tokens, layout.unit_tokens, layout.num_units, layout.total_slots),
         counts=Counts(rows_in=len(lengths) + rejected, samples=len(lengths), rejected=rejected,
                       tokens=int(lengths.sum()), supervised_tokens=supervised, truncated_samples=truncated,
                       rejected_by_reason={"no_supervised_tokens": rejected} if rejected else {}),
         complete=draw(st.booleans()), config={"seq_length": seq},
-        weights_sha256=draw(st.one_of(st.none(), st.just("0" * 64))),
+        weights_sha256=draw(st.one_of(st.none(), st.just("0" * 64))), format_version=version,
+        tokens_stored=version >= 2 and draw(st.booleans()),
     )
 
 
@@ -103,7 +109,45 @@ def _one() -> Manifest:
             "path": "embedded", "split": "train", "shuffle_seed": None, "mask_reasoning_content": False}},
         target_model="tiny", target_model_type="qwen3", target_vocab_size=263, num_hidden_layers=4,
         hidden_size=64, layer_ids=[1, 2, 3], seq_length=256, storage_dtype="bf16", chat_template="{{ x }}",
-        arrays=hidden_arrays([1, 2, 3], 4), layout=ManifestLayout(256, 1024, 1, 512),
+        arrays=hidden_arrays([1, 2, 3], 4), layout=ManifestLayout(256, 1024, 1, 1024),
         counts=Counts(rows_in=3, samples=2, rejected=1, tokens=300, supervised_tokens=100, truncated_samples=1,
                       rejected_by_reason={"no_supervised_tokens": 1}),
         complete=False)
+
+
+def test_every_field_of_the_typed_manifest_is_a_row_of_the_schema_table():
+    import dataclasses
+
+    keys = {f.key for f in FIELDS}
+    for record, prefix in ((Manifest, ""), (ManifestLayout, "layout."), (Counts, "counts.")):
+        for f in dataclasses.fields(record):
+            if f.name not in ("layout", "counts"):
+                assert prefix + f.name in keys, f"{prefix}{f.name} is written but not in FIELDS"
+    written = json.loads(_one().to_bytes())
+    assert set(written) <= {f.key for f in FIELDS if "." not in f.key}
+    table = fields_markdown()
+    assert all(f"`{f.key}`" in table for f in FIELDS) and "| `tokens_stored` | true or false | yes | 2 |" in table
+
+
+def test_a_format_2_manifest_needs_tokens_stored_and_a_format_1_manifest_does_not():
+    data = json.loads(_one().to_bytes())
+    del data["tokens_stored"]
+    assert manifest_problems(data) == ["manifest lacks 'tokens_stored'"]
+    v1 = json.loads(_one().to_bytes())
+    v1.update(format_version=1, layout={"chunk_tokens": 256, "unit_tokens": 1024, "num_units": 1,
+                                        "total_token_slots": 512})
+    del v1["tokens_stored"]
+    assert manifest_problems(v1) == []
+
+
+@pytest.mark.parametrize("version,layout,words", [
+    (2, {"total_token_slots": 512}, "num_units x layout.unit_tokens"),
+    (2, {"unit_tokens": 1000}, "not a multiple of layout.chunk_tokens"),
+    (1, {"total_token_slots": 500}, "not a multiple of layout.chunk_tokens"),
+    (3, {}, "format_version 3 is not supported"),
+])
+def test_the_layout_rules_follow_the_format_version(version, layout, words):
+    data = json.loads(_one().to_bytes())
+    data["format_version"] = version
+    data["layout"].update(layout)
+    assert any(words in p for p in manifest_problems(data)), manifest_problems(data)

@@ -19,7 +19,7 @@ from dspark_precompute.contract.manifest import (
 from dspark_precompute.contract.spec import hidden_arrays
 from dspark_precompute.errors import CacheFormatError
 
-CAPTURE = Capture(last_state="post_final_norm", final_norm_class="Qwen3RMSNorm", layer_preset="servable",
+CAPTURE = Capture(last_state="post_norm", final_norm_class="Qwen3RMSNorm", layer_preset="servable",
                   mask=MaskPolicy("nemo_prefix", "full_render_alignment", False, True),
                   target_weights_dtype="bfloat16", weights_fingerprint="ab" * 32, fingerprint_kind="full")
 RECORD = RunProvenance(argv=["dspark-precompute", "seq_length=256"], overrides=["seq_length=256"],
@@ -32,7 +32,7 @@ def one(**kw) -> Manifest:
             "path": "embedded", "split": "train", "shuffle_seed": None, "mask_reasoning_content": False}},
         target_model="tiny", target_model_type="qwen3", target_vocab_size=263, num_hidden_layers=4,
         hidden_size=64, layer_ids=[1, 2, 3], seq_length=256, storage_dtype="bf16", chat_template="{{ x }}",
-        arrays=hidden_arrays([1, 2, 3], 4), layout=ManifestLayout(256, 1024, 1, 512),
+        arrays=hidden_arrays([1, 2, 3], 4), layout=ManifestLayout(256, 1024, 1, 1024),
         counts=Counts(rows_in=3, samples=2, rejected=1, tokens=300, supervised_tokens=100, truncated_samples=1,
                       rejected_by_reason={"no_supervised_tokens": 1}),
         complete=True, **kw)
@@ -68,7 +68,7 @@ def test_a_manifest_written_before_these_fields_existed_still_opens():
     (lambda d: d["provenance"].update(world_size=0), "provenance.world_size = 0 is outside"),
     (lambda d: d["provenance"].update(argv="python -m x"), "provenance.argv = 'python -m x' (a string) must be a list"),
     (lambda d: d["provenance"].update(hosts=[1]), "provenance.hosts = [1] (a list) must be a list of strings"),
-    (lambda d: d["provenance"].update(versions={"torch": 2}), "provenance.versions = {'torch': 2} must map"),
+    (lambda d: d["provenance"].update(versions={"torch": 2}), "provenance.versions = {'torch': 2} (an object) must be an object of string -> string"),
 ])
 def test_a_field_of_the_wrong_type_is_refused_naming_it(edit, words):
     data = json.loads(one(capture=CAPTURE, provenance=RECORD).to_bytes())
