@@ -436,6 +436,9 @@ def plain_reason(exc: BaseException) -> str:
     m = re.match(r"Value '.*' of type '(\w+)' could not be converted to (\w+)", text)
     if m:
         return f"it must be {_TYPE_WORDS.get(m.group(2), m.group(2))}, not a {m.group(1)}"
+    m = re.match(r"Invalid value '.*', expected one of \[(.*)\]", text)
+    if m:
+        return f"it must be one of [{m.group(1)}]"
     if "is not Optional" in text:
         return "it must have a value, not null"
     if "is not a ListConfig, list or tuple" in text:
@@ -516,7 +519,7 @@ def composition_problem(overrides: list[str], check_values: bool = True) -> str 
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     from dspark_precompute.errors import StoppedBySignal
 
@@ -530,7 +533,8 @@ def composition_problem(overrides: list[str], check_values: bool = True) -> str 
         cause = exc.__cause__ or exc
         if isinstance(cause, StoppedBySignal):
             raise cause from None
-        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and len(overrides) == 1 and "=" in overrides[0]:
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError, ValidationError)) and len(overrides) == 1 \
+                and "=" in overrides[0]:
             key, value = overrides[0].split("=", 1)
             return describe_key_problem(key.lstrip("+~"), value, cause)
         text = plain_reason(cause) if cause is not exc else " ".join(str(exc).split())
@@ -557,12 +561,19 @@ def compose(overrides: list[str] | None = None) -> PrecomputeConfig:
 
     register_configs()
     overrides = list(overrides or [])
+    failed = False
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
             dcfg = hydra_compose(config_name="config", overrides=overrides)
         except HydraException:
-            problems = [p for o in overrides if (p := composition_problem([o], check_values=False))]
-            raise ConfigError(problems or [composition_problem(overrides) or "the overrides do not compose"]) from None
+            failed = True
+    if failed:  # outside Hydra's context: each override is composed on its own to name every culprit
+        bad = {o: p for o in overrides if (p := composition_problem([o], check_values=False))}
+        problems = list(bad.values()) or [composition_problem(overrides) or "the overrides do not compose"]
+        rest = [o for o in overrides if o not in bad]
+        if bad and rest:  # the values of the others are checked too: every problem at once
+            problems += [line for line in (composition_problem(rest) or "").split("\n") if line]
+        raise ConfigError(problems) from None
     return from_dictconfig(dcfg)
 
 

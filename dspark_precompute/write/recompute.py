@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -335,8 +334,7 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
             # the forward batch the pipeline ran this sample in, rebuilt from the layout
             batch = next(b for b in make_batches(layout.unit_order[u], lengths, cfg.batch.max_tokens,
                                                  cfg.batch.max_samples) if s in set(b.tolist()))
-            members = {int(t): SimpleNamespace(input_ids=stored([INPUT_IDS], int(start[t]),
-                                                                int(start[t] + lengths[t]))[INPUT_IDS])
+            members = {int(t): stored([INPUT_IDS], int(start[t]), int(start[t] + lengths[t]))[INPUT_IDS]
                        for t in batch}
             ids, _ = batch_inputs(members, batch, lengths, plan.pad_id, plan.device)  # the pipeline's own inputs
             states, last = capture(ids)

@@ -25,12 +25,22 @@ from dspark_precompute.write.run import run
 TABLES = (*fmt.SAMPLE_ARRAYS, *fmt.UNIT_ARRAYS)
 
 
+def present_chunks(path: Path, rows: int, chunk_rows: int) -> int:
+    """Inner chunks a shard holds, from its index as the zarr v3 sharding spec lays it out (16 bytes an entry,
+    ``2**64 - 1`` twice for an absent chunk, a crc32c after): read here without our code."""
+    n = rows // chunk_rows
+    index = np.frombuffer(path.read_bytes()[-(16 * n + 4):-4], dtype="<u8").reshape(n, 2)
+    return int((index[:, 0] != np.uint64(2**64 - 1)).sum())
+
+
 def stored_bytes(path: str) -> dict[str, int]:
-    """The oracle: every array's rows x row bytes as zarr holds it, and the small files' sizes."""
+    """The oracle: the rows of every inner chunk the shards hold x row bytes, and the small files' sizes."""
     g = zarr.open_group(path, mode="r")
     names = [fmt.INPUT_IDS, fmt.LOSS_MASK] + [f"{fmt.HIDDEN_GROUP}/{n}" for n, _ in g[fmt.HIDDEN_GROUP].arrays()]
     row = {n: int(np.prod(g[n].shape[1:])) * g[n].dtype.itemsize for n in names}
-    return {"token_arrays": sum(g[n].shape[0] * row[n] for n in names),
+    rows = {n: sum(present_chunks(f, g[n].shards[0], g[n].chunks[0]) * g[n].chunks[0]
+                   for f in (Path(path) / n).iterdir() if f.name.startswith("c.")) for n in names}
+    return {"token_arrays": sum(rows[n] * row[n] for n in names),
             "tables": sum(g[n].shape[0] * g[n].dtype.itemsize for n in TABLES),
             "weights": (Path(path) / fmt.WEIGHTS).stat().st_size,
             "rejects": (Path(path) / fmt.REJECTS).stat().st_size}
@@ -48,7 +58,7 @@ def assert_plan_matches(plan: DryRunPlan, path: str) -> None:
         m.layout.num_units, m.layout.chunk_tokens, m.layout.unit_tokens, m.layout.total_token_slots)
     assert plan.layer_ids == m.layer_ids and plan.max_length == int(c.lengths().max())
     got = stored_bytes(path)
-    assert plan.token_array_bytes == got["token_arrays"] == m.layout.total_token_slots * m.bytes_per_token
+    assert plan.token_array_bytes == got["token_arrays"] == plan.written_slots * m.bytes_per_token
     assert plan.bytes_per_token == m.bytes_per_token  # real tokens x it: the bytes the samples themselves hold
     assert (plan.table_bytes, plan.weights_file_bytes, plan.rejects_file_bytes) == (
         got["tables"], got["weights"], got["rejects"])
@@ -67,6 +77,17 @@ def test_a_dry_run_predicts_the_real_runs_counts_and_exact_uncompressed_bytes(de
     assert 0.5 < est_tokens / on_disk < 2  # an estimate from a measured ratio, not a promise
     text = plan.table()
     assert f"{result.samples:,} samples" in text and f"{plan.raw_bytes:,} B" in text and "(estimate)" in text
+
+
+def test_a_real_run_holds_exactly_the_files_and_directories_the_dry_run_counts(default_run):
+    cfg, result = default_run
+    plan = dry_run(dataclasses.replace(cfg, dry_run=True))
+    files = dirs = 0
+    for _root, d, f in os.walk(result.path):  # the oracle: the filesystem itself
+        files, dirs = files + len(f), dirs + len(d)
+    hydra = 3 * os.path.isdir(Path(result.path) / ".hydra")  # an in-process run(cfg) writes no Hydra record
+    assert (files, dirs) == (plan.files - (3 - hydra), plan.directories - (hydra == 0))
+    assert plan.num_units > 1 and plan.entries_per_tb > 0
 
 
 def test_the_time_comes_from_plan_tokens_per_second_or_from_the_parameter_count(default_run):

@@ -28,7 +28,7 @@ def test_a_finished_cache_records_the_post_norm_state_its_norm_class_preset_mask
     model = tiny.build_target(cfg.model.random, len(tiny.build_tokenizer()))
     cap = m.capture
     assert cap is not None
-    assert cap.last_state == "post_final_norm"
+    assert cap.last_state == "post_norm"
     assert cap.final_norm_class == type(model.model.norm).__name__ == "Qwen3RMSNorm"
     assert cap.layer_preset == "nemo" and m.layer_ids == [1, 2, 3]
     assert (cap.mask.rule, cap.mask.fallback) == ("nemo_prefix", "full_render_alignment")  # no {% generation %}
@@ -85,7 +85,7 @@ def test_info_describe_and_json_show_the_provenance(default_run, capsys):
     assert f"on {socket.gethostname()} (world size 1)" in text and f"torch {metadata.version('torch')}" in text
     assert main(["info", result.path, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["final_norm_class"] == "Qwen3RMSNorm" and got["last_state"] == "post_final_norm"
+    assert got["final_norm_class"] == "Qwen3RMSNorm" and got["last_state"] == "post_norm"
     assert got["mask_policy"]["rule"] == "nemo_prefix" and got["world_size"] == 1
     assert got["hosts"] == [socket.gethostname()] and got["versions"]["zarr"] == metadata.version("zarr")
 
