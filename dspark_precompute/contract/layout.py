@@ -58,11 +58,17 @@ class Layout:
 
 
 def total_slots(unit_stop: np.ndarray, chunk_tokens: int, unit_tokens: int, version: int = FORMAT_VERSION) -> int:
-    """Length of the token axis: whole shards in format 2, the last unit's chunks in format 1."""
+    """Length of the token axis: up to the end of the last unit's last chunk.
+
+    In format 2 the last unit starts at ``(n-1) * unit_tokens`` and its shard is an edge shard
+    (zarr's regular grid cuts it at the array's end), so a cache smaller than one unit is no
+    longer than its chunks.
+    """
     if not len(unit_stop):
         return 0
     if version >= 2:
-        return len(unit_stop) * int(unit_tokens)
+        last = (len(unit_stop) - 1) * int(unit_tokens)
+        return last + int(-(-(int(unit_stop[-1]) - last) // chunk_tokens) * chunk_tokens)
     return int(-(-int(unit_stop[-1]) // chunk_tokens) * chunk_tokens)
 
 

@@ -140,7 +140,7 @@ FIELDS: tuple[Field, ...] = (
     Field("layout.unit_tokens", Kind.INT, "token slots per commit unit; in format 2 also per shard: unit u owns "
           "slots [u x unit_tokens, (u+1) x unit_tokens)", lo=1, hi=MAX_TOKEN_SLOTS),
     Field("layout.num_units", Kind.INT, "commit units (format 2: shards per token array)", lo=0, hi=MAX_TOKEN_SLOTS),
-    Field("layout.total_token_slots", Kind.INT, "length of the token axis (format 2: num_units x unit_tokens)",
+    Field("layout.total_token_slots", Kind.INT, "length of the token axis: to the last unit's last chunk",
           lo=0, hi=MAX_TOKEN_SLOTS),
     Field("counts", Kind.OBJECT, "how the input rows were accounted for: rows_in = samples + rejected"),
     Field("counts.rows_in", Kind.INT, "rows of the input selection", lo=_TOKENS[0], hi=_TOKENS[1]),
@@ -727,9 +727,10 @@ def _rule_layout(c: _Checked) -> list[str]:
         if ut % ct or ut // ct > MAX_SHARD_CHUNKS:
             p.append(f"manifest layout.unit_tokens = {ut} is not a multiple of layout.chunk_tokens = {ct} within "
                      f"{MAX_SHARD_CHUNKS} chunks (a shard holds whole chunks)")
-        if total != nu * ut:
-            p.append(f"manifest layout.total_token_slots = {total} is not layout.num_units x layout.unit_tokens = "
-                     f"{nu * ut} (one shard per unit)")
+        in_last_shard = (nu - 1) * ut < total <= nu * ut if nu else total == 0
+        if total % ct or not in_last_shard:
+            p.append(f"manifest layout.total_token_slots = {total} does not end in the last of layout.num_units = "
+                     f"{nu} shards of layout.unit_tokens = {ut} on a chunk boundary (one shard per unit)")
     else:
         if total % ct:
             p.append(f"manifest layout.total_token_slots = {total} is not a multiple of layout.chunk_tokens = {ct} "

@@ -94,7 +94,8 @@ BAD_MANIFESTS = [
     (edit("layout.chunk_tokens", "256"), r"layout.chunk_tokens = '256' \(a string\) must be an integer"),
     (edit("layout.chunk_tokens", True), r"layout.chunk_tokens = True \(a boolean\) must be an integer"),
     (edit("layout.chunk_tokens", KeyError), r"manifest lacks 'layout.chunk_tokens'"),
-    (edit("layout.total_token_slots", 3585), r"total_token_slots = 3585 is not layout.num_units x layout.unit_tokens"),
+    (edit("layout.total_token_slots", 3585), r"total_token_slots = 3585 does not end in the last of"),
+    (edit("layout.total_token_slots", 2048), r"total_token_slots = 2048 does not end in the last of"),
     (edit("tokens_stored", KeyError), r"manifest lacks 'tokens_stored'"),
     (edit("tokens_stored", 1), r"tokens_stored = 1 \(an integer\) must be true or false"),
     (edit("hidden_size", 10 ** 12), r"hidden_size = 1000000000000 is outside \[1, 131072\]"),
@@ -221,7 +222,7 @@ def test_a_layout_packed_otherwise_than_plan_layout_is_caught():
     # the same samples packed one per unit: tiled, chunk-aligned, in order, but not the layout's packing
     tables.update({"samples/unit": np.arange(4, dtype=np.int32), "samples/start": np.arange(4) * 20,
                    "units/token_start": np.arange(4) * 20, "units/token_stop": np.arange(4) * 20 + 10})
-    m["layout"].update(num_units=4, total_token_slots=80)
+    m["layout"].update(num_units=4, total_token_slots=70)
     problems = fmt.table_problems(m, tables)
     assert any("a unit stops although the next sample fits" in p for p in problems), problems
 

@@ -141,7 +141,7 @@ def test_a_format_2_manifest_needs_tokens_stored_and_a_format_1_manifest_does_no
 
 
 @pytest.mark.parametrize("version,layout,words", [
-    (2, {"total_token_slots": 512}, "num_units x layout.unit_tokens"),
+    (2, {"total_token_slots": 1280}, "does not end in the last of layout.num_units = 1 shards"),
     (2, {"unit_tokens": 1000}, "not a multiple of layout.chunk_tokens"),
     (1, {"total_token_slots": 500}, "not a multiple of layout.chunk_tokens"),
     (3, {}, "format_version 3 is not supported"),
