@@ -19,8 +19,11 @@ writer batch (1,000 rows of ids and masks).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +62,21 @@ def has_pre_norm(c: CacheReader) -> bool:
 
 def _bf16(values: np.ndarray, dtype: str) -> np.ndarray:
     return values if dtype == "bf16" else convert(values, dtype, "bf16")
+
+
+@contextlib.contextmanager
+def _datasets_bars(enabled: bool) -> Iterator[None]:
+    """``datasets`` draws its own bars: only where ours would be drawn (a terminal, progress on)."""
+    from datasets.utils import logging as ds_logging
+
+    was = ds_logging.is_progress_bar_enabled()
+    if not (enabled and sys.stderr.isatty()):
+        ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            ds_logging.enable_progress_bar()
 
 
 def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, layers: list[int] | None = None,
@@ -125,7 +143,8 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
             aw.finalize()
         ds = Dataset.from_file(str(rows_file))
         ds.set_format("torch")
-        ds.save_to_disk(str(stage.dir))
+        with _datasets_bars(progress):
+            ds.save_to_disk(str(stage.dir))
         del ds
         total += sum(p.stat().st_size for p in stage.dir.iterdir() if p.is_file())
         total += stage.finish(export_marker(c, plan, "speculators", notes, slots=[*plan.layers, PRE_NORM],
