@@ -114,12 +114,17 @@ class MaskPolicy:
     or ``nemo_prefix`` (NeMo's prefix rule: each assistant turn from its role header to its
     end-of-turn token). ``fallback``: with ``nemo_prefix``, ``full_render_alignment``, how a
     turn is located where the template rewrites earlier turns and the prefix rule breaks.
+    ``deepspec`` (``data.mask_rule=deepspec``): DeepSpec's rule, each assistant turn's content
+    and end-of-turn marker without its header, ``default_system_prompt`` added to conversations
+    without one, samples under ``min_supervised_tokens`` rejected.
     """
 
     rule: str | None = None
     fallback: str | None = None
     mask_reasoning_content: bool | None = None
     mask_generation_prompt: bool | None = None
+    default_system_prompt: str | None = None  # deepspec: the system prompt added where a conversation has none
+    min_supervised_tokens: int | None = None  # deepspec: fewer supervised tokens make a reject
 
 
 @dataclass(frozen=True)
@@ -706,10 +711,13 @@ def _capture_problems(cap: Any) -> list[str]:
             out.append(f"manifest capture.mask = {mask!r:.80} ({_kind(mask)}) must be an object or null")
         else:
             what = {"rule": "a string", "fallback": "a string", "mask_reasoning_content": "true or false",
-                    "mask_generation_prompt": "true or false"}
+                    "mask_generation_prompt": "true or false", "default_system_prompt": "a string",
+                    "min_supervised_tokens": "an integer"}
             out += _optional_types("capture.mask", mask, {"rule": (str,), "fallback": (str,),
                                                           "mask_reasoning_content": (bool,),
-                                                          "mask_generation_prompt": (bool,)}, what)
+                                                          "mask_generation_prompt": (bool,),
+                                                          "default_system_prompt": (str,),
+                                                          "min_supervised_tokens": (int,)}, what)
     return out
 
 
