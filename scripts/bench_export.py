@@ -6,7 +6,7 @@
 One cache (``scripts/conf/model/bench_mid.yaml``: random Qwen3, hidden 512, 12 layers, 5
 captured, Qwen3's tokenizer) over the first ``--rows`` rows of the shared chat mix at
 ``--seq-length``. Each export (``nemo``, ``deepspec``, ``specforge``, ``speculators``) runs
-in its own process so its peak RSS is its own (``wait4``'s ``ru_maxrss``); the order of the
+in its own process so its peak RSS is its own (``VmHWM`` of that process); the order of the
 targets rotates in every repeat and the medians over the repeats are reported, since this
 machine is shared and noisy: compare the ratios, not the absolute numbers. *Written GB/s* is
 the bytes the export put on disk over its wall time; *read GB/s* is the cache's decoded bytes
@@ -53,7 +53,10 @@ if to == "speculators":  # stand-in pre-norm state: the first captured layer's s
     CacheReader.array_names = property(lambda self: {**real_names.fget(self), "pre_norm": "stand-in"})
 from dspark_precompute.read.export import export
 r = export(cache, out, to=to, progress=False)
-print(json.dumps({"samples": r.num_samples, "bytes": r.bytes_written, "seconds": r.seconds, "files": r.num_shards}))
+# VmHWM: this process's own peak (ru_maxrss would carry the forking parent's over exec)
+hwm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:")) * 1024
+print(json.dumps({"samples": r.num_samples, "bytes": r.bytes_written, "seconds": r.seconds, "files": r.num_shards,
+                  "peak_rss": hwm}))
 """
 
 
@@ -88,8 +91,7 @@ def run_one(cache: Path, out: Path, to: str) -> dict[str, Any]:
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"export {to} failed:\n{stderr[-3000:]}")
     r = json.loads(stdout.strip().splitlines()[-1])
-    r.update(wall=wall, peak_rss=usage.ru_maxrss * 1024, cpu=usage.ru_utime + usage.ru_stime,
-             on_disk=dir_bytes(out))
+    r.update(wall=wall, cpu=usage.ru_utime + usage.ru_stime, on_disk=dir_bytes(out))
     shutil.rmtree(out, ignore_errors=True)
     return r
 
