@@ -70,6 +70,14 @@ class ChecksumError(CacheFormatError):
         super().__init__(message)
 
 
+class ExportError(DsparkError, ValueError):
+    """An export cannot be written as asked: the cache lacks what the target format needs, or an option does not fit it.
+
+    The message names the value, why the format cannot take it, and the fix (a precompute
+    option such as ``capture.last_state=pre_norm``, another ``--layers``, a destination).
+    """
+
+
 class MissingChunkError(CacheFormatError):
     """A chunk file of a written array is absent: read through zarr it would come back as zeros.
 

@@ -4,6 +4,7 @@
 
     dspark-cache info PATH [--json]
     dspark-cache verify PATH [--recompute N] [--teacher N] [--precision N] [--repair]
+    dspark-cache export CACHE OUT --to nemo|deepspec|specforge|speculators [--layers ...] [--max-length L]
     dspark-cache export-nemo CACHE OUT [--shard-size 256] [--overwrite]
     dspark-cache plot PATH -o report.png
 
@@ -125,10 +126,45 @@ def _verify(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from dspark_precompute.read.export import export_nemo
 
-    r = export_nemo(args.cache, args.out, shard_size=args.shard_size, overwrite=args.overwrite, layers=args.layers)
+    r = export_nemo(args.cache, args.out, shard_size=args.shard_size, overwrite=args.overwrite, layers=args.layers,
+                    max_length=args.max_length)
     _out(f"exported {r.num_samples} samples in {r.num_shards} shard(s) of {r.shard_size} "
          f"({r.bytes_written / 1e6:.1f} MB) to {r.path} in {r.seconds:.1f}s\n"
-         f"use it with: recipe_args.cached_target_path={r.path}")
+         + _dropped(r) + f"use it with: recipe_args.cached_target_path={r.path}")
+    return 0
+
+
+def _dropped(r: Any) -> str:
+    lines = [f"left out {k} sample(s): {why} (max_length={r.max_length})" for why, k in sorted(r.dropped.items())]
+    lines += [f"note: {n}" for n in r.notes]
+    return "".join(line + "\n" for line in lines)
+
+
+_USE = {
+    "nemo": "recipe_args.cached_target_path={path}",
+    "deepspec": "data.target_cache_path={path} (its model.target_layer_ids, hidden size and "
+                "model.target_model_name_or_path must equal the manifest's)",
+    "specforge": "training.strategy=dspark, data.hidden_states_path={path}",
+    "speculators": "ArrowDataset(max_len, \"{path}\") / --data-path {path}",
+}
+
+
+def _export_to(args: argparse.Namespace) -> int:
+    from dspark_precompute.read.export import export
+
+    options: dict[str, Any] = {"layers": args.layers, "max_length": args.max_length, "overwrite": args.overwrite}
+    if args.to == "nemo":
+        options["shard_size"] = args.shard_size
+    if args.to == "deepspec":
+        if args.shard_bytes is not None:
+            options["shard_bytes"] = args.shard_bytes
+        options["target_model_name_or_path"] = args.target_name
+    elif args.target_name is not None:
+        raise ValueError("--target-name applies to --to deepspec only (the name its trainer compares)")
+    r = export(args.cache, args.out, to=args.to, **options)
+    _out(f"exported {r.num_samples} samples ({r.target}, layers {r.layers}) in {r.num_shards} file(s), "
+         f"{r.bytes_written / 1e6:.1f} MB, to {r.path} in {r.seconds:.1f}s\n" + _dropped(r)
+         + "use it with: " + _USE[r.target].format(path=r.path))
     return 0
 
 
@@ -192,11 +228,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_verify)
 
+    s = sub.add_parser("export", help="write the layout a DSpark / EAGLE-3 trainer reads (NeMo, DeepSpec, "
+                                      "SpecForge, vLLM speculators)")
+    s.add_argument("cache")
+    s.add_argument("out", help="output directory (created; must be empty or hold a previous export)")
+    s.add_argument("--to", required=True, choices=("nemo", "deepspec", "specforge", "speculators"),
+                   help="the trainer whose layout to write")
+    s.add_argument("--layers", type=_layers, default=None, help="export only these captured layer ids, e.g. 1,14,27")
+    s.add_argument("--max-length", type=int, default=None, metavar="L",
+                   help="cut every sample at L tokens; samples left with no supervised token are left out (counted)")
+    s.add_argument("--overwrite", action="store_true", help="replace a previous export in OUT")
+    s.add_argument("--shard-size", type=int, default=256, help="nemo: samples per shard (NeMo's default 256)")
+    s.add_argument("--shard-bytes", type=int, default=None,
+                   help="deepspec: bytes per shard file (DeepSpec's default 64 GiB)")
+    s.add_argument("--target-name", default=None, metavar="NAME",
+                   help="deepspec: target_model_name_or_path to record, which DeepSpec's trainer compares with its "
+                        "config (default: the model.path the cache was made with)")
+    s.set_defaults(fn=_export_to)
+
     s = sub.add_parser("export-nemo", help="write NeMo AutoModel's DSpark offline cache layout")
     s.add_argument("cache")
     s.add_argument("out", help="output directory (use as recipe_args.cached_target_path)")
     s.add_argument("--shard-size", type=int, default=256, help="samples per shard (NeMo's default 256)")
     s.add_argument("--layers", type=_layers, default=None, help="export only these captured layer ids, e.g. 1,14,27")
+    s.add_argument("--max-length", type=int, default=None, metavar="L",
+                   help="cut every sample (and the padding) at L tokens; samples left with no supervised token are "
+                        "left out (counted)")
     s.add_argument("--overwrite", action="store_true", help="replace a previous export in OUT")
     s.set_defaults(fn=_export)
 

@@ -180,6 +180,10 @@ FIELDS: tuple[Field, ...] = (
           null=True),
     Field("capture.mask.mask_generation_prompt", Kind.BOOL, "assistant headers unsupervised", required=False,
           null=True),
+    Field("capture.mask.default_system_prompt", Kind.STR, "deepspec: the system prompt added to conversations "
+          "without one", required=False, null=True),
+    Field("capture.mask.min_supervised_tokens", Kind.INT, "deepspec: fewer supervised tokens make a reject",
+          required=False, null=True, lo=0, hi=MAX_SEQ_LENGTH),
     Field("capture.target_weights_dtype", Kind.STR, "the checkpoint's floating dtype", required=False, null=True),
     Field("capture.weights_fingerprint", Kind.STR, "the identity's fingerprint of every weight file",
           required=False, null=True),
@@ -272,17 +276,21 @@ class Counts:
 class MaskPolicy:
     """Which rule made the loss masks, and the mask options (a trainer's answer to "what is supervised?").
 
-    ``rule``: ``generation_template`` (the template's own ``{% generation %}`` assistant mask),
-    ``nemo_prefix`` (NeMo's prefix rule: each assistant turn from its role header to its
-    end-of-turn token) or ``deepspec`` (DeepSpec's: assistant content and end-of-turn token).
-    ``fallback``: with ``nemo_prefix``, ``full_render_alignment``, how a turn is located where
-    the template rewrites earlier turns and the prefix rule breaks.
+    ``rule``: ``generation_template`` (the template's own ``{% generation %}`` assistant mask)
+    or ``nemo_prefix`` (NeMo's prefix rule: each assistant turn from its role header to its
+    end-of-turn token). ``fallback``: with ``nemo_prefix``, ``full_render_alignment``, how a
+    turn is located where the template rewrites earlier turns and the prefix rule breaks.
+    ``deepspec`` (``data.mask_rule=deepspec``): DeepSpec's rule, each assistant turn's content
+    and end-of-turn marker without its header, ``default_system_prompt`` added to conversations
+    without one, samples under ``min_supervised_tokens`` rejected.
     """
 
     rule: str | None = None
     fallback: str | None = None
     mask_reasoning_content: bool | None = None
     mask_generation_prompt: bool | None = None
+    default_system_prompt: str | None = None  # deepspec: the system prompt added where a conversation has none
+    min_supervised_tokens: int | None = None  # deepspec: fewer supervised tokens make a reject
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,11 @@ class RejectReason(StrEnum):
     TEMPLATE_ERROR = "template_error"
     UNMASKABLE = "unmaskable_template"
     NO_SUPERVISED_TOKENS = "no_supervised_tokens"
+    # data.mask_rule=deepspec: fewer supervised tokens than DeepSpec's minimum (14), which it drops as well
+    TOO_FEW_SUPERVISED_TOKENS = "too_few_supervised_tokens"
+    # rendering a part of the conversation for data.mask_generation_prompt / mask_reasoning_content failed, so
+    # the option could not be applied to this row (its header or reasoning would have stayed supervised)
+    MASK_OPTION_ERROR = "mask_option_error"
     NONFINITE = "nonfinite_hidden_states"  # found after the forward; the sample is dropped from the cache
 
 

@@ -78,7 +78,8 @@ def provenance_lines(c: CacheReader) -> list[str]:
     mask = p["mask_policy"]
     if mask:
         rule = {"generation_template": "the template's {% generation %} mask",
-                "nemo_prefix": "NeMo's prefix rule"}.get(mask["rule"], str(mask["rule"]))
+                "nemo_prefix": "NeMo's prefix rule",
+                "deepspec": "DeepSpec's rule (content and end of turn, no header)"}.get(mask["rule"], str(mask["rule"]))
         if mask.get("fallback") == "full_render_alignment":
             rule += " (turns a template rewrites are aligned in the full render)"
         masks = (f"{rule}; reasoning masked {'yes' if mask['mask_reasoning_content'] else 'no'}, generation "

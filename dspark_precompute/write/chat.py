@@ -13,8 +13,19 @@ Loss mask (``1`` = the draft is trained on this token):
 
 ``mask_reasoning_content`` removes reasoning tokens the way NeMo does (diff against a
 render with that message's reasoning cleared); ``mask_generation_prompt`` removes the
-assistant header (the template's generation prompt). Truncation keeps the first
-``seq_length`` tokens.
+assistant header (the template's generation prompt). A row where either option cannot be
+applied (a render it needs fails, or the header cannot be located) is a
+``mask_option_error`` reject, never a row whose header or reasoning silently stays
+supervised. Truncation keeps the first ``seq_length`` tokens.
+
+``mask_rule="deepspec"`` is DeepSpec's rule instead (github.com/deepseek-ai/DeepSpec,
+``deepspec/data/parser.py`` at commit afdfa7c, template ``qwen``): a conversation without a
+system message gets ``You are a helpful assistant.``; each match of
+``<|im_start|>assistant\n(.*?(<|im_end|>\n|$))`` in the rendered text supervises the
+tokens from ``len(tok(text[:start]))`` to ``len(tok(text[:end]))``, i.e. the turn's
+content, its ``<|im_end|>`` and the newline after it, never the header; a sample with
+fewer than 14 supervised tokens (its ``--min-loss-tokens`` default) is a
+``too_few_supervised_tokens`` reject.
 """
 
 from __future__ import annotations
@@ -32,6 +43,23 @@ import numpy as np
 from dspark_precompute.write.data import Conversation, Reason, Reject
 
 GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+# DeepSpec's "qwen" chat template entry (deepspec/data/parser.py, TEMPLATE_REGISTRY) and its minimum
+DEEPSPEC_ASSISTANT_HEADER = "<|im_start|>assistant\n"
+DEEPSPEC_END_OF_TURN = "<|im_end|>\n"
+DEEPSPEC_SYSTEM_PROMPT = "You are a helpful assistant."
+DEEPSPEC_MIN_SUPERVISED = 14
+_DEEPSPEC_TURN = re.compile(re.escape(DEEPSPEC_ASSISTANT_HEADER) + r"([\s\S]*?(?:"
+                            + re.escape(DEEPSPEC_END_OF_TURN) + r"|$))")
+
+
+def mask_rule_problem(template: str, rule: str) -> str | None:
+    """Why ``data.mask_rule=rule`` cannot work with this template (None when it can)."""
+    if rule == "deepspec" and DEEPSPEC_ASSISTANT_HEADER.rstrip("\n") not in template:
+        return ("data.mask_rule=deepspec needs a ChatML template (<|im_start|>assistant ... <|im_end|>, DeepSpec's "
+                "'qwen' entry, the only one this tool reproduces); this template has no <|im_start|>assistant "
+                "header. Use data.mask_rule=nemo or a Qwen-style data.chat_template")
+    return None
 
 
 def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str:
@@ -77,6 +105,21 @@ class _Unmaskable(Exception):
     pass
 
 
+class _MaskOptionFailed(Exception):
+    """A mask option (generation prompt, reasoning) could not be applied to the row."""
+
+
+def deepspec_conversation(conv: Conversation) -> Conversation:
+    """DeepSpec's system handling: a leading system message is kept (role and content only), else its default added."""
+    msgs = conv.messages
+    if msgs and msgs[0].get("role") == "system":
+        head = [{"role": "system", "content": msgs[0].get("content")}]
+        msgs = msgs[1:]
+    else:
+        head = [{"role": "system", "content": DEEPSPEC_SYSTEM_PROMPT}]
+    return Conversation(head + list(msgs), conv.tools)
+
+
 class ChatEncoder:
     """Renders conversations with one template and builds NeMo-compatible loss masks."""
 
@@ -87,7 +130,15 @@ class ChatEncoder:
         seq_length: int,
         mask_reasoning_content: bool = False,
         mask_generation_prompt: bool = False,
+        *,
+        mask_rule: str = "nemo",
     ):
+        if mask_rule not in ("nemo", "deepspec"):
+            raise ValueError(f"mask_rule={mask_rule!r} must be 'nemo' or 'deepspec'")
+        problem = mask_rule_problem(chat_template, mask_rule)
+        if problem:
+            raise ValueError(problem)
+        self.mask_rule = mask_rule
         self.tokenizer = tokenizer
         self.template = chat_template
         self.seq_length = int(seq_length)
@@ -110,6 +161,8 @@ class ChatEncoder:
 
     # -- public -----------------------------------------------------------------------
     def encode(self, conv: Conversation, row: int = -1) -> Encoded | Reject:
+        if self.mask_rule == "deepspec":
+            conv = deepspec_conversation(conv)
         try:
             full = self.render(conv.messages, conv.tools)
         except Exception as exc:  # jinja raises many types; the row is what is wrong
@@ -118,16 +171,21 @@ class ChatEncoder:
             return Reject(row, Reason.TEMPLATE_ERROR, "chat template rendered an empty string")
         try:
             ids, offsets = self.tokenize(full)
-            if self.has_generation:
+            turn_starts: dict[int, int] = {}  # assistant message -> where its turn starts in the full render
+            if self.mask_rule == "deepspec":
+                mask = self._deepspec_mask(full, len(ids))
+            elif self.has_generation:
                 mask = self._generation_mask(conv, ids)
             else:
-                mask = self._assistant_mask(conv, full, ids, offsets)
-            if self.mask_generation_prompt:
-                self._remove_generation_prompts(conv, full, offsets, mask)
+                mask = self._assistant_mask(conv, full, ids, offsets, turn_starts)
+            if self.mask_generation_prompt and self.mask_rule != "deepspec":  # deepspec never supervises a header
+                self._remove_generation_prompts(conv, full, offsets, mask, turn_starts)
             if self.mask_reasoning_content:
                 self._remove_reasoning(conv, full, ids, mask)
         except _Unmaskable as exc:
             return Reject(row, Reason.UNMASKABLE, str(exc))
+        except _MaskOptionFailed as exc:
+            return Reject(row, Reason.MASK_OPTION_ERROR, str(exc))
         except Exception as exc:
             return Reject(row, Reason.TEMPLATE_ERROR, f"rendering a part of the conversation failed: {exc}")
         n = len(ids)
@@ -138,9 +196,27 @@ class ChatEncoder:
                 row, Reason.NO_SUPERVISED_TOKENS,
                 f"no supervised token within the first {self.seq_length} of {n} tokens",
             )
+        if self.mask_rule == "deepspec" and int(mask_arr.sum()) < DEEPSPEC_MIN_SUPERVISED:
+            return Reject(
+                row, Reason.TOO_FEW_SUPERVISED_TOKENS,
+                f"{int(mask_arr.sum())} supervised tokens within the first {self.seq_length} of {n}, fewer than "
+                f"DeepSpec's minimum of {DEEPSPEC_MIN_SUPERVISED} (data.mask_rule=deepspec)",
+            )
         return Encoded(ids_arr, mask_arr, n)
 
     # -- masks ------------------------------------------------------------------------
+    def _deepspec_mask(self, full: str, n: int) -> list[int]:
+        """DeepSpec's spans: each turn's content to its end of turn, as token counts of the text before each end."""
+        mask = [0] * n
+        for m in _DEEPSPEC_TURN.finditer(full):
+            s = len(self.tokenizer.encode(full[: m.start(1)], add_special_tokens=False))
+            if s >= min(n, self.seq_length):
+                break  # this turn and every later one lie past seq_length (DeepSpec truncates the same way)
+            e = len(self.tokenizer.encode(full[: m.end(1)], add_special_tokens=False))
+            for t in range(s, min(e, n)):
+                mask[t] = 1
+        return mask
+
     def _generation_mask(self, conv: Conversation, ids: list[int]) -> list[int]:
         out = self.tokenizer.apply_chat_template(
             conv.messages, tools=conv.tools, chat_template=self.template, tokenize=True,
@@ -150,7 +226,8 @@ class ChatEncoder:
             raise _Unmaskable("the template's tokenization differs from a plain tokenization of its render")
         return [int(bool(m)) for m in out["assistant_masks"]]
 
-    def _assistant_mask(self, conv: Conversation, full: str, ids: list[int], offsets) -> list[int]:
+    def _assistant_mask(self, conv: Conversation, full: str, ids: list[int], offsets,
+                        turn_starts: dict[int, int] | None = None) -> list[int]:
         msgs, tools = conv.messages, conv.tools
         starts = [o[0] for o in offsets]
         added_starts = {o[0] for o, t in zip(offsets, ids) if t in self.added_ids}
@@ -207,8 +284,12 @@ class ChatEncoder:
                 for t in range(s, min(e, len(ids))):
                     mask[t] = 1
                 prev_end = starts[e] if e < len(ids) else len(full)
+                if turn_starts is not None:
+                    turn_starts[i] = starts[s] if s < len(ids) else len(full)
                 continue
             cs = 0 if i == 0 else char_boundary(i, prev_end)
+            if turn_starts is not None:
+                turn_starts[i] = cs
             ce = char_boundary(i + 1, cs)
             lo, hi = bisect.bisect_left(starts, cs), bisect.bisect_left(starts, ce)
             for t in range(lo, hi):
@@ -249,7 +330,8 @@ class ChatEncoder:
             raise _Unmaskable(f"the end of message {k - 1} cannot be located in the full render")
         return best_end
 
-    def _remove_generation_prompts(self, conv: Conversation, full: str, offsets, mask: list[int]) -> None:
+    def _remove_generation_prompts(self, conv: Conversation, full: str, offsets, mask: list[int],
+                                   turn_starts: dict[int, int] | None = None) -> None:
         starts = [o[0] for o in offsets]
         for i, m in enumerate(conv.messages):
             if m["role"] != "assistant" or i == 0:
@@ -259,15 +341,19 @@ class ChatEncoder:
                 if full.startswith(plain) and bisect.bisect_left(starts, len(plain)) >= self.seq_length:
                     break  # this header and every later one lie past seq_length
                 prompted = self.render(conv.messages[:i], conv.tools, add_generation_prompt=True)
-            except Exception:
-                continue
-            if not prompted.startswith(plain) or len(prompted) == len(plain):
-                continue
+            except Exception as exc:  # the header of this turn cannot be known: it would stay supervised
+                raise _MaskOptionFailed(f"data.mask_generation_prompt: rendering messages[:{i}] to find assistant "
+                                        f"message {i}'s header failed: {type(exc).__name__}: {exc}") from exc
+            if len(prompted) == len(plain):
+                continue  # the template has no generation prompt: no header to remove
             header = prompted[len(plain):]
-            # The header sits right where the render of the earlier messages ends.
-            pos = len(plain)
-            if not (full.startswith(plain) and full.startswith(header, pos)):
-                continue
+            # The header sits right where the render of the earlier messages ends; where the template
+            # rewrites earlier turns (Qwen3 drops their <think> blocks), where the mask rule located the turn.
+            pos = len(plain) if full.startswith(plain) else (turn_starts or {}).get(i, -1)
+            if not (prompted.startswith(plain) and pos >= 0 and full.startswith(header, pos)):
+                raise _MaskOptionFailed(f"data.mask_generation_prompt: assistant message {i}'s header "
+                                        f"{header[:40]!r} is not where the render of the earlier messages ends, so it "
+                                        "cannot be removed from the loss mask")
             lo, hi = bisect.bisect_left(starts, pos), bisect.bisect_left(starts, pos + len(header))
             for t in range(lo, hi):
                 mask[t] = 0
@@ -291,7 +377,11 @@ class ChatEncoder:
                         break
             cleared = list(conv.messages)
             cleared[i] = {**m, "reasoning_content": ""}
-            text = self.render(cleared, conv.tools)
+            try:
+                text = self.render(cleared, conv.tools)
+            except Exception as exc:  # this turn's reasoning cannot be located: it would stay supervised
+                raise _MaskOptionFailed(f"data.mask_reasoning_content: rendering the conversation with message {i}'s "
+                                        f"reasoning cleared failed: {type(exc).__name__}: {exc}") from exc
             if text == full:  # the template does not render this reasoning (Qwen3: turns before the last query)
                 continue
             other, _ = self.tokenize(text)

@@ -26,6 +26,7 @@ TINY = "tiny"  # model.path value: a random-weight Qwen3 built from model.random
 FP8 = StorageDtype.fp8_e4m3
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 DATA_FORMATS = ("auto", "messages", "sharegpt")
+MASK_RULES = ("nemo", "deepspec")
 ON_INVALID = ("skip", "error")
 ON_NONFINITE = ("reject", "error")
 _SPLIT_RE = re.compile(r"^(\w+)(?:\[(-?\d*):(-?\d*)\])?$")
@@ -156,6 +157,9 @@ class DataConfig:
     chat_template: str | None = None  # inline Jinja or a path (a .jinja file or tokenizer_config.json)
     mask_reasoning_content: bool = False
     mask_generation_prompt: bool = False
+    # nemo: NeMo AutoModel's rule (assistant header included); deepspec: DeepSpec's (content and end of turn,
+    # its default Qwen system prompt, samples under 14 supervised tokens rejected)
+    mask_rule: str = "nemo"
     max_samples: int | None = None
     on_invalid: str = "skip"
     max_invalid_fraction: float = 0.01
@@ -177,6 +181,9 @@ class DataConfig:
             out.append(f"data.max_samples={self.max_samples} must be >= 1 or null")
         if self.on_invalid not in ON_INVALID:
             out.append(f"data.on_invalid={self.on_invalid!r} must be 'skip' or 'error'")
+        if self.mask_rule not in MASK_RULES:
+            out.append(f"data.mask_rule={self.mask_rule!r} must be one of {list(MASK_RULES)} (nemo: NeMo AutoModel's "
+                       "supervision; deepspec: DeepSpec's)")
         if not 0.0 <= float(self.max_invalid_fraction) <= 1.0:
             out.append(f"data.max_invalid_fraction={self.max_invalid_fraction} must be in [0, 1]")
         if isinstance(self.max_row_bytes, bool) or not isinstance(self.max_row_bytes, int) or self.max_row_bytes < 1:

@@ -31,10 +31,11 @@ class RowEncoder:
     mask_reasoning_content: bool
     mask_generation_prompt: bool
     data_format: str
+    mask_rule: str = "nemo"
 
     def build(self, tokenizer: Any) -> ChatEncoder:
         return ChatEncoder(tokenizer, self.template, self.seq_length, self.mask_reasoning_content,
-                           self.mask_generation_prompt)
+                           self.mask_generation_prompt, mask_rule=self.mask_rule)
 
     def encode(self, encoder: ChatEncoder, raw: RawRow, sel: int) -> Encoded | Reject:
         item: Conversation | Encoded | Reject = normalize(raw, self.data_format)

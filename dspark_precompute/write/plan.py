@@ -28,7 +28,7 @@ from dspark_precompute.contract.spec import (
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import LastState
 from dspark_precompute.errors import ConfigError, DataError, TargetError
-from dspark_precompute.write.chat import resolve_chat_template, sha256_text
+from dspark_precompute.write.chat import mask_rule_problem, resolve_chat_template, sha256_text
 from dspark_precompute.write.config import EMBEDDED, FP8, DataConfig, PrecomputeConfig, StorageConfig, fp8_group_problem
 from dspark_precompute.write.data import resolve_source
 from dspark_precompute.write.layers import layer_id_problems, resolve_layer_ids
@@ -84,7 +84,8 @@ def default_storage_path(cfg: PrecomputeConfig) -> str:
         "data": {k: v for k, v in cfg.to_dict()["data"].items()
                  if k in ("path", "format", "split", "shuffle_seed", "chat_template", "mask_reasoning_content",
                           "mask_generation_prompt", "max_samples")
-                 or (k == "max_row_bytes" and v != DataConfig.max_row_bytes)},
+                 or (k == "max_row_bytes" and v != DataConfig.max_row_bytes)
+                 or (k == "mask_rule" and v != DataConfig.mask_rule)},
         "storage": {**{k: getattr(s, k) for k in (*STORED_STORAGE_KEYS, "chunk_tokens", "unit_tokens", "unit_mib")},
                     **stored_dtype_knobs(s)},
         "seq_length": cfg.seq_length,
@@ -163,6 +164,8 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
     try:
         tokenizer = load_tokenizer(cfg.model)
         template = resolve_chat_template(tokenizer, cfg.data.chat_template)
+        if (problem := mask_rule_problem(template, cfg.data.mask_rule)) is not None:
+            problems.append(problem)
     except (TargetError, ValueError, OSError) as exc:
         problems.append(str(exc))
     if tokenizer is not None:
@@ -245,6 +248,8 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
             # written before the limit existed keep their hash
             **({"max_row_bytes": cfg.data.max_row_bytes}
                if cfg.data.max_row_bytes != DataConfig.max_row_bytes else {}),
+            # the supervision rule; recorded only when not NeMo's (the default), likewise
+            **({"mask_rule": cfg.data.mask_rule} if cfg.data.mask_rule != DataConfig.mask_rule else {}),
         },
         "seq_length": cfg.seq_length,
         "layer_ids": layer_ids,

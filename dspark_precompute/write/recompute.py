@@ -299,7 +299,7 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
     pick = np.sort(np.random.default_rng(seed).choice(readable, size=min(int(n), len(readable)), replace=False))
     rows = read_rows(resolve_source(cfg.data.path, cfg.data.split_slice()[0]), cfg.data)
     encoder = ChatEncoder(plan.tokenizer, plan.template, cfg.seq_length, cfg.data.mask_reasoning_content,
-                          cfg.data.mask_generation_prompt)
+                          cfg.data.mask_generation_prompt, mask_rule=cfg.data.mask_rule)
     target = load_target(cfg.model, plan.target, len(plan.tokenizer), plan.device, plan.compute_dtype)
     capture = HiddenStateCapture(target, plan.layer_ids, pre_norm=m.pre_norm_array is not None)
     ct = m.layout.chunk_tokens

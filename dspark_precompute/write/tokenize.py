@@ -29,10 +29,14 @@ log = logging.getLogger(__name__)
 
 # Rows that are well-formed but leave nothing to train on at this seq_length: recorded in
 # the rejects file, never counted as invalid data.
-FILTERED_REASONS = {Reason.NO_SUPERVISED_TOKENS}
+FILTERED_REASONS = {Reason.NO_SUPERVISED_TOKENS, Reason.TOO_FEW_SUPERVISED_TOKENS}
 REJECT_WARN_FRACTION = 0.10  # above this share of rejected rows the run warns, with the likely fixes
 REJECT_FIXES = {
     Reason.NO_SUPERVISED_TOKENS: "raise seq_length (the assistant turns start after the first seq_length tokens)",
+    Reason.TOO_FEW_SUPERVISED_TOKENS: "expected under data.mask_rule=deepspec for short answers (DeepSpec drops "
+                                      "them too); raise seq_length if the answers are cut off",
+    Reason.MASK_OPTION_ERROR: "check data.chat_template against these rows, or turn off data.mask_generation_prompt"
+                              " / data.mask_reasoning_content",
     Reason.MALFORMED_JSON: "fix the listed lines of the data file (each must be one JSON object)",
     Reason.INVALID_UTF8: "re-encode the data file as UTF-8",
     Reason.MISSING_MESSAGES: "set data.format (messages or sharegpt) or fix the rows' keys",
@@ -92,7 +96,7 @@ def encode_selection(plan: Plan, pairs: Iterator[tuple[int, RawRow]], workers: i
     """
     d = plan.cfg.data
     spec = RowEncoder(plan.template, plan.cfg.seq_length, d.mask_reasoning_content, d.mask_generation_prompt,
-                      d.format)
+                      d.format, d.mask_rule)
     encoder = spec.build(plan.tokenizer)
     workers = tokenizing_workers(plan) if workers is None else workers
     pairs = iter(pairs)  # one pass: the rows left at the hand-over go to the workers

@@ -1,4 +1,4 @@
-"""``dspark-cache``: info, verify (damage of every kind is named), export-nemo, plot, repair."""
+"""``dspark-cache``: info, verify (damage of every kind is named), export and export-nemo, plot, repair."""
 
 from __future__ import annotations
 
@@ -162,6 +162,28 @@ def test_export_nemo_writes_the_layout_and_refuses_to_clobber(default_run, tmp_p
     assert "already holds a NeMo DSpark cache" in capsys.readouterr().err
     assert main(["export-nemo", result.path, str(out), "--overwrite", "--layers", "1,3"]) == 0
     assert json.loads((out / "manifest.json").read_text())["target_layer_ids"] == [1, 3]
+
+
+def test_export_to_each_trainer_prints_its_use_and_the_samples_a_cut_left_out(default_run, tmp_path, capsys):
+    _, result = default_run
+    out = tmp_path / "ds"
+    assert main(["export", result.path, str(out), "--to", "deepspec", "--max-length", "40", "--target-name",
+                 "Qwen/Qwen3-8B", "--shard-bytes", "100000"]) == 0
+    printed = capsys.readouterr().out
+    m = json.loads((out / "manifest.json").read_text())
+    assert f"exported {m['num_samples']} samples (deepspec, layers [1, 2, 3])" in printed
+    dropped = result.samples - m["num_samples"]
+    assert dropped > 0 and f"left out {dropped} sample(s): no_supervised_token_within_max_length (max_length=40)" \
+        in printed
+    assert f"data.target_cache_path={out}" in printed and m["target_model_name_or_path"] == "Qwen/Qwen3-8B"
+    assert main(["export", result.path, str(tmp_path / "nemo"), "--to", "nemo", "--shard-size", "4"]) == 0
+    assert "recipe_args.cached_target_path=" in capsys.readouterr().out
+    assert main(["export", result.path, str(tmp_path / "sp"), "--to", "speculators"]) == 2
+    assert "capture.last_state=pre_norm" in capsys.readouterr().err
+    assert main(["export", result.path, str(tmp_path / "x"), "--to", "nemo", "--target-name", "a"]) == 2
+    assert "--target-name applies to --to deepspec only" in capsys.readouterr().err
+    assert main(["export", result.path, str(tmp_path / "y"), "--to", "deepspec", "--max-length", "0"]) == 2
+    assert "max_length=0 must be a positive number of tokens" in capsys.readouterr().err
 
 
 def test_plot_writes_a_png_report(default_run, tmp_path, capsys):

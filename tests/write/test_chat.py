@@ -207,14 +207,22 @@ def test_turns_past_seq_length_do_not_change_the_kept_mask(reasoning):
 def test_masks_with_every_option_are_unchanged_by_truncation_on_real_reasoning_rows(qwen3_tokenizer):
     kw = {"mask_reasoning_content": True, "mask_generation_prompt": True}
     full = ChatEncoder(qwen3_tokenizer, qwen3_tokenizer.chat_template, BIG, **kw)
-    short = ChatEncoder(qwen3_tokenizer, qwen3_tokenizer.chat_template, 128, **kw)
+    short = ChatEncoder(qwen3_tokenizer, qwen3_tokenizer.chat_template, 512, **kw)
+    compared = rejected = 0
     for i, row in enumerate(chat_rows("reason_tool_use_demo_50")[:25]):
         conv = conv_of(row, i)
         a, b = full.encode(conv, i), short.encode(conv, i)
+        assert not isinstance(a, Reject), (i, a)
         if isinstance(b, Reject):
-            assert b.reason == "no_supervised_tokens" and a.loss_mask[:128].sum() == 0
+            assert b.reason == "no_supervised_tokens" and a.loss_mask[:512].sum() == 0
+            rejected += 1
             continue
-        assert np.array_equal(b.input_ids, a.input_ids[:128]) and np.array_equal(b.loss_mask, a.loss_mask[:128]), i
+        assert np.array_equal(b.input_ids, a.input_ids[:512]) and np.array_equal(b.loss_mask, a.loss_mask[:512]), i
+        assert b.loss_mask.any()
+        compared += 1
+    # At 128 tokens (this test's former length) every row was rejected (Qwen3's tool preamble is longer) and
+    # the loop compared nothing; at 512, 10 rows keep supervised tokens and 15 are rejected.
+    assert (compared, rejected) == (10, 15)
 
 
 class _CountingTokenizer:
@@ -255,3 +263,67 @@ def test_the_work_of_a_long_row_grows_linearly_with_its_turns():
             assert not isinstance(got, Reject) and got.truncated
             work.append(counting.chars)
         assert work[1] <= 15 * work[0], (kw, work)
+
+
+def test_generation_prompt_masking_removes_every_header_of_rows_whose_earlier_turns_the_template_rewrites(
+        qwen3_tokenizer):
+    """Qwen3 drops earlier turns' <think> blocks, so a turn's header is not where the render of the earlier
+    messages ends: the header was silently left supervised there (16 of these 50 rows). It is found where
+    the mask rule located the turn."""
+    plain = ChatEncoder(qwen3_tokenizer, qwen3_tokenizer.chat_template, BIG)
+    masked = ChatEncoder(qwen3_tokenizer, qwen3_tokenizer.chat_template, BIG, mask_generation_prompt=True)
+    rewritten = 0
+    for i, row in enumerate(chat_rows("reason_tool_use_demo_50")):
+        conv = conv_of(row, i)
+        a, b = plain.encode(conv, i), masked.encode(conv, i)
+        assert not isinstance(b, Reject), (i, b)
+        texts = [qwen3_tokenizer.decode(a.input_ids[r]) for r in _runs(a.loss_mask, b.loss_mask)]
+        assert texts == ["<|im_start|>assistant\n"] * sum(m["role"] == "assistant" for m in conv.messages), i
+        full = plain.render(conv.messages, conv.tools)
+        k = next(j for j in range(len(conv.messages) - 1, 0, -1) if conv.messages[j]["role"] == "assistant")
+        rewritten += not full.startswith(plain.render(conv.messages[:k], conv.tools))
+    assert rewritten == 16
+
+
+# a template whose generation prompt cannot be rendered: the header of a turn cannot be known
+_NO_PROMPT = tiny.CHAT_TEMPLATE + "{%- if add_generation_prompt %}{{ raise_exception('no prompt here') }}{%- endif %}"
+
+
+def test_a_row_whose_header_cannot_be_rendered_is_a_mask_option_reject_never_a_supervised_header():
+    """Issue 19: the failed render was swallowed (``except Exception: continue``) and the header stayed in
+    the loss mask, a silent change of what the option promises."""
+    tok = tiny.build_tokenizer()
+    conv = Conversation([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                         {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}])
+    assert not isinstance(ChatEncoder(tok, _NO_PROMPT, BIG).encode(conv), Reject)  # the template itself renders
+    got = ChatEncoder(tok, _NO_PROMPT, BIG, mask_generation_prompt=True).encode(conv, 3)
+    assert isinstance(got, Reject) and got.reason == "mask_option_error" and got.row == 3
+    assert "data.mask_generation_prompt" in got.message and "no prompt here" in got.message
+
+
+def test_a_row_whose_reasoning_cannot_be_cleared_is_a_mask_option_reject():
+    tok = tiny.build_tokenizer()
+    anchor = "{%- for m in messages %}"
+    assert anchor in tiny.CHAT_TEMPLATE
+    template = tiny.CHAT_TEMPLATE.replace(anchor, "{%- if messages[-1].reasoning_content == '' %}"
+                                          "{{ raise_exception('cleared') }}{%- endif %}" + anchor, 1)
+    conv = Conversation([{"role": "user", "content": "2+2?"},
+                         {"role": "assistant", "content": "4", "reasoning_content": "add"}])
+    assert not isinstance(ChatEncoder(tok, template, BIG).encode(conv), Reject)
+    got = ChatEncoder(tok, template, BIG, mask_reasoning_content=True).encode(conv)
+    assert isinstance(got, Reject) and got.reason == "mask_option_error" and "cleared" in got.message
+
+
+@pytest.mark.e2e
+def test_under_on_invalid_error_a_mask_option_failure_stops_the_run(tmp_path):
+    from helpers import compose, small
+
+    from dspark_precompute.errors import InvalidRowError
+    from dspark_precompute.write.dryrun import dry_run
+
+    tpl = tmp_path / "no_prompt.jinja"
+    tpl.write_text(_NO_PROMPT)
+    cfg = compose(small(tmp_path, f"data.chat_template={tpl}", "data.mask_generation_prompt=true",
+                        "data.on_invalid=error", "dry_run=true"))
+    with pytest.raises(InvalidRowError, match="mask_option_error"):
+        dry_run(cfg)

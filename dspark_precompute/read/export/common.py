@@ -1,0 +1,421 @@
+"""What every export shares: the destination checks, atomic writes, progress, the sample plan.
+
+An export reads one sample at a time through the reader's public API (``read_raw``), in
+disk order (each chunk decoded about once), and writes it straight to its place in the
+target format. Memory is bounded by one sample's arrays, the reader's chunk cache and a
+few integers per sample (the plan's tables), whatever the cache's size.
+
+Atomicity comes in two forms: formats whose loader looks for a manifest (NeMo) write every
+file under a temporary name in place and the manifest last; formats whose loader takes
+whatever files it finds (SpecForge lists ``*.ckpt``, speculators loads a ``datasets``
+folder) are written into a staging directory beside the destination, which is renamed
+onto it only when whole, so a killed export never leaves a readable partial one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dspark_precompute.errors import CacheFormatError, ExportError, IncompleteCacheError, StorageWriteError
+from dspark_precompute.humanize import human_bytes, human_seconds
+from dspark_precompute.read.reader import CacheReader, open_cache
+
+log = logging.getLogger(__name__)
+
+EXPORT_MARKER = "dspark_export.json"  # written last into every staged export: what it is and where it came from
+TARGETS = ("nemo", "deepspec", "specforge", "speculators")
+
+# why an exported sample was left out (counted in the result, the log and the export's marker)
+DROP_NO_SUPERVISED = "no_supervised_token_within_max_length"
+DROP_NO_CONSECUTIVE = "no_two_consecutive_supervised_tokens"
+
+
+def tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary name beside ``path``, fsync it, rename it into place."""
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+class SafetensorsStreamWriter:
+    """A safetensors file whose tensors are filled one leading-axis row at a time.
+
+    The header (names, dtypes, shapes, offsets) is fixed at creation, so rows can be
+    written in any order straight to their place in a temporary file; :meth:`commit`
+    checks every row was written, fsyncs and renames it into place.
+    """
+
+    def __init__(self, path: Path, tensors: dict[str, tuple[str, tuple[int, ...], int]],
+                 metadata: dict[str, str] | None = None, *, fsync: bool = True):
+        self.path = Path(path)
+        self.fsync = fsync
+        header: dict[str, Any] = {}
+        self._layout: dict[str, tuple[int, int, int]] = {}  # name -> (offset, row bytes, rows)
+        off = 0
+        for name, (dtype, shape, itemsize) in tensors.items():
+            rows = int(shape[0])
+            row_bytes = int(itemsize * int(np.prod(shape[1:], dtype=np.int64)))
+            header[name] = {"dtype": dtype, "shape": [int(x) for x in shape],
+                            "data_offsets": [off, off + rows * row_bytes]}
+            self._layout[name] = (off, row_bytes, rows)
+            off += rows * row_bytes
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the reference writer aligns the data to 8 bytes
+        self._data_start = 8 + len(blob)
+        self.nbytes = self._data_start + off
+        self._written = {name: np.zeros(rows, dtype=bool) for name, (_, _, rows) in self._layout.items()}
+        self._tmp = tmp_name(self.path)
+        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, struct.pack("<Q", len(blob)) + blob, 0)
+        os.ftruncate(self._fd, self.nbytes)
+
+    def write_rows(self, name: str, first: int, data: np.ndarray) -> None:
+        """Rows ``first .. first + len(data)`` of tensor ``name`` (already in its dtype)."""
+        off, row_bytes, rows = self._layout[name]
+        data = np.ascontiguousarray(data)
+        k = int(data.shape[0]) if data.ndim else 0
+        buf = data.data.cast("B")
+        if buf.nbytes != k * row_bytes or not (0 <= first and first + k <= rows):
+            raise ValueError(f"{self.path.name}: rows {first}..{first + k} of {name!r} must be {row_bytes} bytes "
+                             f"each within [0, {rows}), got {buf.nbytes} bytes")
+        os.pwrite(self._fd, buf, self._data_start + off + first * row_bytes)
+        self._written[name][first:first + k] = True
+
+    def write_row(self, name: str, row: int, data: np.ndarray) -> None:
+        self.write_rows(name, row, np.asarray(data)[None])
+
+    def commit(self) -> None:
+        missing = {k: int((~v).sum()) for k, v in self._written.items() if not v.all()}
+        if missing:
+            self.abort()
+            raise StorageWriteError(f"{self.path}: rows never written {missing}; the export was interrupted "
+                                    "or a sample failed to read. Re-run the export.")
+        if self.fsync:
+            os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote. ``num_shards`` counts the data files (shards, or one file per sample)."""
+
+    path: str
+    num_samples: int
+    num_shards: int
+    shard_size: int  # samples per shard (NeMo); 0 where shards are cut by bytes or hold one sample
+    bytes_written: int
+    seconds: float
+    target: str = "nemo"
+    layers: list[int] = field(default_factory=list)
+    max_length: int | None = None
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> samples left out
+    notes: list[str] = field(default_factory=list)  # conversions the format forced (fp8 dequantized, dtype cast)
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+
+class ExportProgress:
+    """Tokens exported: a tqdm bar on a terminal, else a log line every ``interval`` seconds and at the end."""
+
+    def __init__(self, what: str, total_tokens: int, enabled: bool = True, interval: float = 10.0):
+        self.what, self.total = what, int(total_tokens)
+        self.tokens = self.samples = self.bytes = 0
+        self.t0 = self._last = time.perf_counter()
+        self.enabled, self.interval = enabled, interval
+        self._bar: Any = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, unit="tok", unit_scale=True, dynamic_ncols=True,
+                             desc=f"export {what}", file=sys.stderr, smoothing=0.1)
+
+    def update(self, tokens: int, nbytes: int) -> None:
+        self.samples += 1
+        self.tokens += tokens
+        self.bytes += nbytes
+        if self._bar is not None:
+            self._bar.update(tokens)
+            self._bar.set_postfix_str(f"{self.samples} samples, {human_bytes(self.bytes)} written", refresh=False)
+            return
+        now = time.perf_counter()
+        if self.enabled and now - self._last >= self.interval:
+            self._last = now
+            log.info("export %s: %s", self.what, self.line())
+
+    def line(self) -> str:
+        dt = max(1e-9, time.perf_counter() - self.t0)
+        rate = self.tokens / dt
+        left = (self.total - self.tokens) / rate if rate > 0 else 0.0
+        return (f"{100.0 * self.tokens / max(1, self.total):5.1f}% | {self.samples} samples | {rate:,.0f} tok/s | "
+                f"{self.bytes / dt / 1e6:,.1f} MB/s | ETA {human_seconds(left)} | {human_bytes(self.bytes)} written")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self.enabled:
+            log.info("export %s: %s", self.what, self.line())
+
+
+# -- the samples an export writes ----------------------------------------------------------
+def keep_any_supervised(mask: np.ndarray) -> str | None:
+    return None if mask.any() else DROP_NO_SUPERVISED
+
+
+def keep_two_consecutive(mask: np.ndarray) -> str | None:
+    """SpecForge's DFlash-family normalizer refuses a sample without two adjacent supervised tokens."""
+    if not mask.any():
+        return DROP_NO_SUPERVISED
+    m = mask.astype(bool)
+    return None if bool((m[:-1] & m[1:]).any()) else DROP_NO_CONSECUTIVE
+
+
+@dataclass
+class Plan:
+    """Which cache samples an export writes, in export order, and how long each is after the cut."""
+
+    cache: CacheReader
+    layers: list[int]
+    max_length: int | None
+    samples: np.ndarray  # int64 [n]: cache sample index of export row j (ascending: the cache's own order)
+    lengths: np.ndarray  # int64 [n]: tokens written for export row j
+    dropped: dict[str, int]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def disk_order(self) -> np.ndarray:
+        """Export rows sorted by where their tokens lie in the cache: each chunk is decoded about once."""
+        return np.argsort(self.cache.starts()[self.samples], kind="stable")
+
+    def read(self, j: int, *, last: bool = True, pre_norm: bool = False) -> dict[str, np.ndarray]:
+        """Export row ``j``'s arrays (the reader's dtypes), cut to its exported length."""
+        i = int(self.samples[j])
+        raw = self.cache.read_raw(i, self.layers, last=last, pre_norm=True) if pre_norm else \
+            self.cache.read_raw(i, self.layers, last=last)
+        n = int(self.lengths[j])
+        return {k: v[:n] for k, v in raw.items()}
+
+    def iter_disk_order(self, **kw: bool) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        for j in self.disk_order():
+            yield int(j), self.read(int(j), **kw)
+
+    def read_tokens(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Export row ``j``'s ids and loss mask only (no hidden-state chunk is decoded)."""
+        raw = self.cache.read_raw(int(self.samples[j]), [], last=False)
+        n = int(self.lengths[j])
+        return raw["input_ids"][:n], raw["loss_mask"][:n]
+
+
+def open_complete(cache: str | Path | CacheReader, what: str) -> CacheReader:
+    c = cache if isinstance(cache, CacheReader) else open_cache(cache)
+    if not c.complete:
+        raise IncompleteCacheError(f"{c.path} is incomplete; {what} has no partial form. Finish the precompute "
+                                   "run (re-run the same command) before exporting.")
+    return c
+
+
+def check_max_length(max_length: int | None) -> int | None:
+    if max_length is None:
+        return None
+    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
+        raise ExportError(f"max_length={max_length!r} must be a positive number of tokens (or None for no cut)")
+    return int(max_length)
+
+
+def plan_export(c: CacheReader, layers: list[int] | None, max_length: int | None,
+                keep: Callable[[np.ndarray], str | None] = keep_any_supervised) -> Plan:
+    """Decide the exported samples: cut each at ``max_length`` tokens, drop those ``keep`` refuses.
+
+    A causal target's states for the first L tokens do not depend on later ones, so a cut
+    sample is exactly what a run at ``seq_length=L`` would have stored for it. Only the
+    ids and masks are read to decide (a few bytes per token). Every drop is counted by
+    reason and logged; none is silent.
+    """
+    lids = c.check_layers(layers)
+    max_length = check_max_length(max_length)
+    n = len(c)
+    full = np.asarray(c.lengths(), dtype=np.int64)
+    if n and int(full.max()) > c.seq_length:
+        raise CacheFormatError(f"{c.path}: a sample has {int(full.max())} tokens, more than seq_length="
+                               f"{c.seq_length}; the cache is damaged. Run `dspark-cache verify` on it.")
+    cut = full if max_length is None else np.minimum(full, max_length)
+    keep_row = np.ones(n, dtype=bool)
+    dropped: dict[str, int] = {}
+    must_look = keep is not keep_any_supervised or (max_length is not None and bool((cut < full).any()))
+    if must_look:
+        starts = c.starts()
+        for i in np.argsort(starts, kind="stable"):
+            if keep is keep_any_supervised and cut[i] == full[i]:
+                continue  # a stored sample always holds a supervised token
+            mask = c.read_raw(int(i), [], last=False)["loss_mask"][: int(cut[i])]
+            why = keep(mask)
+            if why is not None:
+                keep_row[i] = False
+                dropped[why] = dropped.get(why, 0) + 1
+    samples = np.flatnonzero(keep_row).astype(np.int64)
+    for why, k in sorted(dropped.items()):
+        log.warning("export: %d of %d samples left out: %s%s", k, n, why,
+                    f" (max_length={max_length})" if max_length is not None else "")
+    return Plan(c, lids, max_length, samples, cut[samples], dropped)
+
+
+# -- destinations --------------------------------------------------------------------------
+def refuse_inside_cache(out: Path, cache_root: str) -> None:
+    root = Path(cache_root).resolve() if "://" not in cache_root else None
+    target = out.resolve()
+    if root is not None and (target == root or root in target.parents):
+        raise CacheFormatError(f"export destination {out} is inside the cache {cache_root}; choose a directory "
+                               "outside it")
+    if out.exists() and not out.is_dir():
+        raise CacheFormatError(f"export destination {out} is a file; give a directory")
+
+
+def previous_export(out: Path) -> dict[str, Any] | None:
+    """The marker of an export this tool finished in ``out``, or None."""
+    try:
+        return dict(json.loads((out / EXPORT_MARKER).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class StagedExport:
+    """A directory written beside ``out`` and renamed onto it when whole (the marker file written last).
+
+    ``out`` must be absent, empty, or hold an export this tool finished (replaced only with
+    ``overwrite``); anything else is refused before a byte is written. Staging directories
+    of killed exports (their process gone) are removed.
+    """
+
+    def __init__(self, out: Path, cache_root: str, overwrite: bool, what: str):
+        self.out = Path(out)
+        self.what = what
+        refuse_inside_cache(self.out, cache_root)
+        if self.out.is_dir():
+            entries = [p for p in self.out.iterdir()]
+            prev = previous_export(self.out)
+            if entries and prev is None:
+                names = ", ".join(sorted(p.name for p in entries)[:5])
+                raise CacheFormatError(f"export destination {out} holds other files ({names}); choose an empty "
+                                       "directory or one holding a previous export")
+            if prev is not None and not overwrite:
+                raise CacheFormatError(f"export destination {out} already holds a {prev.get('format', '?')} export "
+                                       f"of {prev.get('source', '?')}; pass overwrite=True (--overwrite) to replace "
+                                       "it or choose an empty directory")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        prefix = f".{self.out.name}.partial-"
+        for stale in self.out.parent.glob(prefix + "*"):
+            pid = stale.name[len(prefix):]
+            if pid.isdigit() and not _pid_alive(int(pid)):
+                log.info("export: removing %s, left by a killed export", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        self.dir = self.out.parent / f"{prefix}{os.getpid()}"
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir()
+
+    def finish(self, marker: dict[str, Any]) -> int:
+        """Write the marker last, then put the staged directory in place of ``out``; returns the marker's bytes."""
+        data = json_bytes(marker)
+        atomic_write_bytes(self.dir / EXPORT_MARKER, data)
+        fsync_dir(self.dir)
+        old = None
+        if self.out.exists():
+            if any(self.out.iterdir()):
+                old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+                (self.out / EXPORT_MARKER).unlink(missing_ok=True)  # a half-replaced directory never looks finished
+                os.replace(self.out, old)
+            else:
+                self.out.rmdir()
+        os.replace(self.dir, self.out)
+        fsync_dir(self.out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return len(data)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def export_marker(c: CacheReader, plan: Plan, target: str, notes: list[str], **extra: Any) -> dict[str, Any]:
+    """What every staged export records about itself: format, source cache, layers, cut, drops and conversions."""
+    from dspark_precompute import __version__
+
+    m = c.manifest
+    return {
+        "format": target,
+        "source": str(c.path),
+        "source_config_hash": m.config_hash,
+        "target_model": m.target_model,
+        "layer_ids": list(plan.layers),
+        "hidden_size": c.hidden_size,
+        "seq_length": c.seq_length,
+        "max_length": plan.max_length,
+        "num_samples": len(plan),
+        "num_tokens": plan.total_tokens,
+        "dropped_samples": dict(sorted(plan.dropped.items())),
+        "source_storage_dtype": m.storage_dtype,
+        "notes": list(notes),
+        "dspark_precompute_version": __version__,
+        **extra,
+    }

@@ -1,0 +1,203 @@
+"""Export a cache to DeepSpec's target cache (``data.target_cache_path``), version 2.
+
+DeepSpec (github.com/deepseek-ai/DeepSpec, ``deepspec/data/target_cache_dataset.py`` at
+commit afdfa7c) reads a directory of:
+
+* ``shard-%05d.bin``: samples back to back, each contiguous: ``input_ids`` int32 [T],
+  ``attention_mask`` uint8 [T] (ones), ``loss_mask`` uint8 [T], ``target_hidden_states``
+  bf16 [T, k*H] (the captured layers concatenated along hidden) and
+  ``target_last_hidden_states`` bf16 [T, H] (the decoder's output after its final norm);
+* ``samples.idx``: one 56-byte little-endian record per sample, in sample-id order,
+  ``struct.Struct("<QIIQQQQQ")``: sample id, shard id, length, then the byte offset in
+  its shard of each of the five arrays above;
+* ``manifest.json``: ``version`` 2, ``num_samples``, ``num_shards``, ``target_layer_ids``
+  (ascending), ``hidden_dtype`` ``bfloat16``, ``token_dtype`` ``int32``, ``mask_dtype``
+  ``uint8``, ``index_record_size`` 56, ``hidden_size``, ``shards`` (``shard_id``,
+  ``file_name``), plus ``target_model_name_or_path``, which its trainer requires to equal
+  its own ``model.target_model_name_or_path`` (as it requires the layer ids and hidden size
+  to equal the draft's).
+
+DeepSpec reads bf16 only: an fp8 cache is exported dequantized and an fp16/fp32 one
+rounded to bf16; either is logged and recorded in the manifest (``converted_from``).
+The export is staged beside ``out`` and renamed onto it when whole (manifest and marker
+last). Memory: one sample plus the index (56 bytes per sample, written in place).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark_precompute.contract.fp8 import convert
+from dspark_precompute.errors import ExportError
+from dspark_precompute.humanize import human_bytes
+from dspark_precompute.read.export.common import (
+    ExportProgress,
+    ExportResult,
+    StagedExport,
+    atomic_write_bytes,
+    export_marker,
+    json_bytes,
+    open_complete,
+    plan_export,
+)
+from dspark_precompute.read.reader import CacheReader
+
+log = logging.getLogger(__name__)
+
+DEEPSPEC_VERSION = 2
+INDEX_RECORD = struct.Struct("<QIIQQQQQ")  # 56 bytes
+DEEPSPEC_MANIFEST = "manifest.json"
+DEEPSPEC_INDEX = "samples.idx"
+DEFAULT_SHARD_BYTES = 64 * 1024**3  # DeepSpec's own --max-shard-bytes default
+DEEPSPEC_MIN_LOSS_TOKENS = 14  # its prepare_target_cache.py --min-loss-tokens default
+DEEPSPEC_QWEN_TEMPLATE = "qwen"  # the registry name its configs use for Qwen targets
+
+
+def shard_file(index: int) -> str:
+    return f"shard-{index:05d}.bin"
+
+
+def _bf16(values: np.ndarray, dtype: str) -> np.ndarray:
+    """bf16 bits (uint16) of a block in the reader's output dtype (rounded to nearest even from fp16/fp32)."""
+    return values if dtype == "bf16" else convert(values, dtype, "bf16")
+
+
+def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers: list[int] | None = None,
+                    max_length: int | None = None, overwrite: bool = False,
+                    shard_bytes: int = DEFAULT_SHARD_BYTES, target_model_name_or_path: str | None = None,
+                    progress: bool = True) -> ExportResult:
+    """Write DeepSpec's target cache for ``cache`` into ``out``.
+
+    ``target_model_name_or_path`` is what DeepSpec's trainer compares with its config's
+    ``model.target_model_name_or_path`` (default: the manifest's ``target_model``, the
+    ``model.path`` the cache was made with). ``shard_bytes`` starts a new shard file when
+    the next sample would pass it (DeepSpec's own rule). ``layers`` must be ascending.
+    """
+    t0 = time.perf_counter()
+    if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, (int, np.integer)) or shard_bytes < 1:
+        raise ExportError(f"shard_bytes={shard_bytes!r} must be a positive number of bytes per shard file")
+    c = open_complete(cache, "DeepSpec's target cache")
+    plan = plan_export(c, layers, max_length)
+    lids = plan.layers
+    if lids != sorted(lids) or len(set(lids)) != len(lids):
+        raise ExportError(f"layers={lids}: DeepSpec's manifest needs target_layer_ids in ascending order without "
+                          f"repeats (its loader asserts it); pass --layers {','.join(map(str, sorted(set(lids))))}")
+    if not lids:
+        raise ExportError("layers=[]: DeepSpec needs at least one target layer")
+    m = c.manifest
+    H, k, n = c.hidden_size, len(lids), len(plan)
+    notes: list[str] = []
+    converted_from = None
+    if m.storage_dtype == "fp8_e4m3" or m.last_storage_dtype == "fp8_e4m3":
+        converted_from = "fp8_e4m3"
+        notes.append("fp8 (e4m3) states exported dequantized to bf16: DeepSpec reads bf16 only")
+    elif c.output_dtype != "bf16" or c.last_output_dtype != "bf16":
+        converted_from = c.output_dtype if c.output_dtype != "bf16" else c.last_output_dtype
+        notes.append(f"{converted_from} states rounded to bf16 (nearest even): DeepSpec reads bf16 only")
+    rule = m.capture.mask.rule if m.capture is not None and m.capture.mask is not None else None
+    if rule != "deepspec":
+        notes.append(f"loss masks follow the cache's rule ({rule or 'not recorded'}), not DeepSpec's own "
+                     "preparation; precompute with data.mask_rule=deepspec for that")
+    for note in notes:
+        log.warning("export deepspec: %s", note)
+    target_name = str(target_model_name_or_path or m.target_model)
+    stage = StagedExport(Path(out), c.path, overwrite, "DeepSpec target cache")
+    total = 0
+    shards: list[dict[str, object]] = []
+    prog = ExportProgress("deepspec", plan.total_tokens, enabled=progress)
+    fh = None
+    try:
+        idx_fd = os.open(stage.dir / DEEPSPEC_INDEX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(idx_fd, n * INDEX_RECORD.size)
+            size = 0
+            for j, raw in plan.iter_disk_order():
+                T = len(raw["input_ids"])
+                parts = [
+                    np.ascontiguousarray(raw["input_ids"], dtype="<i4"),
+                    np.ones(T, dtype=np.uint8),
+                    np.ascontiguousarray(raw["loss_mask"], dtype=np.uint8),
+                    np.ascontiguousarray(_bf16(raw["target_hidden_states"], c.output_dtype)),
+                    np.ascontiguousarray(_bf16(raw["target_last_hidden_states"], c.last_output_dtype)),
+                ]
+                nbytes = sum(p.nbytes for p in parts)
+                assert parts[3].shape == (T, k * H) and parts[4].shape == (T, H)
+                if fh is None or (size > 0 and size + nbytes > shard_bytes):
+                    if fh is not None:
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                        fh.close()
+                    name = shard_file(len(shards))
+                    shards.append({"shard_id": len(shards), "file_name": name})
+                    fh = open(stage.dir / name, "wb")
+                    size = 0
+                offsets = []
+                for p in parts:
+                    offsets.append(size)
+                    fh.write(p.data)
+                    size += p.nbytes
+                os.pwrite(idx_fd, INDEX_RECORD.pack(j, len(shards) - 1, T, *offsets), j * INDEX_RECORD.size)
+                total += nbytes
+                prog.update(T, nbytes)
+            if fh is not None:
+                fh.flush()
+                os.fsync(fh.fileno())
+                fh.close()
+                fh = None
+            os.fsync(idx_fd)
+        finally:
+            os.close(idx_fd)
+            if fh is not None:
+                fh.close()
+        total += n * INDEX_RECORD.size
+        prog.close()
+        mrule = m.capture.mask if m.capture is not None else None
+        manifest = {
+            "version": DEEPSPEC_VERSION,
+            "num_samples": n,
+            "num_shards": len(shards),
+            "target_layer_ids": list(lids),
+            "hidden_dtype": "bfloat16",
+            "token_dtype": "int32",
+            "mask_dtype": "uint8",
+            "index_record_size": INDEX_RECORD.size,
+            "hidden_size": H,
+            "shards": shards,
+            "target_model_name_or_path": target_name,
+            "source_jsonl_paths": [str(m.data_identity("path"))],
+            "chat_template": DEEPSPEC_QWEN_TEMPLATE if rule == "deepspec" else None,
+            "max_length": int(plan.max_length or c.seq_length),
+            "min_loss_tokens": DEEPSPEC_MIN_LOSS_TOKENS if rule == "deepspec" else 1,
+            "project_name": None,
+            "exp_name": None,
+            "git_sha": None,
+            # beyond DeepSpec's own fields (its loader ignores them): where this came from and what was changed
+            "exported_by": "dspark-precompute",
+            "source_cache": str(c.path),
+            "source_config_hash": m.config_hash,
+            "mask_rule": rule,
+            "mask_generation_prompt": getattr(mrule, "mask_generation_prompt", None),
+            "converted_from": converted_from,
+            "dropped_samples": dict(sorted(plan.dropped.items())),
+            "notes": notes,
+        }
+        data = json_bytes(manifest)
+        atomic_write_bytes(stage.dir / DEEPSPEC_MANIFEST, data)
+        total += len(data)
+        total += stage.finish(export_marker(c, plan, "deepspec", notes, converted_from=converted_from,
+                                            target_model_name_or_path=target_name))
+    except BaseException:
+        prog.close()
+        stage.abort()
+        raise
+    secs = time.perf_counter() - t0
+    log.info("export deepspec: %d samples in %d shard(s), %s -> %s (%.1fs)", n, len(shards), human_bytes(total),
+             out, secs)
+    return ExportResult(str(out), n, len(shards), 0, total, secs, target="deepspec", layers=list(lids),
+                        max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)

@@ -1,0 +1,161 @@
+"""Export a cache to vLLM speculators' offline training data (speculators 0.9.0, hs-connectors 0.9.0).
+
+``speculators.train.data.ArrowDataset(max_len, datapath)`` loads ``datapath`` with
+``datasets.load_from_disk`` (columns ``input_ids``, ``loss_mask``, ``seq_len``, torch
+format) and, for row ``i``, ``datapath/hidden_states/hs_{i}.safetensors`` through
+``hs_connectors.FileTransfer``: ``token_ids`` [T] (must equal the row's ``input_ids``,
+else the sample is dropped as unavailable) and ``hidden_states`` [T, k+1, H] bf16. It
+flattens slots ``[:-1]`` into the draft's input and takes slot ``-1`` as
+``verifier_last_hidden_states``, to which the draft applies the verifier's final norm
+itself (``speculators/models/eagle3/core.py``: ``self.verifier_norm(...)``): that slot
+must be the last decoder output **before** the final norm. A cache holds it only when
+made with ``capture.last_state=pre_norm`` or ``both``; any other is refused.
+
+ids and masks are int64 (what speculators' own preprocessing stores); states are bf16
+(fp8 dequantized, fp16/fp32 rounded to nearest even, and said so). The export is staged
+beside ``out`` and renamed onto it when whole. Memory: one sample, plus ``datasets``'
+writer batch (1,000 rows of ids and masks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from dspark_precompute.contract.fp8 import convert
+from dspark_precompute.errors import ExportError, MissingDependencyError
+from dspark_precompute.humanize import human_bytes
+from dspark_precompute.read.export.common import (
+    ExportProgress,
+    ExportResult,
+    SafetensorsStreamWriter,
+    StagedExport,
+    export_marker,
+    open_complete,
+    plan_export,
+)
+from dspark_precompute.read.reader import CacheReader
+
+log = logging.getLogger(__name__)
+
+PRE_NORM = "pre_norm"  # the manifest ``arrays`` key (and reader array name) of the pre-norm state
+HS_DIR = "hidden_states"
+INSTALL = 'pip install "datasets>=4,<=5.1"  (or pip install -e ".[interop]")'
+
+
+_DTYPE_OF = {"<u2": "bf16", "<f2": "fp16", "<f4": "fp32"}  # the reader's output arrays (bf16 as its bits)
+
+
+def hs_file(i: int) -> str:
+    return f"{HS_DIR}/hs_{i}.safetensors"
+
+
+def has_pre_norm(c: CacheReader) -> bool:
+    return PRE_NORM in c.array_names
+
+
+def _bf16(values: np.ndarray, dtype: str) -> np.ndarray:
+    return values if dtype == "bf16" else convert(values, dtype, "bf16")
+
+
+@contextlib.contextmanager
+def _datasets_bars(enabled: bool) -> Iterator[None]:
+    """``datasets`` draws its own bars: only where ours would be drawn (a terminal, progress on)."""
+    from datasets.utils import logging as ds_logging
+
+    was = ds_logging.is_progress_bar_enabled()
+    if not (enabled and sys.stderr.isatty()):
+        ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            ds_logging.enable_progress_bar()
+
+
+def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, layers: list[int] | None = None,
+                       max_length: int | None = None, overwrite: bool = False, progress: bool = True) -> ExportResult:
+    """Write vLLM speculators' ``datasets`` folder and ``hidden_states/hs_{i}.safetensors`` for ``cache``."""
+    t0 = time.perf_counter()
+    c = open_complete(cache, "speculators' training data")
+    if not has_pre_norm(c):
+        last = c.manifest.capture.last_state if c.manifest.capture is not None else None
+        raise ExportError(
+            f"{c.path} stores no pre-norm last state (its last state is {last or 'post_final_norm'}): speculators "
+            "puts the decoder's last output before the final norm in the last slot of hidden_states and applies the "
+            "verifier's norm itself, so the post-norm state would be normalized twice. Re-run the precompute with "
+            "capture.last_state=pre_norm (or both) to store it.")
+    try:
+        from datasets import Dataset, Features, Sequence, Value
+        from datasets.arrow_writer import ArrowWriter
+    except ImportError as exc:
+        raise MissingDependencyError(f"export to speculators writes a `datasets` folder: {INSTALL}") from exc
+    plan = plan_export(c, layers, max_length)
+    n, H, k = len(plan), c.hidden_size, len(plan.layers)
+    if k == 0:
+        raise ExportError("layers=[]: speculators needs at least one captured layer before the verifier state")
+    notes: list[str] = []
+    if c.manifest.storage_dtype == "fp8_e4m3":
+        notes.append("fp8 (e4m3) states exported dequantized to bf16")
+    if c.output_dtype != "bf16" or c.last_output_dtype != "bf16":
+        notes.append(f"{c.output_dtype} states rounded to bf16 (nearest even): speculators trains on bf16")
+    for note in notes:
+        log.warning("export speculators: %s", note)
+    stage = StagedExport(Path(out), c.path, overwrite, "speculators training data")
+    rows_file = stage.dir.parent / f".{stage.dir.name}.rows.arrow"
+    total = 0
+    prog = ExportProgress("speculators", plan.total_tokens, enabled=progress)
+    try:
+        (stage.dir / HS_DIR).mkdir()
+        for j, raw in plan.iter_disk_order(last=False, pre_norm=True):
+            T = len(raw["input_ids"])
+            hs = np.empty((T, k + 1, H), dtype=np.uint16)
+            hs[:, :k, :] = _bf16(raw["target_hidden_states"], c.output_dtype).reshape(T, k, H)
+            pre = raw[f"target_{PRE_NORM}_hidden_states"]
+            hs[:, k, :] = _bf16(pre, _DTYPE_OF[pre.dtype.str])
+            w = SafetensorsStreamWriter(stage.dir / hs_file(j), {
+                "token_ids": ("I64", (T,), 8),
+                "hidden_states": ("BF16", (T, k + 1, H), 2),
+            }, {"format": "pt"}, fsync=False)
+            try:
+                w.write_rows("token_ids", 0, raw["input_ids"].astype(np.int64))
+                w.write_rows("hidden_states", 0, hs)
+                w.commit()
+            except BaseException:
+                w.abort()
+                raise
+            total += w.nbytes
+            prog.update(T, w.nbytes)
+        prog.close()
+        features = Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
+                             "seq_len": Value("int64")})
+        with ArrowWriter(features=features, path=str(rows_file), writer_batch_size=1000) as aw:
+            for j in range(n):  # export order: row j <-> hs_{j}; only ids and masks are read here
+                ids, mask = plan.read_tokens(j)
+                aw.write({"input_ids": ids.astype(np.int64), "loss_mask": mask.astype(np.int64),
+                          "seq_len": int(len(ids))})
+            aw.finalize()
+        ds = Dataset.from_file(str(rows_file))
+        ds.set_format("torch")
+        with _datasets_bars(progress):
+            ds.save_to_disk(str(stage.dir))
+        del ds
+        total += sum(p.stat().st_size for p in stage.dir.iterdir() if p.is_file())
+        total += stage.finish(export_marker(c, plan, "speculators", notes, slots=[*plan.layers, PRE_NORM],
+                                            checked_with="speculators==0.9.0, hs-connectors==0.9.0"))
+    except BaseException:
+        prog.close()
+        stage.abort()
+        raise
+    finally:
+        rows_file.unlink(missing_ok=True)
+    secs = time.perf_counter() - t0
+    log.info("export speculators: %d samples, %s -> %s (%.1fs)", n, human_bytes(total), out, secs)
+    return ExportResult(str(out), n, n, 1, total, secs, target="speculators", layers=list(plan.layers),
+                        max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)
