@@ -73,9 +73,21 @@ def stable_manifest(path: str) -> dict:
     return m
 
 
+def data_files(path: str) -> dict[str, bytes]:
+    """Every file of a cache but the run record (manifest, .hydra/), by relative path, with its bytes."""
+    root = Path(path)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != fmt.MANIFEST and fmt.HYDRA_RECORD not in p.relative_to(root).parts}
+
+
 def assert_same_cache(a: str, b: str, *, process_counts: bool = False) -> None:
-    """Bit-identical arrays and weights; the same manifest apart from timing and the path (and, with
+    """Byte-identical files (every shard, table, commit record, zarr.json, the weights and rejects) and the
+    same arrays as zarr reads them; the same manifest apart from timing and the path (and, with
     ``process_counts``, the writer and tokenizer process counts, which change how a cache is made, not what)."""
+    fa, fb = data_files(a), data_files(b)
+    assert sorted(fa) == sorted(fb)
+    for k in fa:
+        assert fa[k] == fb[k], k
     xa, xb = arrays_of(a), arrays_of(b)
     assert sorted(xa) == sorted(xb)
     for k in xa:
@@ -105,3 +117,62 @@ def poison_second_batch(monkeypatch) -> None:
             states[k][0, 0, 0] = float("inf")
         return states, last
     monkeypatch.setattr(HiddenStateCapture, "__call__", poisoned)
+
+
+# -- shards, read and damaged without our code (the zarr v3 sharding layout: chunks, then the index) -----------
+ABSENT = 2**64 - 1
+
+
+def shard_geometry(cache, array: str) -> tuple[int, int]:
+    """(rows per inner chunk, inner chunks per shard) of a format 2 token array, from its zarr.json."""
+    meta = json.loads((Path(cache) / array / "zarr.json").read_text())
+    outer = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
+    inner = meta["codecs"][0]["configuration"]["chunk_shape"][0]
+    return inner, outer // inner
+
+
+def shard_file(cache, array: str, c: int) -> Path:
+    """The shard file holding inner chunk ``c`` of ``array``."""
+    _, per = shard_geometry(cache, array)
+    two_d = len(json.loads((Path(cache) / array / "zarr.json").read_text())["shape"]) == 2
+    return Path(cache) / array / (f"c.{c // per}" + (".0" if two_d else ""))
+
+
+def shard_index(path: Path, n: int) -> np.ndarray:
+    """A shard's index: uint64 [n, 2] (offset, nbytes), read from its last 16 n + 4 bytes."""
+    return np.frombuffer(path.read_bytes()[-(16 * n + 4):-4], dtype="<u8").reshape(n, 2).copy()
+
+
+def write_shard_index(path: Path, index: np.ndarray) -> None:
+    """Replace a shard's index (with a valid crc32c: the damage a careless rewrite does, not a torn write)."""
+    import google_crc32c
+
+    blob = path.read_bytes()
+    body = np.ascontiguousarray(index, dtype="<u8").tobytes()
+    path.write_bytes(blob[:-(len(body) + 4)] + body + int(google_crc32c.value(body)).to_bytes(4, "little"))
+
+
+def chunk_span(cache, array: str, c: int) -> tuple[Path, int, int]:
+    """(shard file, offset, nbytes) of inner chunk ``c`` of ``array``."""
+    _, per = shard_geometry(cache, array)
+    f = shard_file(cache, array, c)
+    off, n = shard_index(f, per)[c % per]
+    assert off != ABSENT, f"chunk {c} of {array} is not in {f}"
+    return f, int(off), int(n)
+
+
+def drop_chunk(cache, array: str, c: int) -> None:
+    """Mark inner chunk ``c`` absent in its shard's index (re-checksummed): plain zarr would read the fill value."""
+    _, per = shard_geometry(cache, array)
+    f = shard_file(cache, array, c)
+    index = shard_index(f, per)
+    index[c % per] = ABSENT
+    write_shard_index(f, index)
+
+
+def flip_chunk_byte(cache, array: str, c: int, at: int = 40) -> None:
+    """Flip one bit inside inner chunk ``c``'s stored bytes (its crc32c then fails)."""
+    f, off, n = chunk_span(cache, array, c)
+    blob = bytearray(f.read_bytes())
+    blob[off + min(at, n - 5)] ^= 0x10
+    f.write_bytes(bytes(blob))

@@ -300,9 +300,9 @@ def decode_chunk(meta: ArrayMeta, idx: tuple[int, ...], raw: bytes, where: str =
     import google_crc32c
 
     name = meta.name
-    key = meta.object_key(idx[0])
+    key = f"in shard {meta.object_key(idx[0])}" if meta.sharded else f"file {meta.object_key(idx[0])}"
     if len(raw) > meta.max_stored_bytes():
-        raise CacheFormatError(f"{where}array {name!r} chunk {idx} (file {key}) is larger than any chunk of this "
+        raise CacheFormatError(f"{where}array {name!r} chunk {idx} ({key}) is larger than any chunk of this "
                                f"array can be ({meta.max_stored_bytes():,} bytes); it was not written by this tool. "
                                "Re-create the cache")
     buf = np.frombuffer(raw, dtype=np.uint8)
@@ -312,7 +312,7 @@ def decode_chunk(meta: ArrayMeta, idx: tuple[int, ...], raw: bytes, where: str =
     expected = meta.chunk_nbytes
     problem = compressed_size_problem(meta.compressor, body, expected)
     if problem:
-        raise CacheFormatError(f"{where}array {name!r} chunk {idx} (file {key}) {problem}; it is not decoded. The "
+        raise CacheFormatError(f"{where}array {name!r} chunk {idx} ({key}) {problem}; it is not decoded. The "
                                "chunk was altered or not written by this tool: re-create the cache")
     if meta.compressor is None:
         data = body
@@ -321,13 +321,13 @@ def decode_chunk(meta: ArrayMeta, idx: tuple[int, ...], raw: bytes, where: str =
         try:
             _codec(meta.compressor).decode(body, out=data)
         except Exception as exc:  # the codec's own error types
-            raise CacheFormatError(f"{where}array {name!r} chunk {idx} (file {key}) cannot be decompressed "
+            raise CacheFormatError(f"{where}array {name!r} chunk {idx} ({key}) cannot be decompressed "
                                    f"({type(exc).__name__}: {exc}); re-create the cache") from None
     out = data.view(meta.dtype).reshape(meta.chunks)
     if meta.positive:
         problem = scale_problem(out)
         if problem:
-            raise CacheFormatError(f"{where}array {name!r} chunk {idx} (file {key}) {problem}. The scales were "
+            raise CacheFormatError(f"{where}array {name!r} chunk {idx} ({key}) {problem}. The scales were "
                                    "altered or not written by this tool: re-create the cache (or run `dspark-cache "
                                    "verify --repair` and re-run the precompute command)")
     return out

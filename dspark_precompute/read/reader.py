@@ -278,8 +278,9 @@ class CacheReader:
         """
         where = f"{self.path}: "
         if raws is None:
+            refs = self._chunk_refs(jobs)
             try:
-                raws = self._source.fetch(self._chunk_refs(jobs))
+                raws = self._source.fetch(refs)
             except DamagedShardError as exc:
                 raise self._damaged(exc, jobs) from None
 

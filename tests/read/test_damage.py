@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from helpers import compose, small
+from helpers import chunk_span, compose, drop_chunk, flip_chunk_byte, shard_file, shard_geometry, shard_index, small
+from helpers import write_shard_index
 from test_reader import to_memory_fs, zarr_sample
 
 from dspark_precompute import open_cache
 from dspark_precompute.cli.cache import main
-from dspark_precompute.errors import CacheFormatError, ChecksumError, MissingChunkError
+from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, MissingChunkError
 from dspark_precompute.read.training import CacheDataset, build_dataloader
 from dspark_precompute.write.run import run
 
@@ -88,22 +89,22 @@ def same_sample(a: dict, b: dict) -> bool:
 
 
 # -- item 1: a missing chunk is damage, never zeros ---------------------------------------------
-@pytest.mark.parametrize("array,chunk_file,idx", [
-    ("hidden_states/layer_2", "hidden_states/layer_2/c/1/0", (1, 0)),
-    ("input_ids", "input_ids/c/2", (2,)),
-    ("loss_mask", "loss_mask/c/3", (3,)),
+@pytest.mark.parametrize("array,shard,idx", [
+    ("hidden_states/layer_2", "hidden_states/layer_2/c.0.0", (1, 0)),
+    ("input_ids", "input_ids/c.0", (2,)),
+    ("loss_mask", "loss_mask/c.0", (3,)),
 ])
-def test_a_deleted_chunk_raises_missing_chunk_error_naming_array_chunk_and_samples(cache_copy, array, chunk_file, idx):
+def test_a_chunk_missing_from_its_shard_raises_missing_chunk_error_naming_array_chunk_and_samples(
+        cache_copy, array, shard, idx):
     ref = {i: zarr_sample(str(cache_copy), i) for i in range(14)}
-    (cache_copy / chunk_file).unlink()
+    drop_chunk(cache_copy, array, idx[0])  # its index entry says absent (re-checksummed): zarr would read zeros
     victims = holders(cache_copy, idx[0] * CT, (idx[0] + 1) * CT)
     assert victims
     c = open_cache(cache_copy)
     for i in victims:
-        with pytest.raises(MissingChunkError, match=rf"array '{array}' chunk {re.escape(str(idx))} is missing \(file "
-                                                    rf"{chunk_file}\)"
-                                                    rf": it holds token slots \[{idx[0] * CT}, {(idx[0] + 1) * CT}\)"
-                           ) as info:
+        with pytest.raises(MissingChunkError, match=rf"array '{array}' chunk {re.escape(str(idx))} \(in shard "
+                                                    rf"{shard}\) is missing: it holds token slots "
+                                                    rf"\[{idx[0] * CT}, {(idx[0] + 1) * CT}\)") as info:
             c[i]
         assert info.value.array == array and info.value.chunk == idx and list(info.value.samples) == victims
         assert "dspark-cache verify --repair" in str(info.value)
@@ -115,14 +116,28 @@ def test_a_deleted_chunk_raises_missing_chunk_error_naming_array_chunk_and_sampl
                               ref[victims[0]]["input_ids"])
 
 
+def test_a_deleted_shard_raises_missing_chunk_error_for_every_sample_of_its_unit(cache_copy):
+    shard_file(cache_copy, "hidden_states/layer_1", 4).unlink()  # unit 1's shard of layer 1
+    t = tables(cache_copy)
+    victims = sorted(np.flatnonzero(t["samples/unit"] == 1).tolist())
+    c = open_cache(cache_copy)
+    for i in victims:
+        with pytest.raises(MissingChunkError, match=r"array 'hidden_states/layer_1' chunk \(\d+, 0\) \(in shard "
+                                                    r"hidden_states/layer_1/c.1.0\) is missing") as info:
+            c[i]
+        assert i in info.value.samples
+    other = sorted(set(range(14)) - set(victims))[0]
+    assert c.sample(other, as_numpy=True)["input_ids"].size
+
+
 def test_a_missing_chunk_is_also_damage_with_the_chunk_cache_off_and_in_a_slice(cache_copy):
-    (cache_copy / "hidden_states" / "layer_3" / "c" / "0" / "0").unlink()
+    drop_chunk(cache_copy, "hidden_states/layer_3", 0)
     c = open_cache(cache_copy, chunk_cache_bytes=0)
     victim = holders(cache_copy, 0, CT)[0]
     with pytest.raises(MissingChunkError):
         c[:]
     with pytest.raises(MissingChunkError):
-        c.read_tokens(["hidden_states/layer_3"], 0, 1)
+        c._read_tokens(["hidden_states/layer_3"], 0, 1)
     with pytest.raises(MissingChunkError):
         c[victim]
 
@@ -130,12 +145,13 @@ def test_a_missing_chunk_is_also_damage_with_the_chunk_cache_off_and_in_a_slice(
 def test_a_missing_chunk_behind_an_fsspec_url_raises_too(cache_copy):
     import fsspec
 
-    (cache_copy / "hidden_states" / "layer_1" / "c" / "2" / "0").unlink()
+    drop_chunk(cache_copy, "hidden_states/layer_1", 2)
     url = to_memory_fs(str(cache_copy), "damage-url-test")
     try:
         c = open_cache(url)
         victims = holders(cache_copy, 2 * CT, 3 * CT)
-        with pytest.raises(MissingChunkError, match=r"'hidden_states/layer_1' chunk \(2, 0\) is missing") as info:
+        with pytest.raises(MissingChunkError, match=r"'hidden_states/layer_1' chunk \(2, 0\) \(in shard "
+                                                    r"hidden_states/layer_1/c.0.0\) is missing") as info:
             c[victims[0]]
         assert list(info.value.samples) == victims
         other = holders(cache_copy, 0, CT)[0]
@@ -146,20 +162,20 @@ def test_a_missing_chunk_behind_an_fsspec_url_raises_too(cache_copy):
 
 
 def test_a_deleted_table_chunk_is_refused_at_open(cache_copy):
-    (cache_copy / "samples" / "unit" / "c" / "0").unlink()  # one unit's worth of zeros would look plausible
+    (cache_copy / "samples" / "unit" / "c.0").unlink()  # one unit's worth of zeros would look plausible
     with pytest.raises(MissingChunkError, match=r"table 'samples/unit' chunk \(0,\) is missing \(file "
-                                                r"samples/unit/c/0\): its rows \[0, 14\)"):
+                                                r"samples/unit/c.0\): its rows \[0, 14\)"):
         open_cache(cache_copy)
     assert main(["verify", str(cache_copy)]) == 1
 
 
 def test_export_plot_info_and_the_dataloader_refuse_a_missing_chunk(cache_copy, tmp_path, capsys):
-    (cache_copy / "hidden_states" / "layer_2" / "c" / "1" / "0").unlink()
-    (cache_copy / "loss_mask" / "c" / "1").unlink()
-    named = r"chunk \(1(, 0)?,?\) is missing"
+    drop_chunk(cache_copy, "hidden_states/layer_2", 1)
+    drop_chunk(cache_copy, "loss_mask", 1)
+    named = r"chunk \(1(, 0)?,?\) \(in shard [^)]*\) is missing"
     assert main(["export-nemo", str(cache_copy), str(tmp_path / "nemo")]) == 2
     err = capsys.readouterr().err
-    assert "dspark-cache export-nemo:" in err and "is missing (file " in err
+    assert "dspark-cache export-nemo:" in err and ") is missing: it holds token slots" in err
     assert not (tmp_path / "nemo" / "manifest.json").exists()  # no finished-looking export of zeros
     assert main(["plot", str(cache_copy), "-o", str(tmp_path / "p.png")]) == 2  # supervised counts read the mask
     assert "dspark-cache plot:" in capsys.readouterr().err and not (tmp_path / "p.png").exists()
@@ -169,22 +185,20 @@ def test_export_plot_info_and_the_dataloader_refuse_a_missing_chunk(cache_copy, 
     # info reads the stored masks of an incomplete cache (its counts are not final)
     edit_manifest(cache_copy, lambda m: m.update(complete=False))
     assert main(["info", str(cache_copy), "--allow-incomplete"]) == 2
-    assert "loss_mask' chunk (1,) is missing" in capsys.readouterr().err
+    assert "loss_mask' chunk (1,) (in shard loss_mask/c.0) is missing" in capsys.readouterr().err
 
 
 def test_a_dataloader_worker_raises_the_typed_error_in_the_training_process(cache_copy):
-    (cache_copy / "input_ids" / "c" / "0").unlink()
+    drop_chunk(cache_copy, "input_ids", 0)
     loader = build_dataloader(cache_copy, batch_size=2, shuffle=False, num_workers=1)
-    with pytest.raises(MissingChunkError, match=r"array 'input_ids' chunk \(0,\) is missing"):
+    with pytest.raises(MissingChunkError, match=r"array 'input_ids' chunk \(0,\) \(in shard input_ids/c.0\) is "
+                                                r"missing"):
         for _ in loader:
             pass
 
 
 def test_a_corrupt_chunk_in_a_worker_stays_a_checksum_error(cache_copy):
-    f = cache_copy / "hidden_states" / "layer_1" / "c" / "0" / "0"
-    blob = bytearray(f.read_bytes())
-    blob[40] ^= 0x10
-    f.write_bytes(bytes(blob))
+    flip_chunk_byte(cache_copy, "hidden_states/layer_1", 0)
     loader = build_dataloader(cache_copy, batch_size=2, shuffle=False, num_workers=1)
     with pytest.raises(ChecksumError, match=r"hidden_states/layer_1"):
         for _ in loader:
@@ -208,7 +222,7 @@ def test_swapped_starts_of_two_equal_length_samples_are_refused_by_the_reader_an
 def test_an_edited_chunk_tokens_is_refused_naming_the_arrays(cache_copy, capsys):
     edit_manifest(cache_copy, lambda m: m["layout"].update(chunk_tokens=128))
     with pytest.raises(CacheFormatError, match=r"array 'hidden_states/layer_1' \(hidden_states/layer_1/zarr.json\) "
-                                               r"has chunk shape \[256, 64\], the manifest implies \[128, 64\]"):
+                                               r"has inner chunk shape \[256, 64\], the manifest implies \[128, 64\]"):
         open_cache(cache_copy)
     assert main(["verify", str(cache_copy)]) == 1
     assert "the manifest implies [128]" in capsys.readouterr().out
@@ -238,13 +252,14 @@ def test_layer_directories_swapped_on_disk_are_caught_by_their_layer_id_attribut
 
 
 def test_an_unknown_or_foreign_codec_is_refused_at_open_naming_array_and_codec(cache_copy, capsys):
-    edit_meta(cache_copy, "hidden_states/layer_3", lambda m: m["codecs"].__setitem__(1, {"name": "no-such-codec"}))
+    inner = lambda m: m["codecs"][0]["configuration"]["codecs"]  # noqa: E731 - the chunk chain inside the shard
+    edit_meta(cache_copy, "hidden_states/layer_3", lambda m: inner(m).__setitem__(1, {"name": "no-such-codec"}))
     with pytest.raises(CacheFormatError, match=r"array 'hidden_states/layer_3' .* uses codec 'no-such-codec', which "
                                                r"this tool never writes"):
         open_cache(cache_copy)
     assert main(["verify", str(cache_copy)]) == 1 and "uses codec 'no-such-codec'" in capsys.readouterr().out
     # a codec zarr knows (it would decode it silently) is refused just the same
-    edit_meta(cache_copy, "hidden_states/layer_3", lambda m: m["codecs"].__setitem__(
+    edit_meta(cache_copy, "hidden_states/layer_3", lambda m: inner(m).__setitem__(
         1, {"name": "gzip", "configuration": {"level": 1}}))
     with pytest.raises(CacheFormatError, match=r"uses codec 'gzip'"):
         open_cache(cache_copy)
@@ -265,8 +280,11 @@ CRAFTED = {
     "seq_length 0": (lambda p: edit_manifest(p, lambda m: m.update(seq_length=0)), r"seq_length = 0 is outside"),
     "layout missing": (lambda p: edit_manifest(p, lambda m: m.pop("layout") and None), r"manifest lacks 'layout'"),
     "num_units off by one": (lambda p: edit_manifest(p, lambda m: m["layout"].update(num_units=3)),
-                             r"array 'units/token_start' .* has shape \[4\], the manifest implies \[3\] "
-                             r"\(layout.num_units\)"),
+                             r"layout.total_token_slots = \d+ does not end in the last of layout.num_units = 3 "
+                             r"shards"),
+    "num_units and the axis off by one": (lambda p: edit_manifest(p, lambda m: m["layout"].update(
+        num_units=5, total_token_slots=m["layout"]["total_token_slots"] + 1024)),
+        r"array 'units/token_start' .* has shape \[4\], the manifest implies \[5\] \(layout.num_units\)"),
     "samples count off": (lambda p: edit_manifest(p, lambda m: m["counts"].update(samples=15, rows_in=17)),
                           r"has shape \[14\], the manifest implies \[15\] \(counts.samples\)"),
     "manifest a JSON list": (lambda p: edit_manifest(p, lambda m: [m]), r"is not a JSON object \(it holds a list\)"),
@@ -277,20 +295,24 @@ CRAFTED = {
     "path traversal": (lambda p: edit_manifest(p, lambda m: m["arrays"].update({"2": "../../etc"})),
                        r"arrays\['2'\] = '../../etc' is not an array under hidden_states/"),
     "unknown storage dtype": (lambda p: edit_manifest(p, lambda m: m.update(storage_dtype="int4")),
-                              r"storage_dtype 'int4' is unknown"),
+                              r"storage_dtype = 'int4' is unknown"),
     "layer id a boolean": (lambda p: edit_manifest(p, lambda m: m.update(layer_ids=[True, 2, 3])),
-                           r"layer_ids = \[True, 2, 3\] must be integers"),
+                           r"layer_ids = \[True, 2, 3\] \(a list\) must be a list of integers"),
     "unknown codec": (lambda p: edit_meta(p, "hidden_states/layer_2",
-                                          lambda m: m["codecs"].__setitem__(1, {"name": "lzw"})),
+                                          lambda m: m["codecs"][0]["configuration"]["codecs"].__setitem__(
+                                              1, {"name": "lzw"})),
                       r"uses codec 'lzw', which this tool never writes"),
     "zarr.json deleted": (lambda p: (Path(p) / "hidden_states" / "layer_2" / "zarr.json").unlink(),
                           r"array 'hidden_states/layer_2' is missing \(no hidden_states/layer_2/zarr.json\)"),
     "sample length 2**31-1": (lambda p: rewrite_table(p, "samples/length", lambda t: t.__setitem__(0, 2 ** 31 - 1)),
                               r"samples/length: 1 sample\(s\) outside \[1, seq_length=256\]: sample 0 has length "
                               r"2147483647"),
-    "chunk shape 2**27 rows": (lambda p: edit_meta(p, "hidden_states/layer_1", lambda m: m["chunk_grid"][
+    "shard shape 2**27 rows": (lambda p: edit_meta(p, "hidden_states/layer_1", lambda m: m["chunk_grid"][
         "configuration"].update(chunk_shape=[2 ** 27, 64])),
-        r"has chunk shape \[134217728, 64\], the manifest implies"),
+        r"has shard shape \[134217728, 64\], the manifest implies"),
+    "inner chunk 2**27 rows": (lambda p: edit_meta(p, "hidden_states/layer_1", lambda m: m["codecs"][0][
+        "configuration"].update(chunk_shape=[2 ** 27, 64])),
+        r"has inner chunk shape \[134217728, 64\], the manifest implies"),
 }
 
 
@@ -327,18 +349,22 @@ def test_crafted_sizes_are_refused_before_any_large_allocation(cache_copy, tmp_p
     edit_manifest(wide, lambda m: m.update(hidden_size=10 ** 12))  # a 1.36 PiB export row
     huge_chunks = tmp_path / "huge_chunks"
     shutil.copytree(cache_copy, huge_chunks)
-    edit_manifest(huge_chunks, lambda m: m["layout"].update(chunk_tokens=2 ** 27, total_token_slots=2 ** 27))
+    edit_manifest(huge_chunks, lambda m: m["layout"].update(chunk_tokens=2 ** 27, unit_tokens=2 ** 27,
+                                                            num_units=1, total_token_slots=2 ** 27))
     for name in ("input_ids", "loss_mask", "hidden_states/layer_1", "hidden_states/layer_2",
                  "hidden_states/layer_3"):
         edit_meta(huge_chunks, name, lambda m: (m["chunk_grid"]["configuration"].update(
+            chunk_shape=[2 ** 27, *m["shape"][1:]]), m["codecs"][0]["configuration"].update(
             chunk_shape=[2 ** 27, *m["shape"][1:]]), m.update(shape=[2 ** 27, *m["shape"][1:]])))
     # a chunk whose blosc header claims 2 GiB, with a valid crc32c
     header = tmp_path / "header"
     shutil.copytree(cache_copy, header)
-    f = header / "hidden_states" / "layer_2" / "c" / "0" / "0"
-    body = bytearray(f.read_bytes()[:-4])
+    f, off, n = chunk_span(header, "hidden_states/layer_2", 0)
+    blob = bytearray(f.read_bytes())
+    body = blob[off:off + n - 4]
     body[4:8] = (2 ** 31 - 64).to_bytes(4, "little")
-    f.write_bytes(with_crc(bytes(body)))
+    blob[off:off + n] = with_crc(bytes(body))
+    f.write_bytes(bytes(blob))
     code = r"""
 import resource, sys, tracemalloc
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
@@ -369,8 +395,9 @@ print("peak", tracemalloc.get_traced_memory()[1])
 def test_a_zstd_chunk_declaring_another_size_is_not_decoded(zstd_run, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(zstd_run.path, copy)
-    f = copy / "hidden_states" / "layer_0" / "c" / "0" / "0"
-    body = bytearray(f.read_bytes()[:-4])
+    f, off, n = chunk_span(copy, "hidden_states/layer_0", 0)
+    blob = bytearray(f.read_bytes())
+    body = blob[off:off + n - 4]
     from dspark_precompute.contract import arrays as fmt
 
     size = fmt._zstd_content_size(bytes(body[:32]))
@@ -382,10 +409,11 @@ def test_a_zstd_chunk_declaring_another_size_is_not_decoded(zstd_run, tmp_path):
     assert width >= 2
     value = size * 2 - (256 if width == 2 else 0)
     body[pos:pos + width] = value.to_bytes(width, "little")
-    f.write_bytes(with_crc(bytes(body)))
+    blob[off:off + n] = with_crc(bytes(body))
+    f.write_bytes(bytes(blob))
     c = open_cache(copy)
-    with pytest.raises(CacheFormatError, match=r"array 'hidden_states/layer_0' chunk \(0, 0\) \(file "
-                                               rf"hidden_states/layer_0/c/0/0\) has a zstd frame declaring "
+    with pytest.raises(CacheFormatError, match=r"array 'hidden_states/layer_0' chunk \(0, 0\) \(in shard "
+                                               rf"hidden_states/layer_0/c.0.0\) has a zstd frame declaring "
                                                rf"{2 * size:,} "
                                                rf"decompressed bytes, a chunk of this array is {size:,}"):
         c[0]
@@ -460,9 +488,11 @@ def test_read_tokens_refuses_tables_and_slots_outside_the_token_axis(default_run
     _, result = default_run
     c = open_cache(result.path)
     with pytest.raises(ValueError, match=r"\['samples/start'\] are not token arrays"):
-        c.read_tokens(["samples/start"], 0, 1)
-    with pytest.raises(ValueError, match=r"token slots \[3580, 3600\) lie outside the token axis \[0, 3584\)"):
-        c.read_tokens(["input_ids"], 3580, 3600)
+        c._read_tokens(["samples/start"], 0, 1)
+    total = c.manifest.layout.total_token_slots
+    with pytest.raises(ValueError, match=rf"token slots \[{total - 4}, {total + 16}\) lie outside the token axis "
+                                         rf"\[0, {total}\)"):
+        c._read_tokens(["input_ids"], total - 4, total + 16)
 
 
 def test_an_unpickled_dataset_refuses_a_cache_re_created_since_it_was_opened(cache_copy, tmp_path):
@@ -522,17 +552,22 @@ def test_verify_repair_on_a_crafted_manifest_reports_instead_of_crashing(cache_c
         mark_for_recompute(cache_copy, [0])
 
 
-def test_a_remote_chunk_larger_than_any_chunk_can_be_is_refused_unread(cache_copy):
+def test_a_shard_index_naming_a_chunk_larger_than_any_chunk_can_be_is_refused_unread(cache_copy):
     import fsspec
 
-    f = cache_copy / "input_ids" / "c" / "1"
-    f.write_bytes(os.urandom(5 << 20))  # 5 MiB where a 1 KiB chunk (256 x int32, compressed) belongs
+    inner, per = shard_geometry(cache_copy, "input_ids")
+    f = shard_file(cache_copy, "input_ids", 1)
+    index = shard_index(f, per)
+    blob = f.read_bytes()
+    f.write_bytes(blob[:-(16 * per + 4)] + os.urandom(5 << 20) + blob[-(16 * per + 4):])  # 5 MiB more data
+    index[1] = (index[1][0], 5 << 20)  # where a 1 KiB chunk (256 x int32, compressed) belongs
+    write_shard_index(f, index)
     url = to_memory_fs(str(cache_copy), "damage-big-chunk")
     try:
         for path in (str(cache_copy), url):
             c = open_cache(path)
-            with pytest.raises(CacheFormatError, match=r"array 'input_ids' chunk \(1,\) \(file input_ids/c/1\) is "
-                                                       r"larger than any chunk of this array can be"):
+            with pytest.raises(DamagedShardError, match=r"array 'input_ids' shard \(0,\) \(object input_ids/c.0\) "
+                                                        r"has an index entry for inner chunk 1 .* exceeds a chunk's"):
                 c[holders(cache_copy, CT, 2 * CT)[0]]
     finally:
         fsspec.filesystem("memory").rm("/damage-big-chunk", recursive=True)
@@ -545,7 +580,74 @@ def test_slots_of_a_unit_not_yet_committed_are_named_as_unwritten_not_damaged(ca
     t = tables(cache_copy)
     a = int(t["units/token_start"][2])
     assert len(c) == 14 - int((t["samples/unit"] == 2).sum())
-    (cache_copy / "input_ids" / "c" / str(a // CT)).unlink()  # as if the writer had not reached it
+    assert len(c._read_tokens(["input_ids"], a, a + 1)["input_ids"]) == 1  # token ids are stored before any forward
+    shard_file(cache_copy, "hidden_states/layer_1", a // CT).unlink()  # as if the writers had not reached it
     with pytest.raises(MissingChunkError, match=r"is not written yet: it belongs to unit\(s\) \[2\], which have no "
                                                 r"commit record"):
-        c.read_tokens(["input_ids"], a, a + 1)
+        c._read_tokens(["hidden_states/layer_1"], a, a + 1)
+
+
+# -- shards: the index is checked before any offset in it is trusted ----------------------------------------
+def _unit_samples(path, unit: int) -> list[int]:
+    return sorted(np.flatnonzero(tables(path)["samples/unit"] == unit).tolist())
+
+
+def _truncate(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[:-100])  # a copy cut short: the index is gone from the end
+
+
+def _flip_index_byte(f: Path) -> None:
+    blob = bytearray(f.read_bytes())
+    blob[-10] ^= 0x01  # inside the index (before its crc32c)
+    f.write_bytes(bytes(blob))
+
+
+def _index_past_end(f: Path) -> None:
+    inner, per = 256, 4
+    index = shard_index(f, per)
+    index[0] = (len(f.read_bytes()), index[0][1])  # valid crc32c, an offset past the data
+    write_shard_index(f, index)
+
+
+@pytest.mark.parametrize("damage,words,checksum", [
+    (_truncate, r"has an index that fails its crc32c checksum \(the shard was truncated", True),
+    (_flip_index_byte, r"has an index that fails its crc32c checksum", True),
+    (_index_past_end, r"has an index entry for inner chunk 0 .* points outside its", False),
+])
+def test_a_damaged_shard_is_a_typed_error_naming_array_shard_and_samples_everywhere(cache_copy, tmp_path, capsys,
+                                                                                      damage, words, checksum):
+    f = shard_file(cache_copy, "hidden_states/layer_2", 4)  # unit 1's shard
+    damage(f)
+    victims = _unit_samples(cache_copy, 1)
+    c = open_cache(cache_copy)
+    with pytest.raises(DamagedShardError, match=r"array 'hidden_states/layer_2' shard \(1, 0\) \(object "
+                                                r"hidden_states/layer_2/c.1.0\) " + words) as info:
+        c[victims[0]]
+    assert info.value.array == "hidden_states/layer_2" and info.value.shard == (1, 0)
+    assert list(info.value.samples) == victims and info.value.checksum == checksum
+    assert "dspark-cache verify --repair" in str(info.value)
+    other = _unit_samples(cache_copy, 0)[0]  # other units' shards still read exactly
+    assert np.array_equal(c.sample(other, as_numpy=True)["input_ids"], zarr_sample(str(cache_copy), other)
+                          ["input_ids"].astype(np.int64))
+    with pytest.raises(DamagedShardError):
+        for _ in build_dataloader(cache_copy, batch_size=4, shuffle=False):
+            pass
+    assert main(["export-nemo", str(cache_copy), str(tmp_path / "nemo")]) == 2
+    assert "shard (1, 0)" in capsys.readouterr().err and not (tmp_path / "nemo" / "manifest.json").exists()
+    assert main(["verify", str(cache_copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    hits = [p for p in report["problems"] if p["array"] == "hidden_states/layer_2"]
+    assert hits and all(p["unit"] == 1 for p in hits) and hits[0]["sample"] in victims
+
+
+def test_a_shard_object_cut_short_after_its_index_was_read_is_refused_not_zero_filled(cache_copy):
+    c = open_cache(cache_copy, chunk_cache_bytes=0)
+    victims = _unit_samples(cache_copy, 1)
+    c.sample(victims[0])  # the index of unit 1's shards is in hand now
+    f, off, n = chunk_span(cache_copy, "hidden_states/layer_1", 4)
+    blob = f.read_bytes()
+    f.write_bytes(blob[:off + n // 2])  # the data behind the kept index is gone
+    c._source.forget()  # ... and the file handle: a fresh open sees the short file; the index read before stays
+    c._source._indexes[("hidden_states/layer_1", 1)] = np.asarray([[off, n], [-1, -1], [-1, -1], [-1, -1]])
+    with pytest.raises(DamagedShardError, match=r"is cut short"):
+        c._read_tokens(["hidden_states/layer_1"], 4 * CT, 4 * CT + 1)
