@@ -12,11 +12,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from helpers import compose, small
+from helpers import compose, drop_chunk, small
 from test_reader import to_memory_fs
 
 import dspark_precompute.read.assemble as assemble
 from dspark_precompute import open_cache
+from dspark_precompute.contract.chunks import ChunkRef
 from dspark_precompute.errors import LoaderStateError
 from dspark_precompute.read.assemble import BatchAssembler
 from dspark_precompute.read.prefetch import ChunkPrefetcher, to_device
@@ -346,8 +347,9 @@ class FakeStore:
         self.lock = threading.Lock()
         self.inflight = self.peak = 0
 
-    def fetch(self, key: str, limit: int) -> Future:
+    def fetch(self, ref: ChunkRef) -> Future:
         delay = self.rng.random() * 0.004
+        key = ref.key
 
         def one():
             with self.lock:
@@ -359,7 +361,7 @@ class FakeStore:
             if key == "boom":
                 raise OSError("connection reset")
             data = self.objects.get(key)
-            return None if data is None else data[:limit + 1]
+            return None if data is None else data[ref.start:ref.stop]
 
         return self.pool.submit(one)
 
@@ -370,10 +372,10 @@ def test_the_prefetcher_returns_every_object_in_plan_order_within_its_byte_and_r
     store = FakeStore(objects)
     pf = ChunkPrefetcher(store.fetch, max_bytes=4000, max_requests=3)
     order = [f"k{i}" for i in rng.permutation(200)] + ["k5", "k5"]
-    pf.plan((k, 1000) for k in order)
+    pf.plan(ref(k, 1000) for k in order)
     held = []
     for k in order:
-        assert pf.take(k, 1000) == objects[k]
+        assert pf.take(ref(k, 1000)) == objects[k]
         held.append(pf.held_bytes)
     assert pf.peak_bytes <= 4000 and max(held) <= 4000 and store.peak <= 3 and pf.peak_requests <= 3
     assert pf.requests == len(order) and pf.wasted == 0 and pf.held_bytes == 0
@@ -383,18 +385,24 @@ def test_a_wrong_plan_costs_requests_never_a_wrong_object_and_errors_reach_the_t
     objects = {f"k{i}": bytes([i]) * 50 for i in range(40)}
     store = FakeStore(objects, seed=1)
     pf = ChunkPrefetcher(store.fetch, max_bytes=300, max_requests=4)
-    pf.plan((f"k{i}", 60) for i in range(20))
-    assert pf.take("k7", 60) == objects["k7"]  # k0..k6 dropped
-    assert pf.take("k30", 60) == objects["k30"]  # unplanned: the plan is dropped, fetched now
-    assert pf.take("missing", 60) is None
+    pf.plan(ref(f"k{i}", 60) for i in range(20))
+    assert pf.take(ref("k7", 60)) == objects["k7"]  # k0..k6 dropped
+    assert pf.take(ref("k30", 60)) == objects["k30"]  # unplanned: the plan is dropped, fetched now
+    assert pf.take(ref("missing", 60)) is None
+    assert pf.take(None) is None  # a chunk its shard's index says is absent: never fetched
     with pytest.raises(OSError, match="connection reset"):
-        pf.take("boom", 60)
-    pf.plan([("k1", 60), ("k2", 60)])
+        pf.take(ref("boom", 60))
+    pf.plan([ref("k1", 60), None, ref("k2", 60)])
     pf.reset()
     time.sleep(0.05)
     assert pf.held_bytes == 0 and pf.peak_bytes <= 300 and store.peak <= 4
-    one_big = ChunkPrefetcher(store.fetch, max_bytes=10, max_requests=2)  # an object above the bound: alone
-    assert one_big.take("k3", 60) == objects["k3"] and one_big.peak_bytes == 61
+    one_big = ChunkPrefetcher(store.fetch, max_bytes=10, max_requests=2)  # a chunk above the bound: alone
+    assert one_big.take(ref("k3", 60)) == objects["k3"] and one_big.peak_bytes == 60
+
+
+def ref(key: str, size: int, start: int = 0) -> ChunkRef:
+    """The byte range ``[start, start + size)`` of object ``key``."""
+    return ChunkRef(key, start, start + size, exact=False)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -457,9 +465,10 @@ def test_a_missing_chunk_stops_the_loader_with_a_missing_chunk_error_never_zeros
 
     c = open_cache(cache_copy)
     layer = c.array_names[str(c.layer_ids[0])]
-    (cache_copy / layer / "c" / "1" / "0").unlink()
+    drop_chunk(cache_copy, layer, 1)
     loader = build_dataloader(cache_copy, batch_size=4, shuffle=shuffle, num_workers=workers, block_chunks=1)
-    with pytest.raises(MissingChunkError, match=rf"array '{layer}' chunk \(1, 0\) is missing"):
+    with pytest.raises(MissingChunkError, match=rf"array '{layer}' chunk \(1, 0\) \(in shard {layer}/c.0.0\) is "
+                                                r"missing"):
         list(loader)
 
 

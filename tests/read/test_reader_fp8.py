@@ -123,7 +123,7 @@ def test_a_scale_that_is_zero_nan_negative_or_inf_is_refused_by_readers_and_name
 
 @pytest.mark.parametrize(("damage", "pattern"), [
     ("dtype", r"hidden_scales/layer_1.*data_type 'float16', the manifest implies 'float32'"),
-    ("shape", r"hidden_scales/layer_1.*chunk shape \[256, 2\], the manifest implies \[256, 4\]"),
+    ("shape", r"hidden_scales/layer_1.*inner chunk shape \[256, 2\], the manifest implies \[256, 4\]"),
     ("gone", r"array 'hidden_scales/layer_1' is missing"),
     ("storage", r"hidden_storage = .* disagrees"),
 ])
@@ -136,7 +136,7 @@ def test_a_scale_array_or_storage_record_that_disagrees_with_the_manifest_is_ref
     if damage == "dtype":
         meta["data_type"] = "float16"
     elif damage == "shape":
-        meta["chunk_grid"]["configuration"]["chunk_shape"] = [256, 2]
+        meta["codecs"][0]["configuration"]["chunk_shape"] = [256, 2]
     meta_file.write_text(json.dumps(meta))
     if damage == "gone":
         shutil.rmtree(path / "hidden_scales/layer_1")
