@@ -115,9 +115,9 @@ def test_the_write_side_flows_one_way():
     """config -> target & tokenizer -> samples -> batches -> capture -> writers -> store: nothing downstream is
     imported upstream (run and recompute, which drive the flow, import the stages, never the reverse)."""
     modules = package_modules()
-    order = ["layers", "config", "tiny", "signals", "progress", "data", "chat", "processes", "encode", "target",
-             "capture", "provenance", "transfer", "writer", "distributed", "plan", "resume", "tokenize", "batching",
-             "dryrun", "run", "recompute", "teacher", "precision"]
+    order = ["layers", "config", "specs", "tiny", "signals", "progress", "buffers", "data", "chat", "processes",
+             "encode", "target", "capture", "provenance", "transfer", "allocate", "writer", "distributed", "plan",
+             "resume", "tokenize", "batching", "forward", "dryrun", "run", "recompute", "teacher", "precision"]
     rank = {f"dspark_precompute.write.{m}": i for i, m in enumerate(order)}
     assert set(rank) >= {m for m in modules if side_of(m) == "write" and not m.endswith(".write")}, \
         "a new write-side module needs its place in this order"

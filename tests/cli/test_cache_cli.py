@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from helpers import compose, small
+from helpers import compose, drop_chunk, flip_chunk_byte, shard_file, small
 
 from dspark_precompute import open_cache
 from dspark_precompute.cli.cache import main
@@ -45,28 +45,26 @@ def test_verify_passes_an_intact_cache(cache_copy, capsys):
 
 
 def test_verify_names_the_array_chunk_and_samples_of_a_flipped_byte(cache_copy, capsys):
-    f = cache_copy / "hidden_states" / "layer_2" / "c" / "1" / "0"
-    blob = bytearray(f.read_bytes())
-    blob[100] ^= 0x01
-    f.write_bytes(bytes(blob))
+    flip_chunk_byte(cache_copy, "hidden_states/layer_2", 1, at=100)
     assert main(["verify", str(cache_copy)]) == 1
     out = capsys.readouterr().out
     victims = holders(cache_copy, 256, 512)
-    assert "array 'hidden_states/layer_2' chunk (1, 0) (file hidden_states/layer_2/c/1/0) fails its crc32c" in out
+    assert "array 'hidden_states/layer_2' chunk (1, 0) (in shard hidden_states/layer_2/c.0.0) fails its crc32c" in out
     assert "samples " + ", ".join(map(str, victims)) in out
     assert out.count("[checksum]") == 1 and out.startswith("FAILED")
 
 
 def test_verify_finds_deleted_chunks_that_would_read_back_as_zeros(cache_copy, capsys):
-    (cache_copy / "hidden_states" / "layer_1" / "c" / "2" / "0").unlink()
-    (cache_copy / "loss_mask" / "c" / "3").unlink()  # a whole sample's mask: it cannot be all zeros
+    drop_chunk(cache_copy, "hidden_states/layer_1", 2)
+    drop_chunk(cache_copy, "loss_mask", 3)
     assert main(["verify", str(cache_copy), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     missing = [p for p in report["problems"] if p["check"] == "missing-chunk"]
     assert {(p["array"], tuple(p["chunk"])) for p in missing} == {("hidden_states/layer_1", (2, 0)),
                                                                   ("loss_mask", (3,))}
     hid = next(p for p in missing if p["array"] == "hidden_states/layer_1")
-    assert "file hidden_states/layer_1/c/2/0" in hid["message"] and hid["sample"] == holders(cache_copy, 512, 768)[0]
+    assert "in shard hidden_states/layer_1/c.0.0" in hid["message"]
+    assert hid["sample"] == holders(cache_copy, 512, 768)[0]
     assert not report["ok"]
 
 
@@ -75,12 +73,12 @@ def test_verify_checks_a_cache_behind_an_fsspec_url_too(cache_copy, capsys):
 
     fs = fsspec.filesystem("memory")
     for f in cache_copy.rglob("*"):
-        if f.is_file() and f.relative_to(cache_copy).as_posix() != "hidden_states/layer_3/c/0/0":
+        if f.is_file() and f.relative_to(cache_copy).as_posix() != "hidden_states/layer_3/c.0.0":
             fs.pipe_file(f"/cli-url-test/{f.relative_to(cache_copy).as_posix()}", f.read_bytes())
     try:
         assert main(["verify", "memory://cli-url-test"]) == 1
         out = capsys.readouterr().out
-        assert "array 'hidden_states/layer_3' chunk (0, 0) is missing (file hidden_states/layer_3/c/0/0)" in out
+        assert "array 'hidden_states/layer_3' shard (0, 0) (object hidden_states/layer_3/c.0.0) is missing" in out
     finally:
         fs.rm("/cli-url-test", recursive=True)
 
@@ -137,7 +135,7 @@ def test_verify_repair_marks_damaged_units_and_the_precompute_rerun_rewrites_the
     _, result = default_run
     copy = tmp_path / "copy"
     shutil.copytree(result.path, copy)
-    victim = copy / "hidden_states" / "layer_3" / "c" / "4" / "0"
+    victim = shard_file(copy, "hidden_states/layer_3", 4)  # unit 1's shard of layer 3
     before = victim.read_bytes()
     victim.unlink()
     unit = int(tables(copy)["unit"][holders(copy, 1024, 1280)[0]])
