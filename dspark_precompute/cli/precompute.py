@@ -112,6 +112,10 @@ def _preflight(argv: list[str]) -> None:
                     problems.append(p)
         if not problems:
             problems.append(problem)
+        else:  # the values of the overrides that compose are checked too: every problem at once
+            good = [c[0] for c in choices if not composition_problem([c[0]], check_values=False)]
+            rest = composition_problem(good) if good else None
+            problems += [line for line in (rest or "").split("\n") if line and line not in problems]
     for i, c in enumerate(choices):  # the other values of each sweep: alone, then with the rest as given
         for alt in c[1:]:
             p = composition_problem([alt], check_values=False) or composition_problem(first[:i] + [alt] + first[i + 1:])
