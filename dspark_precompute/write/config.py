@@ -490,7 +490,22 @@ def from_dictconfig(cfg: Any) -> PrecomputeConfig:
     return from_dict({str(k): v for k, v in values.items()})
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+def _conf_dir() -> Path:
+    """The Hydra config groups: ``dspark_precompute.conf`` wherever the install put it, else a checkout's ``conf/``.
+
+    A wheel carries the checkout's top-level ``conf/`` as ``dspark_precompute/conf``; an editable install
+    maps that name to the checkout's ``conf/``; a checkout used through ``PYTHONPATH`` (the GPU bench)
+    has no such module, and its ``conf/`` sits beside the package.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("dspark_precompute.conf")
+    if spec is not None and spec.origin:
+        return Path(spec.origin).resolve().parent
+    return Path(__file__).resolve().parents[2] / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 def composition_problem(overrides: list[str], check_values: bool = True) -> str | None:
