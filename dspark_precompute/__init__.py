@@ -26,19 +26,10 @@ def __getattr__(name: str) -> Any:  # PEP 562: the reader (and torch) load on fi
 def run(cfg: Any, provenance: dict[str, Any] | None = None) -> Any:
     """Precompute the cache ``cfg`` describes (see :func:`dspark_precompute.write.run.run`).
 
-    The notebook entry point: with no logging configured, the run's progress goes to stderr.
-    With ``cfg.dry_run`` it returns the plan instead
-    (:func:`dspark_precompute.write.dryrun.dry_run`) and writes nothing.
+    With ``cfg.dry_run`` it returns the plan instead (:func:`dspark_precompute.write.dryrun.dry_run`)
+    and writes nothing. Logging is the caller's: configure it to see the run's progress lines.
     """
-    import logging
-
     from dspark_precompute.write.run import run as _run
-
-    pkg = logging.getLogger("dspark_precompute")
-    if not logging.getLogger().handlers and not pkg.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-        pkg.addHandler(handler)
 
     if getattr(cfg, "dry_run", False):
         from dspark_precompute.write.dryrun import dry_run

@@ -95,11 +95,9 @@ def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunR
         raise ConfigError(["dry_run=true plans a run without running it: call dspark_precompute.run(cfg) or "
                            "dspark_precompute.write.dryrun.dry_run(cfg), or drop dry_run to run"])
     ranks = init_ranks()
-    logging.getLogger("dspark_precompute").setLevel(cfg.log_level.upper() if ranks.main else "WARNING")
     clean = False
     try:
-        with signals.handled():
-            result = _run(cfg, ranks, provenance or {})
+        result = _run(cfg, ranks, provenance or {})
         clean = True
         return result
     finally:
