@@ -17,8 +17,8 @@ import signal
 import sys
 import threading
 import time
-from multiprocessing import forkserver, popen_forkserver, process, spawn, util
-from multiprocessing.context import BaseContext, reduction, set_spawning_popen
+from multiprocessing import forkserver, popen_forkserver, process, reduction, spawn, util
+from multiprocessing.context import BaseContext, set_spawning_popen
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,15 @@ PRELOAD = ["numpy", "zarr", "dspark_precompute.write.writer", "dspark_precompute
            "transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast"]
 
 
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 class _Popen(popen_forkserver.Popen):
     """multiprocessing's fork-server Popen, asking ``server`` for the fork instead of the module-wide server."""
+
+    _fds: list[int]  # the descriptors handed to the child (set by popen_forkserver.Popen)
 
     def __init__(self, process_obj: Any, server: forkserver.ForkServer):
         self._server = server
@@ -45,7 +52,7 @@ class _Popen(popen_forkserver.Popen):
             set_spawning_popen(None)
         self.sentinel, w = self._server.connect_to_new_process(self._fds)
         _parent_w = os.dup(w)  # the child's sentinel of this process, as in multiprocessing
-        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        self.finalizer = util.Finalize(self, _close_fds, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
@@ -98,13 +105,14 @@ class HelperServer(BaseContext):
     @property
     def pid(self) -> int | None:
         """The server process, while it runs."""
-        return self._server._forkserver_pid
+        server: Any = self._server  # ForkServer's state is private to multiprocessing (the same in 3.11-3.13)
+        return server._forkserver_pid
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the server. It exits once the helpers it forked have (they hold its "alive" pipe too);
         one still running after ``timeout`` seconds is left to finish, and the server is killed."""
-        with self._lock, self._server._lock:
-            s = self._server
+        s: Any = self._server  # ForkServer's state is private to multiprocessing (the same in 3.11-3.13)
+        with self._lock, s._lock:
             if s._forkserver_pid is None:
                 return
             os.close(s._forkserver_alive_fd)

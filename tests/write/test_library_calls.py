@@ -128,6 +128,23 @@ def test_the_package_helper_server_is_its_own_and_closes(tmp_path):
     assert (forkserver._forkserver._forkserver_pid, forkserver._forkserver._preload_modules) == before
 
 
+def test_the_shared_helper_server_stops_on_shutdown_and_starts_again_with_the_next_helper():
+    from dspark_precompute.write import processes
+
+    ctx = processes.context()
+    p = ctx.Process(target=os.write, args=(1, b""), daemon=True)
+    processes.start(p)
+    p.join(60)
+    first = ctx.pid
+    assert p.exitcode == 0 and first is not None
+    processes.shutdown()
+    assert processes.context() is ctx and ctx.pid is None and not psutil.pid_exists(first)
+    p = ctx.Process(target=os.write, args=(1, b""), daemon=True)
+    processes.start(p)
+    p.join(60)
+    assert p.exitcode == 0 and ctx.pid not in (None, first)
+
+
 @pytest.mark.e2e
 def test_the_fault_plan_is_read_at_the_first_fault_point_not_at_import():
     code = textwrap.dedent("""
