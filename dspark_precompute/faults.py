@@ -2,7 +2,9 @@
 on the N-th time it reaches ``point``; ``point=N:raise`` raises instead, ``point=N:enospc``
 raises ``OSError(ENOSPC)``, ``point=N:sleep`` sleeps half a second at every hit from the
 N-th on (to give a signal time to arrive). ``DSPARK_FAULT_RANK=r`` limits faults to one torchrun rank.
-Unset (always, outside tests), a point costs a dict lookup.
+Unset (always, outside tests), a point costs a dict lookup. A process reads the variable at its
+first fault point, never at import (a malformed value cannot break ``import``); :func:`reload`
+reads it again (each helper process does, as it starts).
 
 Points: ``unit_submitted`` (forward loop, after a unit is handed to the writer),
 ``writer_array`` (a writer process, after each piece it writes; each writer counts its own hits),
@@ -21,8 +23,11 @@ import os
 import signal
 import time
 
-_counts: dict[str, int] = {}
+from dspark_precompute.errors import ConfigError
 
+ACTIONS = ("kill", "raise", "enospc", "sleep")
+_counts: dict[str, int] = {}
+_PLAN: dict[str, tuple[int, str]] | None = None  # read from the environment at the first fault point
 
 
 def _schedule() -> dict[str, tuple[int, str]]:
@@ -30,25 +35,29 @@ def _schedule() -> dict[str, tuple[int, str]]:
     only = os.environ.get("DSPARK_FAULT_RANK")
     if only is not None and only != os.environ.get("RANK", "0"):
         return {}
-    out = {}
+    out: dict[str, tuple[int, str]] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, rest = part.partition("=")
         n, _, action = rest.partition(":")
-        out[name] = (int(n or 1), action or "kill")
+        action = action or "kill"
+        if not name or not (n or "1").isdigit() or int(n or 1) < 1 or action not in ACTIONS:
+            raise ConfigError([f"DSPARK_FAULT={spec!r}: {part!r} is not a fault; write point=N[:action] with N >= 1 "
+                               f"and an action among {list(ACTIONS)} (e.g. unit_submitted=2:raise), or unset it"])
+        out[name] = (int(n or 1), action)
     return out
 
 
-_PLAN = _schedule()
-
-
 def reload() -> None:
-    """Read ``$DSPARK_FAULT`` again: a process forked from a server started before it was set."""
+    """Read ``$DSPARK_FAULT`` now: a process forked from a server started before it was set, or a test that
+    fixes this process's plan before setting it for helper processes only."""
     global _PLAN
     _PLAN = _schedule()
     _counts.clear()
 
 
 def fault_point(name: str) -> None:
+    if _PLAN is None:  # first use: importing the package never reads the environment
+        reload()
     if not _PLAN or name not in _PLAN:
         return
     _counts[name] = _counts.get(name, 0) + 1

@@ -322,7 +322,9 @@ def main() -> None:
         table.append({"case": name, "workers": w, "tokens_per_s": tps, "GBps": tps * token_bytes / 1e9,
                       "cpu_us_per_token": statistics.median(r["cpu_us_per_token"] for r in rs),
                       "contention": statistics.median(r.get("contention", 0.0) for r in rs),
-                      "of_decode_limit": tps / (limit * max(1, w)), "repeats": [r["tokens_per_s"] for r in rs]})
+                      "of_decode_limit": tps / (limit * max(1, w)), "repeats": [r["tokens_per_s"] for r in rs],
+                      # what each timed epoch delivered: every real token once, in this many batches
+                      "epoch_tokens": [int(r["tokens"]) for r in rs], "epoch_batches": [int(r["batches"]) for r in rs]})
         cpu = table[-1]["cpu_us_per_token"]  # 0 on a tiny cache: CPU times tick in 10 ms
         table[-1]["decode_share_of_cpu"] = limit_cpu / cpu if cpu > 0 else float("nan")
     by = {row["case"]: row for row in table}
@@ -343,6 +345,7 @@ def main() -> None:
                      "bytes_on_disk": sum(f.stat().st_size for f in args.cache.rglob("*") if f.is_file()),
                      "nemo_bytes": sum(f.stat().st_size for f in nemo_dir.rglob("*") if f.is_file())},
            "decode_limit_tokens_per_s": limit, "decode_limit_cpu_us_per_token": limit_cpu,
+           "decode_limit_bytes": [int(x["decoded_bytes"]) for x in limits],
            "decode_limit_repeats": limit_reps, "cases": table,
            "s3": s3, "repeats": args.repeats}
     md = markdown(out, args)

@@ -14,7 +14,7 @@ from dspark_precompute.contract import spec as fmt
 from dspark_precompute.contract.manifest import RUN_RECORD_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "dspark_precompute" / "conf"
+CONF = REPO / "conf"
 SHARED = REPO.parent / "shared" / "data"
 QWEN3_TOKENIZER = SHARED / "tokenizers" / "qwen3"
 CHAT = SHARED / "chat"

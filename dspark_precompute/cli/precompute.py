@@ -10,6 +10,11 @@ Examples::
 
 Before Hydra runs anything, every override is checked against the schema (each value of
 a sweep too): all bad values are reported together, one line each, with exit status 2.
+What the machine says about the values (CUDA devices, whether paths exist) is checked by
+each job where it runs, before weights load: a SLURM sweep is submitted from a login node.
+
+This module is the only place (with ``dspark-cache``) that changes the process: the job's
+log level and SIGINT/SIGTERM handlers are set here, for the job, never by the library.
 """
 
 from __future__ import annotations
@@ -30,19 +35,24 @@ log = logging.getLogger("dspark_precompute")
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _app(dcfg: DictConfig) -> None:
+    """One job, in this process or in a launcher's (a submitit task runs this function, not ``main``)."""
+    from dspark_precompute.write import signals
     from dspark_precompute.write.config import from_dictconfig
     from dspark_precompute.write.run import run
 
     provenance = _provenance(dcfg)  # in memory, now: Hydra's files on disk may belong to another run
     try:
-        cfg = from_dictconfig(dcfg)
-        if cfg.dry_run:
-            from dspark_precompute.write.dryrun import dry_run
+        with signals.handled():  # a signal stops the job with one line and 128+signal, never a traceback
+            cfg = from_dictconfig(dcfg)
+            # Hydra's job logging installed the handlers; the level is the job's (rank 0 only: the others warn)
+            log.setLevel(cfg.log_level.upper() if _rank() == 0 else logging.WARNING)
+            if cfg.dry_run:
+                from dspark_precompute.write.dryrun import dry_run
 
-            sys.stdout.write(dry_run(cfg).table())
-            sys.stdout.flush()
-            return
-        run(cfg, provenance=provenance)
+                sys.stdout.write(dry_run(cfg).table())
+                sys.stdout.flush()
+                return
+            run(cfg, provenance=provenance)
     except (DsparkError, StoppedBySignal) as exc:
         log.error("%s", exc)
         raise SystemExit(getattr(exc, "exit_code", 2)) from None
@@ -68,7 +78,9 @@ def _provenance(dcfg: DictConfig) -> dict[str, Any]:
 
 
 def _rank() -> int:
-    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+    """This process's rank: torchrun's, SLURM's, or submitit's local executor's; 0 alone."""
+    env = os.environ
+    return int(env.get("RANK") or env.get("SLURM_PROCID") or env.get("SUBMITIT_LOCAL_GLOBALID") or 0)
 
 
 def _fail(problems: list[str]) -> None:
@@ -126,20 +138,27 @@ def _preflight(argv: list[str]) -> None:
 
 
 def main() -> None:
+    """The ``dspark-precompute`` command: check the overrides, then let Hydra run the job(s).
+
+    ``sys.argv`` is read, never changed: a torchrun rank > 0 hands Hydra a copy with its extra
+    overrides, and the caller's list is back in place when this returns or raises.
+    """
     from dspark_precompute.write import signals
 
     signals.install()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HF tokenizers and our helper processes
+    argv = sys.argv
     try:
         register_configs()
         if not CONF_DIR.is_dir():
             sys.exit(f"dspark-precompute: config directory {CONF_DIR} is missing; install the project with "
                      "`pip install -e .` from its checkout")
-        _preflight(sys.argv[1:])
-        if _rank() > 0 and "-m" not in sys.argv and "--multirun" not in sys.argv:
+        _preflight(argv[1:])
+        if _rank() > 0 and "-m" not in argv and "--multirun" not in argv:
             # torchrun: every rank composes the same config, only rank 0 writes Hydra's output dir and log.
-            sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
-                         "hydra/hydra_logging=disabled"]
+            # Hydra reads sys.argv: it gets its own list for the call.
+            sys.argv = [*argv, "hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
+                        "hydra/hydra_logging=disabled"]
         _app()
     except StoppedBySignal as exc:  # a signal outside the run (while composing, importing)
         sys.stderr.write(f"dspark-precompute: {exc}\n")
@@ -148,6 +167,7 @@ def main() -> None:
         sys.stderr.write("dspark-precompute: stopped by SIGINT; resume with the same command\n")
         raise SystemExit(130) from None
     finally:
+        sys.argv = argv
         signals.exiting()  # a second Ctrl-C or SIGTERM during shutdown: exit at once, no traceback
 
 

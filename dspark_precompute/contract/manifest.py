@@ -695,7 +695,8 @@ def _rule_layer_ids(c: _Checked) -> list[str]:
     if any(b <= a for a, b in zip(ids, ids[1:])):
         return [f"manifest layer_ids = {ids} must be strictly increasing"]
     if c.ok("num_hidden_layers") and not all(-1 <= i < int(c["num_hidden_layers"]) for i in ids):
-        return [f"manifest layer_ids = {ids} must lie in [-1, num_hidden_layers - 1 = {int(c['num_hidden_layers']) - 1}]"]
+        top = int(c["num_hidden_layers"]) - 1
+        return [f"manifest layer_ids = {ids} must lie in [-1, num_hidden_layers - 1 = {top}]"]
     return []
 
 

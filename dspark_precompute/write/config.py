@@ -4,6 +4,12 @@ Hydra composes ``conf/`` into a DictConfig; :func:`from_dictconfig` turns it int
 dataclasses. Every dataclass lists its own problems; :class:`PrecomputeConfig` gathers
 them in ``__post_init__`` and raises one :class:`~dspark_precompute.errors.ConfigError`
 naming every bad key, its value and the fix.
+
+Those checks read the values only (types, ranges, empty strings), so a config composes the
+same on any machine: a SLURM job is composed on a login node without GPUs, and its paths
+may exist only on the compute nodes. What the machine says about a value (a CUDA device,
+whether a path exists and what it is) is :func:`host_problems`, which the run checks on
+each rank before weights load (:func:`dspark_precompute.write.plan.prepare`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
 
 def _device_problems(device: str) -> list[str]:
-    """A CUDA device asked for on a machine that has none (or fewer) is a config error, not a late crash."""
+    """A CUDA device asked for on a machine that has none (or fewer) is a config error, not a late crash.
+
+    About this machine, not the value: checked where the run runs (:func:`host_problems`).
+    """
     if not str(device).startswith("cuda"):
         return []
     import torch
@@ -123,16 +132,10 @@ class ModelConfig:
                        "model.layer_preset to keep the explicit ids")
         if self.fingerprint not in ("sampled", "full"):
             out.append(f"model.fingerprint={self.fingerprint!r} must be 'full' or 'sampled'")
-        out += _device_problems(self.device)
-        if self.path != TINY:
-            p = Path(self.path).expanduser()
-            if not p.exists() and not _looks_like_hub_id(self.path):
-                out.append(
-                    f"model.path={self.path!r} is neither an existing directory nor a hub id like "
-                    "'Qwen/Qwen3-0.6B'; fix the path, or use model=tiny for the built-in random target"
-                )
-            elif p.exists() and not p.is_dir():
-                out.append(f"model.path={self.path!r} is a file; point it at the model directory")
+        if not str(self.path).strip():
+            out.append("model.path='' is empty; give a hub id like 'Qwen/Qwen3-0.6B', a local model directory, "
+                       "or tiny for the built-in random target")
+        elif self.path != TINY:
             if self.random != RandomTargetConfig():
                 out.append(
                     f"model.random.* is set but model.path={self.path!r}: the random shape applies only to the "
@@ -140,9 +143,31 @@ class ModelConfig:
                 )
         else:
             out += self.random.problems()
-        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().exists() \
-                and not _looks_like_hub_id(self.tokenizer):
-            out.append(f"model.tokenizer={self.tokenizer!r} does not exist and is not a hub id")
+        if self.tokenizer is not None and not str(self.tokenizer).strip():
+            out.append("model.tokenizer='' is empty; give a hub id or a local tokenizer directory, or leave it "
+                       "null for the model's own tokenizer")
+        return out
+
+    def host_problems(self) -> list[str]:
+        """What this machine says about the values: the CUDA device, and whether the local paths exist."""
+        return _device_problems(self.device) + self.path_problems()
+
+    def path_problems(self) -> list[str]:
+        """Whether ``model.path`` and ``model.tokenizer`` exist on this machine (or are hub ids)."""
+        out: list[str] = []
+        if self.path != TINY and str(self.path).strip():
+            p = Path(self.path).expanduser()
+            if not p.exists() and not _looks_like_hub_id(self.path):
+                out.append(
+                    f"model.path={self.path!r} is neither an existing directory on this machine nor a hub id like "
+                    "'Qwen/Qwen3-0.6B'; fix the path, or use model=tiny for the built-in random target"
+                )
+            elif p.exists() and not p.is_dir():
+                out.append(f"model.path={self.path!r} is a file on this machine; point it at the model directory")
+        if self.tokenizer is not None and str(self.tokenizer).strip() \
+                and not Path(self.tokenizer).expanduser().exists() and not _looks_like_hub_id(self.tokenizer):
+            out.append(f"model.tokenizer={self.tokenizer!r} does not exist on this machine and is not a hub id; "
+                       "fix the path, or leave it null for the model's own tokenizer")
         return out
 
 
@@ -189,14 +214,19 @@ class DataConfig:
         if isinstance(self.max_row_bytes, bool) or not isinstance(self.max_row_bytes, int) or self.max_row_bytes < 1:
             out.append(f"data.max_row_bytes={self.max_row_bytes!r} must be a positive number of bytes "
                        "(memory per row grows with it: about 400 bytes per byte in the worst case)")
-        if self.path != EMBEDDED:
-            p = Path(self.path).expanduser()
-            if not p.exists() and not _looks_like_hub_id(self.path):
-                out.append(
-                    f"data.path={self.path!r} does not exist (and is not a hub dataset id); "
-                    "give a .jsonl/.json/.parquet file or a dataset directory"
-                )
+        if not str(self.path).strip():
+            out.append("data.path='' is empty; give a .jsonl/.json/.parquet file, a dataset directory, a hub "
+                       "dataset id, or embedded for the bundled chat set")
         return out
+
+    def host_problems(self) -> list[str]:
+        """Whether ``data.path`` exists on this machine (or is a hub dataset id)."""
+        if self.path == EMBEDDED or not str(self.path).strip():
+            return []
+        if not Path(self.path).expanduser().exists() and not _looks_like_hub_id(self.path):
+            return [f"data.path={self.path!r} does not exist on this machine (and is not a hub dataset id); "
+                    "give a .jsonl/.json/.parquet file or a dataset directory"]
+        return []
 
     def split_slice(self) -> tuple[str, slice]:
         m = _SPLIT_RE.match(self.split)
@@ -277,9 +307,14 @@ class StorageConfig:
             out.append(f"storage.writers={self.writers} must be >= 1, or null for one per spare core")
         if not str(self.root).strip():
             out.append("storage.root='' is empty; give a directory (or s3:// prefix) under which caches are derived")
-        if self.path is not None:
-            out += _storage_path_problems(self.path)
+        if self.path is not None and not str(self.path).strip():
+            out.append("storage.path='' is empty; give a directory for the cache, or leave storage.path null to "
+                       "derive one under storage.root")
         return out
+
+    def host_problems(self) -> list[str]:
+        """What this machine's filesystem says about ``storage.path`` (a file, a symlink loop)."""
+        return _storage_path_problems(self.path) if self.path is not None and str(self.path).strip() else []
 
 
 def fp8_group_problem(group: int, hidden: int) -> str:
@@ -291,18 +326,15 @@ def fp8_group_problem(group: int, hidden: int) -> str:
 
 
 def _storage_path_problems(path: str) -> list[str]:
-    if not str(path).strip():
-        return ["storage.path='' is empty; give a directory for the cache, or leave storage.path null to derive "
-                "one under storage.root"]
     if "://" in str(path):
         return []
     p = Path(path).expanduser()
     try:
         p.resolve(strict=False)
     except (RuntimeError, OSError) as exc:  # a symlink loop (3.11 raises RuntimeError), a too-long name
-        return [f"storage.path={path!r} cannot be resolved ({exc}); give a real directory"]
+        return [f"storage.path={path!r} cannot be resolved on this machine ({exc}); give a real directory"]
     if p.exists() and not p.is_dir():
-        return [f"storage.path={path!r} is a file; give a directory for the cache"]
+        return [f"storage.path={path!r} is a file on this machine; give a directory for the cache"]
     return []
 
 
@@ -396,6 +428,16 @@ class PrecomputeConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (vocabulary members as their strings)."""
         return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def host_problems(cfg: PrecomputeConfig) -> list[str]:
+    """What the machine that runs ``cfg`` says about it: CUDA devices, and the local paths' existence and kind.
+
+    Never checked while composing (a SLURM job is composed on a login node that may have no GPU and
+    not the compute nodes' paths); :func:`dspark_precompute.write.plan.prepare` checks it on every
+    rank before weights load, together with its own problems.
+    """
+    return cfg.model.host_problems() + cfg.data.host_problems() + cfg.storage.host_problems()
 
 
 def _leaves(values: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -515,7 +557,22 @@ def from_dictconfig(cfg: Any) -> PrecomputeConfig:
     return from_dict({str(k): v for k, v in values.items()})
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+def _conf_dir() -> Path:
+    """The Hydra config groups: ``dspark_precompute.conf`` wherever the install put it, else a checkout's ``conf/``.
+
+    A wheel carries the checkout's top-level ``conf/`` as ``dspark_precompute/conf``; an editable install
+    maps that name to the checkout's ``conf/``; a checkout used through ``PYTHONPATH`` (the GPU bench)
+    has no such module, and its ``conf/`` sits beside the package.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("dspark_precompute.conf")
+    if spec is not None and spec.origin:
+        return Path(spec.origin).resolve().parent
+    return Path(__file__).resolve().parents[2] / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 def composition_problem(overrides: list[str], check_values: bool = True) -> str | None:

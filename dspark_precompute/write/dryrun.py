@@ -26,7 +26,7 @@ from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS,
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import DsparkError
 from dspark_precompute.humanize import human_bytes
-from dspark_precompute.write import resume, signals
+from dspark_precompute.write import resume
 from dspark_precompute.write.batching import make_batches
 from dspark_precompute.write.config import PrecomputeConfig
 from dspark_precompute.write.plan import Plan, prepare
@@ -235,11 +235,9 @@ def forward_tokens(plan: Plan, layout: Layout) -> int:
 
 def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
     """Plan the run ``cfg`` describes: everything that needs no weights, nothing written. Logs the report."""
-    logging.getLogger("dspark_precompute").setLevel(cfg.log_level.upper())
-    with signals.handled():
-        plan = prepare(cfg, fingerprint=False)
-        state = storage_state(plan)
-        tok = tokenize(plan)
+    plan = prepare(cfg, fingerprint=False)
+    state = storage_state(plan)
+    tok = tokenize(plan)
     warn_about_rejects(tok)
     layout = build_layout(tok.lengths, plan.chunk_tokens, plan.unit_tokens)
     s = cfg.storage

@@ -1,9 +1,12 @@
 """The run plan: everything decided before any weights load.
 
-``prepare(cfg)`` resolves the storage path, the tokenizer and chat template, the target's
-identity (config, weight fingerprint, layer ids, whether it fits the device), the array
-specs, chunk and unit sizes, and the identity hashed into ``config_hash``; every problem
-is reported together as one ConfigError. ``Plan.manifest`` builds the cache's manifest.
+``prepare(cfg)`` checks what this machine says about the config (its CUDA devices, the
+paths it names: :func:`~dspark_precompute.write.config.host_problems`, on every rank, as
+composing on a login node could not), then resolves the storage path, the tokenizer and
+chat template, the target's identity (config, weight fingerprint, layer ids, whether it
+fits the device), the array specs, chunk and unit sizes, and the identity hashed into
+``config_hash``; every problem is reported together as one ConfigError. ``Plan.manifest``
+builds the cache's manifest.
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import LastState
 from dspark_precompute.errors import ConfigError, DataError, TargetError
 from dspark_precompute.write.chat import mask_rule_problem, resolve_chat_template, sha256_text
-from dspark_precompute.write.config import EMBEDDED, FP8, DataConfig, PrecomputeConfig, StorageConfig, fp8_group_problem
+from dspark_precompute.write.config import (
+    EMBEDDED,
+    FP8,
+    DataConfig,
+    PrecomputeConfig,
+    StorageConfig,
+    fp8_group_problem,
+    host_problems,
+)
 from dspark_precompute.write.data import resolve_source
 from dspark_precompute.write.layers import layer_id_problems, resolve_layer_ids
 from dspark_precompute.write.provenance import plan_capture
@@ -152,22 +163,24 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
     lacks their fingerprint and must not be compared with a cache's.
     """
     path = cfg.storage.path or default_storage_path(cfg)
-    store = CacheStore(path)
-    problems: list[str] = []
-    try:
-        source = resolve_source(cfg.data.path, cfg.data.split_slice()[0])
-        data_sha = source.content_sha256()
-    except DataError as exc:
-        problems.append(str(exc))
-        source, data_sha = None, ""
+    # this machine's view first (each rank's own): a part it refuses is not resolved further
+    model_paths, data_host = cfg.model.path_problems(), cfg.data.host_problems()
+    problems = host_problems(cfg)
+    data_sha = ""
+    if not data_host:
+        try:
+            data_sha = resolve_source(cfg.data.path, cfg.data.split_slice()[0]).content_sha256()
+        except DataError as exc:
+            problems.append(str(exc))
     tokenizer = template = target = None
-    try:
-        tokenizer = load_tokenizer(cfg.model)
-        template = resolve_chat_template(tokenizer, cfg.data.chat_template)
-        if (problem := mask_rule_problem(template, cfg.data.mask_rule)) is not None:
-            problems.append(problem)
-    except (TargetError, ValueError, OSError) as exc:
-        problems.append(str(exc))
+    if not model_paths:
+        try:
+            tokenizer = load_tokenizer(cfg.model)
+            template = resolve_chat_template(tokenizer, cfg.data.chat_template)
+            if (problem := mask_rule_problem(template, cfg.data.mask_rule)) is not None:
+                problems.append(problem)
+        except (TargetError, ValueError, OSError) as exc:
+            problems.append(str(exc))
     if tokenizer is not None:
         try:
             target = inspect_target(cfg.model, tokenizer, fingerprint)
@@ -208,6 +221,7 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
     if problems:
         raise ConfigError(problems)
     assert tokenizer is not None and template is not None and target is not None  # else a problem was listed
+    store = CacheStore(path)  # resolves a local path: after the checks of it (a symlink loop would raise)
     hidden = target.hidden_size
     knobs = stored_dtype_knobs(cfg.storage)
     state = LastState(cfg.capture.last_state)

@@ -38,7 +38,7 @@ from dspark_precompute.errors import (
 )
 from dspark_precompute.faults import fault_point
 from dspark_precompute.humanize import human_bytes
-from dspark_precompute.write import resume, signals
+from dspark_precompute.write import resume
 from dspark_precompute.write.allocate import allocate, write_tokens
 from dspark_precompute.write.capture import export_weights
 from dspark_precompute.write.config import PrecomputeConfig
@@ -90,11 +90,9 @@ def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunR
         raise ConfigError(["dry_run=true plans a run without running it: call dspark_precompute.run(cfg) or "
                            "dspark_precompute.write.dryrun.dry_run(cfg), or drop dry_run to run"])
     ranks = init_ranks()
-    logging.getLogger("dspark_precompute").setLevel(cfg.log_level.upper() if ranks.main else "WARNING")
     clean = False
     try:
-        with signals.handled():
-            result = _Run(cfg, ranks, provenance or {}).execute()
+        result = _Run(cfg, ranks, provenance or {}).execute()
         clean = True
         return result
     finally:

@@ -1,9 +1,12 @@
 """SIGINT/SIGTERM: one clean line and exit status 128+signal, never a traceback.
 
-Outside the forward loop a signal stops the run at once (nothing is half-written: every
-file is written atomically and units commit last). Inside it (:func:`graceful`), the first
-signal only sets a flag, so the loop drops the unit in flight, lets the writer finish the
-units it already holds and stops; a second signal stops at once.
+Only the command-line entry points install these handlers (``dspark-precompute``'s job,
+``dspark-cache``): a notebook or trainer calling the library keeps its own, and an
+interrupted library run unwinds through ``finally`` blocks (writers stopped, lock released).
+Under the commands, outside the forward loop a signal stops the run at once (nothing is
+half-written: every file is written atomically and units commit last). Inside it
+(:func:`graceful`), the first signal only sets a flag, so the loop drops the unit in flight,
+lets the writer finish the units it already holds and stops; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def restore(previous: dict[int, Any]) -> None:
 
 @contextmanager
 def handled() -> Iterator[_State]:
-    """Signals raise :class:`StoppedBySignal` for the duration (the whole run)."""
+    """Signals raise :class:`StoppedBySignal` for the duration (a command's job); the previous handlers after."""
     previous = install()
     STATE.signum = None
     try:
@@ -65,7 +68,12 @@ def handled() -> Iterator[_State]:
 
 @contextmanager
 def graceful() -> Iterator[_State]:
-    """Inside: the first signal sets ``STATE.signum`` and returns; the loop checks it between batches."""
+    """Inside: the first signal sets ``STATE.signum`` and returns; the loop checks it between batches.
+
+    Without :func:`install` (a library call) the caller's handlers stay: Ctrl-C raises KeyboardInterrupt.
+    A signal before this point already stopped the run, so a flag left from then is cleared.
+    """
+    STATE.signum = None
     STATE.graceful = True
     try:
         yield STATE

@@ -9,27 +9,76 @@ import sys
 import pytest
 from helpers import CONF, REPO, compose, small
 
-from dspark_precompute.write.config import PrecomputeConfig
+from dspark_precompute.errors import ConfigError
 from dspark_precompute.write.plan import default_storage_path
 
 pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+BENCH_CONF = REPO / "scripts" / "conf"  # the benchmark targets, composable with hydra.searchpath
+# group options that leave a required key (???) to the command line, and a value for it
+REQUIRED = {"model/hf": ["model.path=Qwen/Qwen3-0.6B"], "data/jsonl": [f"data.path={REPO / 'pyproject.toml'}"]}
 
 
-@pytest.mark.parametrize("group", ["model", "data", "storage", "batch"])
-def test_every_config_group_option_composes_into_a_valid_typed_config(group, tmp_path):
-    required = {"hf": ["model.path=Qwen/Qwen3-0.6B"], "jsonl": [f"data.path={REPO / 'pyproject.toml'}"]}
-    options = group_options(group)
-    assert options
-    for option in options:
-        text = (CONF / group / f"{option}.yaml").read_text()
-        if "../shared/" in text and not (REPO.parent / "shared" / "data").exists():
-            continue  # the benchmark targets use the shared Qwen3 tokenizer fixture
-        cfg = compose([f"{group}={option}", *required.get(option, [])])
-        assert isinstance(cfg, PrecomputeConfig), option
+def group_options(root, group: str) -> list[str]:
+    return sorted(p.stem for p in (root / group).glob("*.yaml"))
+
+
+def _leaves(values, prefix: str = "") -> dict:
+    if isinstance(values, dict):
+        return {k: v for key, sub in values.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: values}
+
+
+OPTIONS = [pytest.param(CONF, g, o, id=f"{g}={o}") for g in ("model", "data", "storage", "batch")
+           for o in group_options(CONF, g)]
+OPTIONS += [pytest.param(BENCH_CONF, "model", o, id=f"scripts/conf model={o}")
+            for o in group_options(BENCH_CONF, "model")]
+
+
+@pytest.mark.parametrize("root,group,option", OPTIONS)
+def test_every_config_group_option_composes_into_the_typed_config_with_each_value_its_file_sets(root, group, option):
+    from omegaconf import OmegaConf
+
+    required = REQUIRED.get(f"{group}/{option}", [])
+    search = [] if root == CONF else [f"hydra.searchpath=[file://{root}]"]
+    cfg = compose([*search, f"{group}={option}", *required])
+    written = OmegaConf.to_container(OmegaConf.load(root / group / f"{option}.yaml"), resolve=True)
+    expected = {k: v for k, v in _leaves(written, f"{group}.").items() if v != "???"}
+    expected.update(o.split("=", 1) for o in required)
+    if not expected:  # a file of comments only stands for the schema's defaults of its group
+        part = getattr(cfg, group)
+        assert part == type(part)(), f"{group}/{option}.yaml sets nothing, yet {group} is not the schema's defaults"
+    got = _leaves(cfg.to_dict())
+    assert {k: got.get(k, "<not in the typed config>") for k in expected} == expected
+
+
+def test_an_option_whose_required_value_is_missing_names_the_key_to_set():
+    for option, (override,) in REQUIRED.items():
+        key = override.split("=", 1)[0]
+        with pytest.raises(ConfigError, match=f"{key} is required and has no value"):
+            compose([option.replace("/", "=")])
+
+
+@pytest.mark.parametrize("option", group_options(CONF, "hydra/launcher"))
+def test_every_launcher_option_reaches_hydra_with_each_value_its_file_sets(option):
+    """The hydra/launcher files configure Hydra itself (submitit), not the typed config: compose with Hydra's."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from dspark_precompute.write.config import CONF_DIR, register_configs
+
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the launchers need hydra-submitit-launcher "
+                        "(pip install 'dspark-precompute[slurm]')")
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=[f"hydra/launcher={option}"], return_hydra_config=True)
+    written = OmegaConf.to_container(OmegaConf.load(CONF / "hydra" / "launcher" / f"{option}.yaml"))
+    written.pop("defaults")
+    launcher = OmegaConf.to_container(cfg.hydra.launcher)
+    assert written and {k: launcher.get(k) for k in written} == written
+    assert launcher["_target_"].startswith("hydra_plugins.hydra_submitit_launcher")
 
 
 def test_the_shipped_defaults_are_the_documented_ones():

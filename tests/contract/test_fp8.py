@@ -104,7 +104,8 @@ def test_an_fp8_manifest_names_each_arrays_storage_and_scale_array_and_reads_bac
     (lambda d: d.update(storage_dtype="bf16", last_dtype=None), r"fp8_group = 16 but no array is stored as fp8"),
     (lambda d: d.update(last_dtype="fp4"), r"last_dtype = 'fp4' is unknown"),
     (lambda d: d["hidden_storage"]["hidden_states/layer_2"].update(dtype="bf16"), r"hidden_storage = .* disagrees"),
-    (lambda d: d.update(bytes_per_token=389), r"bytes_per_token = 389 disagrees with the fields it is derived from, which give 293"),
+    (lambda d: d.update(bytes_per_token=389), r"bytes_per_token = 389 disagrees with the fields it is derived from, "
+                                              r"which give 293"),
 ])
 def test_an_edited_fp8_manifest_is_refused_naming_the_field(edit, pattern):
     data = json.loads(fp8_manifest().to_bytes())

@@ -11,14 +11,15 @@ from hypothesis import strategies as st
 
 from dspark_precompute.contract.layout import build_layout
 from dspark_precompute.contract.manifest import (
+    FIELDS,
     RUN_RECORD_FIELDS,
     Counts,
     Manifest,
     ManifestLayout,
     config_hash,
+    fields_markdown,
     manifest_problems,
 )
-from dspark_precompute.contract.manifest import FIELDS, fields_markdown
 from dspark_precompute.contract.spec import hidden_arrays
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import CacheFormatError

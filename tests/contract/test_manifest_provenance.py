@@ -68,7 +68,8 @@ def test_a_manifest_written_before_these_fields_existed_still_opens():
     (lambda d: d["provenance"].update(world_size=0), "provenance.world_size = 0 is outside"),
     (lambda d: d["provenance"].update(argv="python -m x"), "provenance.argv = 'python -m x' (a string) must be a list"),
     (lambda d: d["provenance"].update(hosts=[1]), "provenance.hosts = [1] (a list) must be a list of strings"),
-    (lambda d: d["provenance"].update(versions={"torch": 2}), "provenance.versions = {'torch': 2} (an object) must be an object of string -> string"),
+    (lambda d: d["provenance"].update(versions={"torch": 2}),
+     "provenance.versions = {'torch': 2} (an object) must be an object of string -> string"),
 ])
 def test_a_field_of_the_wrong_type_is_refused_naming_it(edit, words):
     data = json.loads(one(capture=CAPTURE, provenance=RECORD).to_bytes())

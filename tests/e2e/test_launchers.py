@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from helpers import assert_same_cache, compose, small
 
@@ -46,3 +47,17 @@ def test_submitits_local_executor_runs_two_tasks_as_two_ranks_into_one_cache(tmp
     assert len(logs) == 2 and all("global_rank=" in p.read_text() for p in logs)
     run(compose(small(tmp_path, *UNITS, "data.max_samples=16", name="single")))
     assert_same_cache(str(tmp_path / "single"), str(tmp_path / "slurm"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a GPU job submitted from a machine without")
+def test_a_gpu_sweep_submitted_from_a_machine_without_cuda_is_launched_and_each_task_checks_its_own_device(tmp_path):
+    """The SLURM path from a login node: composing and submitting do not look at this machine's GPUs; every
+    task (here: submitit's local executor, 2 tasks as 2 ranks) checks the device where it runs, before weights."""
+    proc = cli(tmp_path, "-m", "hydra/launcher=local_tasks", *small(tmp_path, "model.device=cuda", name="gpu"),
+               timeout=300)
+    logs = sorted(tmp_path.rglob("*_log.out"))
+    assert len(logs) == 2, proc.stderr[-3000:]  # submitted: two tasks ran
+    for log in logs:
+        assert "model.device='cuda' but this machine has no usable CUDA device" in log.read_text(), log
+    assert proc.returncode != 0 and "invalid configuration" in proc.stdout + proc.stderr
+    assert not (tmp_path / "gpu").exists()

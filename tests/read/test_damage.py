@@ -22,8 +22,17 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from helpers import chunk_span, compose, drop_chunk, flip_chunk_byte, shard_file, shard_geometry, shard_index, small
-from helpers import write_shard_index
+from helpers import (
+    chunk_span,
+    compose,
+    drop_chunk,
+    flip_chunk_byte,
+    shard_file,
+    shard_geometry,
+    shard_index,
+    small,
+    write_shard_index,
+)
 from test_reader import to_memory_fs, zarr_sample
 
 from dspark_precompute import open_cache
@@ -603,7 +612,7 @@ def _flip_index_byte(f: Path) -> None:
 
 
 def _index_past_end(f: Path) -> None:
-    inner, per = 256, 4
+    per = 4  # default_run: units of 1024 tokens in chunks of 256
     index = shard_index(f, per)
     index[0] = (len(f.read_bytes()), index[0][1])  # valid crc32c, an offset past the data
     write_shard_index(f, index)

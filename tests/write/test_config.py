@@ -84,21 +84,58 @@ def test_from_dict_checks_types_and_values_together():
 
 
 def test_bad_paths_are_config_errors(tmp_path):
+    for override in ("storage.path=''", "storage.root=''", "model.path=''", "data.path=''", "model.tokenizer=''"):
+        with pytest.raises(ConfigError, match="is empty"):
+            compose([override])
+
+
+def test_what_this_machine_says_about_a_path_is_checked_by_the_run_not_while_composing(tmp_path, monkeypatch):
+    """A path is composed as a value (a SLURM job is composed on a login node that may lack the compute nodes'
+    paths); the run checks it where it runs, before weights load, every problem in one ConfigError."""
     loop = tmp_path / "loop"
     os.symlink(loop, loop)
-    for override, words in ((f"storage.path={loop}", "cannot be resolved"), ("storage.path=''", "is empty"),
-                            ("storage.root=''", "is empty")):
-        with pytest.raises(ConfigError, match=words):
-            compose([override])
+    (tmp_path / "afile").write_text("x")
+    host = [f"storage.path={loop}", f"model.path={tmp_path / 'afile'}", f"model.tokenizer={tmp_path / 'no-tok'}",
+            f"data.path={tmp_path / 'missing.jsonl'}"]
+    cfg = compose(host)  # composes: all four are well-formed values
+    assert cfg.storage.path == str(loop) and cfg.data.path == str(tmp_path / "missing.jsonl")
+
+    def boom(*a, **k):
+        raise AssertionError("the tokenizer or weights were loaded although the paths were refused")
+    monkeypatch.setattr("dspark_precompute.write.plan.load_tokenizer", boom)
+    with pytest.raises(ConfigError) as err:
+        prepare(cfg)
+    text = str(err.value)
+    assert "4 problem(s)" in text, text
+    for words in (f"storage.path={str(loop)!r} cannot be resolved on this machine",
+                  f"model.path={str(tmp_path / 'afile')!r} is a file on this machine",
+                  f"model.tokenizer={str(tmp_path / 'no-tok')!r} does not exist on this machine",
+                  f"data.path={str(tmp_path / 'missing.jsonl')!r} does not exist on this machine"):
+        assert words in text, words
 
 
 @pytest.mark.e2e
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_asking_for_cuda_on_a_machine_without_it_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="no usable CUDA device"):
-        compose(small(tmp_path, "model.device=cuda"))
-    bad = cli(tmp_path, f"storage.path={tmp_path / 'c'}", "model.device=cuda:1")
-    assert bad.returncode == 2 and "CUDA" in bad.stderr and "Traceback" not in bad.stderr
+def test_cuda_composes_on_a_machine_without_it_and_the_run_there_stops_naming_the_device_before_weights_load(
+        tmp_path, monkeypatch):
+    from dspark_precompute.cli.precompute import _preflight
+    from dspark_precompute.write.run import run
+
+    overrides = small(tmp_path, "model.device=cuda")
+    assert compose(overrides).model.device == "cuda"  # a login node composes a GPU job
+    _preflight(overrides)  # and the command's preflight lets it through (it exits on a problem)
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded before the refusal")
+    monkeypatch.setattr("dspark_precompute.write.run.load_target", boom)
+    with pytest.raises(ConfigError) as err:
+        run(compose(overrides))
+    assert "model.device='cuda' but this machine has no usable CUDA device" in str(err.value)
+    assert not (tmp_path / "cache").exists()
+    bad = cli(tmp_path, f"storage.path={tmp_path / 'c'}", "model.device=cuda:1")  # the job, where it runs
+    out = bad.stdout + bad.stderr  # the job's log (Hydra's console handler writes to stdout)
+    assert bad.returncode == 2 and "model.device='cuda:1' but this machine has no usable CUDA device" in out
+    assert "Traceback" not in out
     assert not (tmp_path / "c").exists()
 
 

@@ -156,16 +156,18 @@ def test_data_changed_under_the_same_path_is_refused_and_overwrite_replaces(tmp_
 def test_invalid_values_are_all_reported_before_any_weights_load(tmp_path, no_weights):
     with pytest.raises(ConfigError) as err:
         compose([f"storage.path={tmp_path}/x", "seq_length=0", "storage.dtype=int8", "model.layer_ids=[3,1]",
-                 "data.path=/nope/missing.jsonl", "model.device=tpu"])
+                 "data.path=''", "model.device=tpu"])
     text = str(err.value)
     for key in ("seq_length=0", "storage.dtype", "model.layer_ids", "data.path", "model.device"):
         assert key in text, key
     assert len(err.value.problems) >= 5
+    with pytest.raises(ConfigError, match="data.path='/nope/missing.jsonl' does not exist on this machine"):
+        run(compose(small(tmp_path, "data.path=/nope/missing.jsonl")))
     with pytest.raises(ConfigError, match="batch.max_tokens=100 is smaller than seq_length=256"):
         compose(small(tmp_path, "batch.max_tokens=100"))
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
-        compose(small(tmp_path, f"storage.path={tmp_path / 'afile'}"))
+        run(compose(small(tmp_path, f"storage.path={tmp_path / 'afile'}")))
     with pytest.raises(ConfigError, match="outside"):
         run(compose(small(tmp_path, "model.layer_ids=[0,9]")))
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import CHAT, QWEN3_TOKENIZER, compose, small
 
+from dspark_precompute import faults
 from dspark_precompute.errors import DataError, InvalidRowError
 from dspark_precompute.write import tokenize as tk
 from dspark_precompute.write.data import Reject
@@ -93,7 +94,8 @@ def test_an_invalid_row_met_by_a_worker_stops_on_invalid_error_naming_its_line(t
 
 
 def test_a_tokenizing_worker_that_dies_is_a_data_error_not_a_hang(tmp_path, small_pool, monkeypatch):
-    monkeypatch.setenv("DSPARK_FAULT", "tokenize_row=3")  # read by the workers only (this process read it at import)
+    faults.reload()  # this process's plan: none (read before the variable is set); the workers read theirs
+    monkeypatch.setenv("DSPARK_FAULT", "tokenize_row=3")
     with pytest.raises(DataError, match="tokenizing process died"):
         tokenized(tmp_path, 2, f"data.path={mixed_file(tmp_path)}", "data.max_invalid_fraction=0.5")
 
@@ -169,7 +171,8 @@ def test_a_selection_that_ends_before_the_workers_are_ready_is_encoded_here_and_
                                                        "injected fault at tokenize_start"),
                                             ("kill", "tokenizing process died")])
 def test_a_worker_that_fails_to_start_is_a_data_error_not_a_hang(tmp_path, small_pool, monkeypatch, action, message):
-    monkeypatch.setenv("DSPARK_FAULT", f"tokenize_start=1:{action}")  # read by the workers only
+    faults.reload()  # this process's plan: none (read before the variable is set); the workers read theirs
+    monkeypatch.setenv("DSPARK_FAULT", f"tokenize_start=1:{action}")
     with pytest.raises(DataError, match=message):
         tokenized(tmp_path, 2)
 

@@ -142,8 +142,8 @@ def check_offsets(ctx: Context) -> None:
         bad.add(Check.offsets, f"samples/untruncated_length[{i}] = {untrunc[i]} is below its stored length {length[i]}",
                 array="samples/untruncated_length", sample=int(i))
     for i in np.flatnonzero((unit < 0) | (unit >= num_units)):
-        bad.add(Check.offsets, f"samples/unit[{i}] = {unit[i]} is not a unit id in [0, {num_units})", array="samples/unit",
-                sample=int(i))
+        bad.add(Check.offsets, f"samples/unit[{i}] = {unit[i]} is not a unit id in [0, {num_units})",
+                array="samples/unit", sample=int(i))
     plan = build_layout(np.clip(length, 1, seq), ct, layout.unit_tokens, m.format_version)
     for i in np.flatnonzero(plan.start != start):
         bad.add(Check.offsets, f"samples/start[{i}] = {start[i]}, but the layout of the recorded lengths puts sample "
@@ -172,8 +172,8 @@ def check_offsets(ctx: Context) -> None:
     ends = start[order] + length[order]
     for k in np.flatnonzero(start[order][1:] < ends[:-1]):
         a, b = int(order[k]), int(order[k + 1])
-        bad.add(Check.offsets, f"samples {a} and {b} overlap on the token axis ([{start[a]}, {start[a] + length[a]}) and "
-                           f"[{start[b]}, ...))", array="samples/start", sample=b)
+        bad.add(Check.offsets, f"samples {a} and {b} overlap on the token axis ([{start[a]}, "
+                               f"{start[a] + length[a]}) and [{start[b]}, ...))", array="samples/start", sample=b)
     if n > 1 and (np.diff(ctx.table("samples/source_row")) <= 0).any():
         bad.add(Check.offsets, "samples/source_row is not strictly increasing: samples are stored in input order, "
                            "so the table was altered", array="samples/source_row")
