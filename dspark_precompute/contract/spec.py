@@ -150,6 +150,21 @@ def auto_chunk_tokens(hidden_size: int, itemsize: int, target_bytes: int = 1 << 
     return int(min(max(p, 512), 65536))
 
 
+UNIT_TOKENS = 1 << 17  # the most tokens an automatically sized unit holds (units of wide targets hit unit_mib first)
+
+
+def unit_tokens(row_bytes: int, chunk_tokens: int, unit_mib: int, seq_length: int, explicit: int | None = None) -> int:
+    """Token slots per commit unit (and per shard): ``unit_mib`` MiB of raw rows of ``row_bytes``, at most
+    :data:`UNIT_TOKENS`, in whole chunks, never shorter than one sample of ``seq_length``.
+
+    Larger units mean fewer files (one shard per array per unit) but more host memory for the
+    unit buffers and more work a kill loses; the token cap keeps both small for narrow targets.
+    """
+    auto = min((int(unit_mib) << 20) // max(1, row_bytes), UNIT_TOKENS) // chunk_tokens * chunk_tokens
+    unit = int(explicit) if explicit else max(chunk_tokens, auto)
+    return max(unit, -(-int(seq_length) // chunk_tokens) * chunk_tokens)
+
+
 def bytes_per_token(hidden_size: int, itemsize: int, n_hidden_arrays: int) -> int:
     """Raw bytes one real token costs on disk before compression (ids int32 + mask uint8 + states)."""
     return n_hidden_arrays * hidden_size * itemsize + 4 + 1

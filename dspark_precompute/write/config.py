@@ -250,7 +250,8 @@ class StorageConfig:
     fp8_shuffle: Shuffle = Shuffle.bit  # fp8 bit arrays' shuffle (byte shuffle does nothing to one-byte values)
     chunk_tokens: int | None = None  # null: about 1 MiB per inner chunk of the widest array (>= 512 tokens)
     unit_tokens: int | None = None  # null: as many chunks as fit in unit_mib; one shard per array per unit
-    unit_mib: int = 2048  # raw bytes per unit (and per shard row): fewer files, more memory and lost work per kill
+    # raw MiB per unit (one shard per array), at most 131,072 tokens: fewer files, more memory and work a kill loses
+    unit_mib: int = 2048
     writer_slots: int = 2  # unit buffers in flight between the forward loop and the writers
     writers: int | None = None  # writer processes; null = the cores this rank may use, less one (at least 1)
     fsync: bool = True  # make each shard and commit record durable before it counts (off: kill-safe, not power-safe)

@@ -27,6 +27,7 @@ from dspark_precompute.contract.spec import (
     auto_chunk_tokens,
     disk_dtype,
     hidden_arrays,
+    unit_tokens,
 )
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import LastState
@@ -236,8 +237,7 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
                            f"at hidden size {hidden}; readers refuse chunks over {MAX_CHUNK_BYTES >> 30} GiB. "
                            f"Use at most {MAX_CHUNK_BYTES // (hidden * itemsize)} (or null: about 1 MiB)"])
     per_token = sum(s.row_bytes for s in specs)
-    unit = cfg.storage.unit_tokens or max(chunk, (cfg.storage.unit_mib << 20) // per_token // chunk * chunk)
-    unit = max(unit, -(-cfg.seq_length // chunk) * chunk)
+    unit = unit_tokens(per_token, chunk, cfg.storage.unit_mib, cfg.seq_length, cfg.storage.unit_tokens)
     storage_knobs = {k: str(getattr(cfg.storage, k)) if k != "compression_level" else cfg.storage.compression_level
                      for k in STORED_STORAGE_KEYS}
     storage_knobs.update(chunk_tokens=chunk, unit_tokens=unit, **knobs)
