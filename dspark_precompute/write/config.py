@@ -584,7 +584,7 @@ def composition_problem(overrides: list[str], check_values: bool = True) -> str 
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
     from dspark_precompute.errors import StoppedBySignal
 
@@ -598,8 +598,7 @@ def composition_problem(overrides: list[str], check_values: bool = True) -> str 
         cause = exc.__cause__ or exc
         if isinstance(cause, StoppedBySignal):
             raise cause from None
-        if isinstance(cause, (ConfigKeyError, ConfigAttributeError, ValidationError)) and len(overrides) == 1 \
-                and "=" in overrides[0]:
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and len(overrides) == 1 and "=" in overrides[0]:
             key, value = overrides[0].split("=", 1)
             return describe_key_problem(key.lstrip("+~"), value, cause)
         text = plain_reason(cause) if cause is not exc else " ".join(str(exc).split())
