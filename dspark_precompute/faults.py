@@ -6,10 +6,12 @@ Unset (always, outside tests), a point costs a dict lookup. A process reads the 
 first fault point, never at import (a malformed value cannot break ``import``); :func:`reload`
 reads it again (each helper process does, as it starts).
 
-Points: ``unit_submitted`` (forward loop, after a unit is handed to the writer),
-``writer_array`` (a writer process, after each piece it writes; each writer counts its own hits),
+Points: ``unit_submitted`` (forward loop, after a unit is handed to the writers),
+``writer_array`` (a writer process, after each shard it writes; each writer counts its own hits),
 ``writer_before_commit`` (main process, a unit all written, its commit record not yet),
-``atomic_write`` (any small file, after its temporary is written, before the rename),
+``atomic_write`` (any file written atomically: a shard, a table, a record; after its temporary is written,
+before the rename), ``write_part`` (after each part of such a file: a kill here leaves half a temporary),
+``tokens_unit`` (after a unit's token ids and masks are written, before the first forward),
 ``manifest`` (before a manifest update), ``weights`` (before target_weights is written),
 ``allocate`` (while arrays are created), ``tokenize_start`` (a tokenizing worker, before it builds its
 encoder), ``tokenize_row`` (before each row is tokenized, in whichever

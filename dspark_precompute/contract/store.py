@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ from typing import Any
 from dspark_precompute.faults import fault_point
 
 STORAGE_OPTIONS_ENV = "DSPARK_STORAGE_OPTIONS"
+# what write_parts names its temporaries: a dot, the target's name, mkstemp's random part, .tmp
+TEMPORARY = re.compile(r"^\.[^/]+\.[A-Za-z0-9_]{6,}\.tmp$")
 _S3_PROTOCOLS = ("s3", "s3a")
 
 
@@ -146,6 +149,7 @@ class CacheStore:
                     view = memoryview(part).cast("B")
                     while view.nbytes:
                         view = view[fh.write(view):]
+                    fault_point("write_part")
                 if fsync:
                     os.fsync(fh.fileno())
             fault_point("atomic_write")
@@ -155,6 +159,14 @@ class CacheStore:
             raise
         if fsync:
             fsync_dir(target.parent)
+
+    def temporaries(self) -> list[str]:
+        """Keys of the temporaries an interrupted atomic write left (``.c.3.0.<random>.tmp``); none on object stores."""
+        if self.url:
+            return []
+        root = Path(self.root)
+        return sorted(p.relative_to(root).as_posix() for p in root.rglob(".*.tmp")
+                      if p.is_file() and TEMPORARY.match(p.name))
 
     def read_range(self, key: str, start: int, end: int) -> bytes | None:
         """Bytes ``[start, end)`` of object ``key`` (fewer at its end); None when it does not exist."""

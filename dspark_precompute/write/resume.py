@@ -123,6 +123,14 @@ def version_problem(path: str, m: Manifest) -> str:
             f"{FORMAT_VERSION}.")
 
 
+def clear_temporaries(store: CacheStore) -> list[str]:
+    """Remove what writes a kill interrupted left behind (temporaries never renamed into place); their keys."""
+    found = store.temporaries()
+    for key in found:
+        store.delete(key)
+    return found
+
+
 def clear(store: CacheStore) -> None:
     """Delete this tool's entries (``directory_problem`` proved the directory holds nothing else)."""
     for name in store.top_level_names():

@@ -230,7 +230,9 @@ class _Run:
             if samples.tok is not None:  # tokenized again: it must be the layout the first run wrote
                 resume.check_same_layout(store, layout, samples.tables, manifest)
             done = committed_units(store, layout.num_units)
-            log.info("resuming %s: %d of %d units already committed", plan.path, len(done), layout.num_units)
+            left = resume.clear_temporaries(store)
+            log.info("resuming %s: %d of %d units already committed%s", plan.path, len(done), layout.num_units,
+                     f"; {len(left)} unfinished write(s) of the interrupted run removed" if left else "")
             return manifest.created_at, done
         if set(store.top_level_names()) - {LOCK}:
             # ours (checked before): an overwrite, or an allocation a kill interrupted

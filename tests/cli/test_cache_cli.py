@@ -149,6 +149,23 @@ def test_verify_repair_marks_damaged_units_and_the_precompute_rerun_rewrites_the
     assert main(["verify", str(copy)]) == 0
 
 
+def test_a_repaired_token_shard_makes_the_rerun_tokenize_again_and_rewrite_it(default_run, tmp_path, capsys):
+    _, result = default_run
+    copy = tmp_path / "copy"
+    shutil.copytree(result.path, copy)
+    victim = shard_file(copy, "input_ids", 4)  # unit 1's token ids: a resume would otherwise read them back
+    before = victim.read_bytes()
+    flip_chunk_byte(copy, "input_ids", 4)
+    assert main(["verify", str(copy), "--repair"]) == 1
+    out = capsys.readouterr().out
+    assert "token ids and masks to be written again" in out
+    assert json.loads((copy / "manifest.json").read_text())["tokens_stored"] is False
+    again = run(compose(small(tmp_path, "storage.chunk_tokens=256", "storage.unit_tokens=1024", name="copy")))
+    assert again.units_written == 1 and "tokenize_s" in again.timing
+    assert victim.read_bytes() == before
+    assert main(["verify", str(copy)]) == 0
+
+
 def test_export_nemo_writes_the_layout_and_refuses_to_clobber(default_run, tmp_path, capsys):
     _, result = default_run
     out = tmp_path / "nemo"

@@ -31,23 +31,28 @@ pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024", "data.max_samples=16")
 
-# (fault point, hit) -> where the kill lands
+# (fault point, hit) -> where the kill lands (16 rows, 4 units of 1024 token slots, one writer)
 KILL_POINTS = [
     ("allocate", 1),               # while the arrays are being created
-    ("atomic_write", 1),           # rejects.jsonl written, not yet renamed
-    ("atomic_write", 2),           # first manifest written, not yet renamed
+    ("atomic_write", 3),           # writing the sample tables (a temporary written, not renamed)
+    ("atomic_write", 8),           # rejects.jsonl written, not yet renamed
+    ("atomic_write", 9),           # first manifest written, not yet renamed
+    ("write_part", 12),            # half-way through a unit's token ids shard (before the first forward)
+    ("tokens_unit", 2),            # token ids and masks of two units stored, two not
+    ("atomic_write", 18),          # the manifest saying every unit's tokens are stored, not yet renamed
     ("weights", 1),                # before target_weights.safetensors
-    ("atomic_write", 3),           # during target_weights.safetensors (temp written, rename pending)
-    ("unit_submitted", 1),         # a unit handed to the writer, nothing committed
-    ("writer_array", 2),           # in the middle of a unit's array writes (writer process)
-    ("writer_before_commit", 1),   # a unit's data all written, its commit record not
+    ("atomic_write", 19),          # during target_weights.safetensors (temp written, rename pending)
+    ("unit_submitted", 1),         # a unit handed to the writers, nothing committed
+    ("write_part", 2),             # in the middle of a shard's bytes (writer process: half a temporary)
+    ("writer_array", 2),           # between a unit's shards (writer process)
+    ("writer_before_commit", 1),   # a unit's shards all written, its commit record not
     ("unit_submitted", 3),         # later in the run, earlier units committed
-    ("writer_array", 11),          # in the middle of a later unit's array writes
+    ("writer_array", 7),           # between a later unit's shards
     ("writer_before_commit", 3),   # between data and commit, later unit
-    ("manifest", 2),               # during the final manifest update
+    ("manifest", 3),               # during the final manifest update
 ]
-FAST = {("atomic_write", 2), ("unit_submitted", 1), ("writer_array", 2), ("writer_before_commit", 3),
-        ("manifest", 2)}
+FAST = {("atomic_write", 9), ("write_part", 12), ("tokens_unit", 2), ("unit_submitted", 1), ("write_part", 2),
+        ("writer_before_commit", 3), ("manifest", 3)}
 
 
 @pytest.fixture(scope="module")

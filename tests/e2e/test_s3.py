@@ -223,12 +223,16 @@ def test_a_killed_run_in_a_bucket_resumes_bit_identical(bucket, local_reference,
     partial = open_cache(url, allow_incomplete=True)
     assert len(partial) < partial.manifest.to_json()["counts"]["samples"]
 
-    # Lose one committed unit as well, record and a chunk object: the resume must rewrite it too.
-    lost = int(committed[0].rsplit("u", 1)[1].split(".")[0])
-    first = int(np.asarray(partial.group["units/token_start"][:])[lost]) // manifest["layout"]["chunk_tokens"]
-    chunk_key = f"{partial.array_names[str(partial.layer_ids[0])]}/c/{first}/0"
-    assert store.exists(chunk_key)
-    store.delete(chunk_key)
+    # one object per shard: each committed unit wrote exactly one object per hidden array, nothing else
+    layer = partial.array_names[str(partial.layer_ids[0])]
+    units = sorted(int(k.rsplit("u", 1)[1].split(".")[0]) for k in committed)
+    shards = [k for k in store.list_keys(layer) if not k.endswith("zarr.json")]
+    assert set(shards) >= {f"{layer}/c.{u}.0" for u in units}
+    # Lose one committed unit as well, record and its shard object: the resume must rewrite it too.
+    lost = units[0]
+    shard_key = f"{layer}/c.{lost}.0"
+    assert store.exists(shard_key)
+    store.delete(shard_key)
     store.delete(committed[0])
 
     result = run(compose(tiny_run(url)))
@@ -264,16 +268,14 @@ def test_a_chunk_object_missing_from_a_bucket_is_a_missing_chunk_error_not_zeros
             remote.write_bytes(f.relative_to(local_reference).as_posix(), f.read_bytes())
     ref = open_cache(local_reference)
     layer = ref.array_names[str(ref.layer_ids[0])]
-    ct = ref.chunk_tokens
-    remote.delete(f"{layer}/c/1/0")
+    remote.delete(f"{layer}/c.0.0")  # unit 0's shard object
     c = open_cache(url)
-    starts, lengths = ref.starts(), ref.lengths()
-    victims = [i for i in range(len(ref)) if starts[i] < 2 * ct and starts[i] + lengths[i] > ct]
+    victims = [i for i in range(len(ref)) if int(ref._unit[ref.indices[i]]) == 0]
     assert victims
-    with pytest.raises(MissingChunkError, match=rf"array '{layer}' chunk \(1, 0\) is missing \(file {layer}/c/1/0\)"
-                       ) as info:
+    with pytest.raises(MissingChunkError, match=rf"array '{layer}' chunk \(\d+, 0\) \(in shard {layer}/c.0.0\) is "
+                                                r"missing") as info:
         c.read_raw(victims[0])
-    assert list(info.value.samples) == victims
+    assert victims[0] in info.value.samples
     for i in sorted(set(range(len(ref))) - set(victims)):
         ra, rb = c.read_raw(i), ref.read_raw(i)
         assert all(np.array_equal(ra[k], rb[k]) for k in rb)
@@ -302,6 +304,6 @@ def test_the_loader_reads_a_bucket_ahead_into_the_same_batches_as_on_disk(bucket
         if workers == 0:
             pf = loader.runner.prefetcher
             assert pf is not None and 0 < pf.peak_requests <= 4 and pf.peak_bytes <= 1 << 20 and pf.wasted == 0
-    remote.delete(f"{open_cache(local_reference).array_names['last']}/c/1/0")
-    with pytest.raises(MissingChunkError, match=r"chunk \(1, 0\) is missing"):
+    remote.delete(f"{open_cache(local_reference).array_names['last']}/c.0.0")
+    with pytest.raises(MissingChunkError, match=r"chunk \(\d+, 0\) \(in shard [^)]*\) is missing"):
         list(build_dataloader(url, num_workers=2, **kw))

@@ -1,0 +1,105 @@
+"""A resume reads back what the first run stored before its first forward (ids, masks, tables) instead of
+tokenizing again, still refuses changed inputs, and says what to do with a cache of another format version."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+from helpers import REPO, assert_same_cache, compose, small
+
+from dspark_precompute.contract.commits import committed_units
+from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.errors import CacheFormatError, IncompatibleCacheError
+from dspark_precompute.write import tokenize as tokenize_module
+from dspark_precompute.write.run import run
+
+UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024", "data.max_samples=16")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume_ref")
+    run(compose(small(tmp, *UNITS, name="ref")))
+    return str(tmp / "ref")
+
+
+def interrupted(tmp_path: Path, monkeypatch, after_units: int = 3, *extra: str) -> list[str]:
+    """A run stopped by an error once ``after_units`` units were handed to the writers; its overrides."""
+    overrides = small(tmp_path, *UNITS, *extra, name="c")
+    monkeypatch.setenv("DSPARK_FAULT", f"unit_submitted={after_units}:raise")
+    from dspark_precompute import faults
+
+    faults.reload()
+    with pytest.raises(Exception, match="fault"):
+        run(compose(overrides))
+    monkeypatch.delenv("DSPARK_FAULT")
+    faults.reload()
+    return overrides
+
+
+def test_a_resume_reads_the_stored_tokens_back_and_never_tokenizes(tmp_path, monkeypatch, reference):
+    overrides = interrupted(tmp_path, monkeypatch)
+    m = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert m["tokens_stored"] is True and not m["complete"]
+    done = committed_units(CacheStore(tmp_path / "c"))
+    assert 0 < len(done) < m["layout"]["num_units"]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a resume tokenized again")
+
+    monkeypatch.setattr("dspark_precompute.write.run.tokenize", refuse)
+    monkeypatch.setattr(tokenize_module, "encode_selection", refuse)
+    result = run(compose(overrides))
+    assert result.complete and result.resumed_units == len(done)
+    assert "read_tokens_s" in result.timing and "tokenize_s" not in result.timing
+    assert_same_cache(reference, str(tmp_path / "c"))
+
+
+def test_a_resume_still_refuses_changed_data_naming_its_content_hash(tmp_path, monkeypatch):
+    data = tmp_path / "rows.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"question {i} " * 20},
+                          {"role": "assistant", "content": f"answer {i} " * 40}]} for i in range(12)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = interrupted(tmp_path, monkeypatch, 1, f"data.path={data}", "storage.unit_tokens=512")
+    rows[3]["messages"][1]["content"] = "an edited answer " * 40
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(IncompatibleCacheError, match=r"data.content_sha256: recorded '[0-9a-f]+', requested"):
+        run(compose(overrides))
+
+
+def test_a_resume_of_a_run_killed_before_its_tokens_were_stored_tokenizes_and_completes(tmp_path, monkeypatch,
+                                                                                      reference):
+    overrides = small(tmp_path, *UNITS, name="c")
+    monkeypatch.setenv("DSPARK_FAULT", "tokens_unit=2:raise")
+    from dspark_precompute import faults
+
+    faults.reload()
+    with pytest.raises(Exception, match="fault"):
+        run(compose(overrides))
+    monkeypatch.delenv("DSPARK_FAULT")
+    faults.reload()
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["tokens_stored"] is False
+    result = run(compose(overrides))
+    assert result.complete and "tokenize_s" in result.timing
+    assert_same_cache(reference, str(tmp_path / "c"))
+
+
+def test_resuming_a_format_1_cache_is_refused_saying_which_version_wrote_it_and_what_to_do(tmp_path):
+    with tarfile.open(REPO / "tests" / "data" / "format1_caches.tgz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    cache = tmp_path / "bf16"
+    m = json.loads((cache / "manifest.json").read_text())
+    m["complete"] = False  # as if 0.2 had been stopped half-way
+    (cache / "manifest.json").write_text(json.dumps(m))
+    cfg = json.loads(json.dumps(m["config"]))
+    overrides = [f"storage.path={cache}", f"seq_length={cfg['seq_length']}", "data.max_samples=5",
+                 "storage.chunk_tokens=64", "storage.unit_tokens=256", "progress=false"]
+    with pytest.raises(CacheFormatError, match=r"holds a format 1 cache written by dspark-precompute 0.2.0; this "
+                                               r"version writes and resumes format 2 only. It is unfinished: finish it "
+                                               r"with the version that wrote it .*or pass overwrite=true"):
+        run(compose(overrides))
+    shutil.rmtree(tmp_path / "fp8_e4m3")
