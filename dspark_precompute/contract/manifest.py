@@ -647,7 +647,8 @@ class _Checked:
 
     def __init__(self, data: dict[str, Any], bad: set[str]):
         self.data, self.bad = data, bad
-        self.version = data.get("format_version") if is_int(data.get("format_version")) else FORMAT_VERSION
+        v: Any = data.get("format_version")
+        self.version: int = int(v) if is_int(v) else FORMAT_VERSION
 
     def ok(self, *keys: str) -> bool:
         """Every key present and valid (a rule that needs them may run)."""
@@ -810,7 +811,8 @@ def _rule_counts(c: _Checked) -> list[str]:
 
 def _rule_dropped(c: _Checked) -> list[str]:
     """Dropped samples are increasing sample ids inside the tables, and the samples fit the layout."""
-    dropped, p = c.get("dropped_samples") or [], []
+    dropped: list[int] = c.get("dropped_samples") or []
+    p: list[str] = []
     if dropped and (not all(0 <= i < MAX_TOKEN_SLOTS for i in dropped)
                     or any(b <= a for a, b in zip(dropped, dropped[1:]))):
         return [f"manifest dropped_samples = {dropped!r:.80} must be increasing sample ids"]
@@ -863,10 +865,12 @@ def manifest_problems(manifest: Any) -> list[str]:
     if not isinstance(manifest, dict):
         return [f"manifest.json is not a JSON object (it holds {_kind(manifest)}); it is damaged or not a "
                 "dspark-precompute manifest"]
-    version = manifest.get("format_version") if is_int(manifest.get("format_version")) else FORMAT_VERSION
-    problems, bad = [], set()
+    v: Any = manifest.get("format_version")
+    version = int(v) if is_int(v) else FORMAT_VERSION
+    problems: list[str] = []
+    bad: set[str] = set()
     for f in FIELDS:
-        problem = _field_problem(f, manifest, int(version))
+        problem = _field_problem(f, manifest, version)
         if problem:
             problems.append(problem)
             bad.add(f.key)

@@ -145,9 +145,9 @@ def open_stored(path: str | CacheStore, *, allow_incomplete: bool = False, check
         raise MissingChunkError(f"{store.path}: {why}, so every sample's place is unknown. The cache is damaged: "
                                 f"{_FIX}.", array=name, chunk=source.metas[name].chunk_index(found[0][0]))
     if check_tables:
-        found = table_problems(m, tables)
-        if found:
-            raise CacheFormatError(listing(f"{store.path}: the sample/unit tables disagree with the layout", found,
+        wrong = table_problems(m, tables)
+        if wrong:
+            raise CacheFormatError(listing(f"{store.path}: the sample/unit tables disagree with the layout", wrong,
                                            "Samples would be read from the wrong tokens, so the cache is refused. "
                                            f"Run `dspark-cache verify {store.path}` for a full report; {_FIX}."))
     return OpenedCache(store, m, zstore, metas, source, tables, committed, dropped_samples(store, m, committed))

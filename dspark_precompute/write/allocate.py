@@ -26,7 +26,7 @@ from dspark_precompute.faults import fault_point
 from dspark_precompute.write.config import StorageConfig
 from dspark_precompute.write.specs import ArraySpec, array_codec
 
-KEY_ENCODING = {"name": "default", "separator": KEY_SEPARATOR}
+KEY_ENCODING: dict[str, Any] = {"name": "default", "separator": KEY_SEPARATOR}
 
 
 def shard_key(name: str, unit: int, two_d: bool) -> str:
@@ -109,7 +109,8 @@ def write_tokens(store: CacheStore, layout: Layout, storage: StorageConfig, spec
     for u in units:
         base, n = int(layout.unit_start[u]), int(layout.unit_stop[u] - layout.unit_start[u])
         n_slots = -(-n // chunk) * chunk
-        rows = {INPUT_IDS: np.zeros(n_slots, dtype=np.int32), LOSS_MASK: np.zeros(n_slots, dtype=np.uint8)}
+        rows: dict[str, np.ndarray] = {INPUT_IDS: np.zeros(n_slots, dtype=np.int32),
+                                       LOSS_MASK: np.zeros(n_slots, dtype=np.uint8)}
         for s in layout.unit_order[u]:
             a = int(layout.start[s]) - base
             enc = samples[int(s)]

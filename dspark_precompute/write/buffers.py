@@ -13,6 +13,7 @@ import logging
 import mmap
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,7 @@ class SharedBuffer:
 class Slot:
     """One unit buffer: a shared array per token array (``shapes``: name -> rows x width)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]):
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str]):
         self.shapes, self.dtypes = dict(shapes), dict(dtypes)
         self.shm: dict[str, SharedBuffer] = {}
         try:

@@ -159,7 +159,7 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
                                              got[scales[e.array]][toks] if e.array in scales else None)
                     e.add(s, toks, stored.float(), ref.float().cpu())
                 ref_last = last[0].index_select(0, pos.to(dev))
-                name = m.last_array
+                name = m.last_array or m.pre_norm_array or ""
                 stored_last = stored_as_torch(got[name][toks], m.array_dtypes[name],
                                               got[scales[name]][toks] if name in scales else None).to(dev, dtype)
                 for b in range(0, len(toks), POSITIONS_PER_FORWARD):

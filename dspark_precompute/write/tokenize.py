@@ -238,7 +238,7 @@ def warn_about_rejects(tok: Tokenized) -> None:
         log.info("%d of %d rows rejected (%.1f%%): %s (see rejects.jsonl)", len(tok.rejects), tok.rows_in,
                  100 * share, listed)
         return
-    fixes = [f"{k}: {REJECT_FIXES[k]}" for k in sorted(by, key=lambda k: -by[k]) if k in REJECT_FIXES]
+    fixes = [f"{k}: {REJECT_FIXES[Reason(k)]}" for k in sorted(by, key=lambda k: -by[k]) if k in REJECT_FIXES]
     log.warning("%d of %d rows (%.1f%%) were rejected and will not be in the cache: %s. %s Each row is listed "
                 "in rejects.jsonl.", len(tok.rejects), tok.rows_in, 100 * share, listed,
                 " ".join(f"Likely fix for {f}." for f in fixes))

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from dspark_precompute.read.export.specforge import export_specforge
 from dspark_precompute.read.export.speculators import export_speculators
 from dspark_precompute.read.reader import CacheReader
 
-_EXPORTERS = {"nemo": export_nemo, "deepspec": export_deepspec, "specforge": export_specforge,
+_EXPORTERS: dict[str, Callable[..., ExportResult]] = {"nemo": export_nemo, "deepspec": export_deepspec, "specforge": export_specforge,
               "speculators": export_speculators}
 
 
