@@ -20,7 +20,7 @@ chunk of the array can be.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,23 +52,22 @@ def encode_index(lengths: Sequence[int], n_chunks: int) -> bytes:
     return raw + _crc(raw)
 
 
-def encode_shard(chunks: Sequence[Sequence[Any]], n_chunks: int) -> list[Any]:
-    """The parts of a shard object, to be written one after the other.
+def encode_shard(chunks: Iterable[Sequence[Any]], n_chunks: int) -> Iterator[Any]:
+    """The parts of a shard object, yielded in the order they are written.
 
     ``chunks`` are the encoded inner chunks in token order, each given as its parts (``(body,
     crc)`` from :func:`~dspark_precompute.contract.arrays.chunk_encoder`: written as they are,
-    never joined); the index goes last.
+    never joined); the index goes last. Lazy: a writer holds one chunk at a time, whatever the
+    shard's size.
     """
-    parts: list[Any] = []
     lengths = []
     for pieces in chunks:
         n = 0
         for p in pieces:
             n += memoryview(p).nbytes
-            parts.append(p)
+            yield p
         lengths.append(n)
-    parts.append(encode_index(lengths, n_chunks))
-    return parts
+    yield encode_index(lengths, n_chunks)
 
 
 class ShardIndexProblem(ValueError):

@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -126,27 +126,28 @@ class CacheStore:
         """Atomic: readers see the old file or the whole new one, never a part."""
         self.write_parts(key, [data], fsync)
 
-    def write_parts(self, key: str, parts: Sequence[Any], fsync: bool = True) -> None:
-        """``parts`` (buffers) written one after the other as the object ``key``, atomically.
+    def write_parts(self, key: str, parts: Iterable[Any], fsync: bool = True) -> int:
+        """``parts`` (buffers, taken one at a time) written one after the other as the object ``key``,
+        atomically; the bytes written.
 
         Locally: a temporary in the same directory, written, fsynced (unless ``fsync`` is
         false), renamed over ``key``, and the directory fsynced, so after a power loss the
-        file is either absent or whole. On an object store: one put (multipart when large),
-        which makes the object appear whole or not at all.
+        file is either absent or whole. On an object store: one object, uploaded in parts
+        when large (a multipart upload completed only when every part is in, aborted on an
+        error), so it appears whole or not at all.
         """
         if self.url:
-            fault_point("atomic_write")
-            data = parts[0] if len(parts) == 1 else b"".join(memoryview(p).cast("B") for p in parts)
-            self.fs.pipe_file(self._remote(key), bytes(data))
-            return
+            return self._put_parts(key, parts)
         target = self._local(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
             os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; readers may be other users
+            written = 0
             with os.fdopen(fd, "wb", buffering=0) as fh:
                 for part in parts:
                     view = memoryview(part).cast("B")
+                    written += view.nbytes
                     while view.nbytes:
                         view = view[fh.write(view):]
                     fault_point("write_part")
@@ -159,6 +160,27 @@ class CacheStore:
             raise
         if fsync:
             fsync_dir(target.parent)
+        return written
+
+    def _put_parts(self, key: str, parts: Iterable[Any]) -> int:
+        """One object from ``parts``: fsspec's buffered writer uploads blocks as they fill (multipart) and
+        completes the upload on close; an error aborts it, so no partial object ever appears."""
+        fh = self.fs.open(self._remote(key), "wb")
+        written = 0
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                fh.write(view)
+                written += view.nbytes
+                fault_point("write_part")
+            fault_point("atomic_write")
+        except BaseException:
+            discard = getattr(fh, "discard", None)
+            if discard is not None:
+                discard()
+            raise
+        fh.close()
+        return written
 
     def temporaries(self) -> list[str]:
         """Keys of the temporaries an interrupted atomic write left (``.c.3.0.<random>.tmp``); none on object stores."""

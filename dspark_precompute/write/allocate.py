@@ -11,7 +11,7 @@ it is written, unless ``storage.fsync=false``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +35,10 @@ def shard_key(name: str, unit: int, two_d: bool) -> str:
 
 
 def encode_unit_shard(rows: np.ndarray, chunk: int, chunks_per_shard: int,
-                      encode: Callable[[np.ndarray], tuple[Any, bytes]]) -> list[Any]:
-    """The parts of one unit's shard: ``rows`` (whole chunks, the unit's used slots) as inner chunks + index."""
-    return encode_shard([encode(rows[k:k + chunk]) for k in range(0, len(rows), chunk)], chunks_per_shard)
+                      encode: Callable[[np.ndarray], tuple[Any, bytes]]) -> Iterator[Any]:
+    """The parts of one unit's shard: ``rows`` (whole chunks, the unit's used slots) as inner chunks, then the index;
+    each chunk is encoded as it is written."""
+    return encode_shard((encode(rows[k:k + chunk]) for k in range(0, len(rows), chunk)), chunks_per_shard)
 
 
 def _attributes(s: ArraySpec) -> dict[str, Any]:
@@ -117,8 +118,7 @@ def write_tokens(store: CacheStore, layout: Layout, storage: StorageConfig, spec
             rows[INPUT_IDS][a:a + len(enc.input_ids)] = enc.input_ids
             rows[LOSS_MASK][a:a + len(enc.loss_mask)] = enc.loss_mask
         for name, values in rows.items():
-            parts = encode_unit_shard(values, chunk, per, encoders[name])
-            store.write_parts(shard_key(name, u, two_d=False), parts, storage.fsync)
-            written += sum(memoryview(p).nbytes for p in parts)
+            written += store.write_parts(shard_key(name, u, two_d=False),
+                                         encode_unit_shard(values, chunk, per, encoders[name]), storage.fsync)
         fault_point("tokens_unit")
     return written

@@ -83,7 +83,7 @@ def _writer_main(path: str, slot_list: list[Slot], tasks: Any, done: Any, env: d
             if orphaned():
                 break
             rows = slots[slot][name][:n_slots]
-            store.write_parts(shard_key(name, unit, two_d=rows.ndim == 2),
+            store.write_parts(shard_key(name, unit, two_d=rows.ndim == 2),  # one chunk in memory at a time
                               encode_unit_shard(rows, chunk, per_shard, encoders[name]), fsync)
             fault_point("writer_array")
             done.send((Message.done, unit, slot, (rows.nbytes, time.perf_counter() - busy)))

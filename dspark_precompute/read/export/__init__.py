@@ -33,8 +33,9 @@ from dspark_precompute.read.export.specforge import export_specforge
 from dspark_precompute.read.export.speculators import export_speculators
 from dspark_precompute.read.reader import CacheReader
 
-_EXPORTERS: dict[str, Callable[..., ExportResult]] = {"nemo": export_nemo, "deepspec": export_deepspec, "specforge": export_specforge,
-              "speculators": export_speculators}
+_EXPORTERS: dict[str, Callable[..., ExportResult]] = {
+    "nemo": export_nemo, "deepspec": export_deepspec, "specforge": export_specforge,
+    "speculators": export_speculators}
 
 
 def export(cache: str | Path | CacheReader, out: str | Path, *, to: str, **options: Any) -> ExportResult:
