@@ -11,6 +11,7 @@ Points: ``unit_submitted`` (forward loop, after a unit is handed to the writers)
 ``writer_before_commit`` (main process, a unit all written, its commit record not yet),
 ``atomic_write`` (any file written atomically: a shard, a table, a record; after its temporary is written,
 before the rename), ``write_part`` (after each part of such a file: a kill here leaves half a temporary),
+``shard_part`` (a writer process, between the parts of a hidden-state shard it streams out),
 ``tokens_unit`` (after a unit's token ids and masks are written, before the first forward),
 ``manifest`` (before a manifest update), ``weights`` (before target_weights is written),
 ``allocate`` (while arrays are created), ``tokenize_start`` (a tokenizing worker, before it builds its

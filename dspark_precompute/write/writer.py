@@ -22,6 +22,7 @@ import os
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any, cast
 
@@ -84,7 +85,7 @@ def _writer_main(path: str, slot_list: list[Slot], tasks: Any, done: Any, env: d
                 break
             rows = slots[slot][name][:n_slots]
             store.write_parts(shard_key(name, unit, two_d=rows.ndim == 2),  # one chunk in memory at a time
-                              encode_unit_shard(rows, chunk, per_shard, encoders[name]), fsync)
+                              _parts(encode_unit_shard(rows, chunk, per_shard, encoders[name])), fsync)
             fault_point("writer_array")
             done.send((Message.done, unit, slot, (rows.nbytes, time.perf_counter() - busy)))
         except (EOFError, OSError) as exc:
@@ -98,6 +99,13 @@ def _writer_main(path: str, slot_list: list[Slot], tasks: Any, done: Any, env: d
     del slots
     for slot_ in slot_list:
         slot_.close()
+
+
+def _parts(parts: Iterator[Any]) -> Iterator[Any]:
+    """A shard's parts, with the ``shard_part`` fault point between them (a kill there: half a shard written)."""
+    for part in parts:
+        yield part
+        fault_point("shard_part")
 
 
 def _send_error(done: Any, unit: int, slot: int, exc: BaseException) -> None:

@@ -307,3 +307,29 @@ def test_the_loader_reads_a_bucket_ahead_into_the_same_batches_as_on_disk(bucket
     remote.delete(f"{open_cache(local_reference).array_names['last']}/c.0.0")
     with pytest.raises(MissingChunkError, match=r"chunk \(\d+, 0\) \(in shard [^)]*\) is missing"):
         list(build_dataloader(url, num_workers=2, **kw))
+
+
+@pytest.mark.slow  # two CLI runs of 15 MB shards through moto: about two minutes here
+def test_a_shard_larger_than_a_part_goes_up_in_parts_and_a_kill_mid_upload_leaves_no_object(bucket, tmp_path):
+    """Shards stream up as a multipart upload (5 MiB parts here): a writer killed between parts leaves no
+    object at all (the upload is never completed), and the same command then ends as a local run does."""
+    wide = ("model.random.hidden_size=256", "model.random.head_dim=64", "data.max_samples=60", "seq_length=1024",
+            "batch.max_tokens=4096", "storage.compressor=none", "storage.chunk_tokens=512",
+            "storage.unit_tokens=65536")  # one unit; each hidden array's shard about 15 MB, uncompressed
+    url = f"s3://{bucket}/big"
+    local = tmp_path / "local"
+    run(compose(tiny_run(str(local), *wide)))
+    env = {**os.environ, "DSPARK_STORAGE_OPTIONS": json.dumps({"default_block_size": 5 << 20}),
+           "DSPARK_FAULT": "shard_part=60", "PYTHONUNBUFFERED": "1"}  # a writer, one 5 MiB part up, the rest not
+    proc = subprocess.run([sys.executable, "-m", "dspark_precompute", *tiny_run(url, *wide)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    store = CacheStore(url)
+    layer = json.loads(store.read_bytes(fmt.MANIFEST))["arrays"]["1"]
+    assert not store.exists(f"{layer}/c.0.0")  # half an upload is no object
+    env.pop("DSPARK_FAULT")
+    again = subprocess.run([sys.executable, "-m", "dspark_precompute", *tiny_run(url, *wide)], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert store.fs.size(f"{store.root}/{layer}/c.0.0") > 5 << 20  # more than one part
+    assert_same_through_the_reader(url, str(local))
