@@ -45,3 +45,13 @@ def cache_copy(default_run, tmp_path):
     dst = tmp_path / "copy"
     shutil.copytree(result.path, dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def both_states_run(tmp_path_factory):
+    """The default run storing the final state before the final norm too (``capture.last_state=both``)."""
+    from dspark_precompute.write.run import run
+
+    tmp = tmp_path_factory.mktemp("both_states_run")
+    cfg = compose(small(tmp, "storage.chunk_tokens=256", "storage.unit_tokens=1024", "capture.last_state=both"))
+    return cfg, run(cfg)

@@ -33,16 +33,22 @@ class CacheDataset(Dataset):
     with fork, spawn and ``DistributedSampler``. The re-opened cache must be the one the
     dataset indexed (same tables, same readable units; :meth:`CacheReader._reopen`), so a worker
     never reads other samples under the same indices. ``layers`` restricts
-    ``target_hidden_states`` to those ids.
+    ``target_hidden_states`` to those ids; ``max_length`` cuts every sample at that many tokens
+    (samples left without a supervised token are dropped: ``open_cache``).
     """
 
     def __init__(self, cache: str | Path | CacheReader, layers: Sequence[int] | None = None,
-                 allow_incomplete: bool = False, chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES):
+                 allow_incomplete: bool = False, chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES,
+                 max_length: int | None = None):
         if isinstance(cache, CacheReader):
             opened = cache
             allow_incomplete = allow_incomplete or not cache.complete
+            if max_length is not None and max_length != (cache.max_length or cache.seq_length):
+                raise ValueError(f"max_length={max_length} but the cache was opened with max_length="
+                                 f"{cache.max_length}; pass max_length to open_cache, or a path here")
         else:
-            opened = open_cache(cache, allow_incomplete=allow_incomplete, chunk_cache_bytes=chunk_cache_bytes)
+            opened = open_cache(cache, allow_incomplete=allow_incomplete, chunk_cache_bytes=chunk_cache_bytes,
+                                max_length=max_length)
         self.path = opened.path
         self.layers = None if layers is None else [int(x) for x in layers]
         opened.check_layers(self.layers)  # refuse unknown layer ids now, not inside a worker
@@ -50,7 +56,7 @@ class CacheDataset(Dataset):
         self.chunk_cache_bytes = chunk_cache_bytes
         self.lengths = opened.lengths().astype(np.int64)
         self.pad_token_id = opened.pad_token_id
-        self.seq_length = opened.seq_length
+        self.seq_length = opened.max_length or opened.seq_length  # a cut cache serves samples of at most this
         self.storage_dtype = opened.storage_dtype
         self.manifest = opened.manifest
         self._state = {**opened._handle_state(), "chunk_cache_bytes": chunk_cache_bytes}

@@ -151,12 +151,18 @@ class CacheReader:
         self._readable_units = units
         self.indices = opened.readable(units)
         self._cut = self._cut_lengths()
-        self.cut_dropped = 0  # samples dropped by max_length (no supervised token left)
+        self.cut_dropped = 0  # samples dropped by max_length (too few supervised tokens left)
         if self.max_length is not None:
-            keep = self._supervised_within(self.indices) > 0
+            keep = self._supervised_within(self.indices) >= self._min_supervised()
             self.cut_dropped = int((~keep).sum())
             self.indices = self.indices[keep]
         self._supervised: np.ndarray | None = None
+
+    def _min_supervised(self) -> int:
+        """The fewest supervised tokens a sample keeps (1; the mask rule's minimum where it has one, e.g. DeepSpec's),
+        so a cut cache holds the samples a run at ``max_length`` would have."""
+        mask = self.manifest.capture.mask if self.manifest.capture is not None else None
+        return max(1, int(mask.min_supervised_tokens or 1) if mask is not None else 1)
 
     def _cut_lengths(self) -> np.ndarray:
         """Tokens each stored sample gives a reader: its length, at most ``max_length``."""

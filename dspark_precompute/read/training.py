@@ -53,7 +53,7 @@ def build_dataloader(cache: str | Path | CacheReader | CacheDataset, *, batch_si
                      block_chunks: int | None = None, window_blocks: int = DEFAULT_WINDOW_BLOCKS,
                      num_replicas: int | None = None, rank: int | None = None,
                      prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, prefetch_requests: int = DEFAULT_PREFETCH_REQUESTS,
-                     **loader_kwargs: Any) -> CacheLoader:
+                     max_length: int | None = None, **loader_kwargs: Any) -> CacheLoader:
     """A loader over a cache: fixed ``batch_size`` (NeMo's way) or a ``max_tokens`` budget (length-grouped).
 
     ``shuffle``: ``True``/``"exact"`` (every sample in a uniformly random order),
@@ -65,12 +65,18 @@ def build_dataloader(cache: str | Path | CacheReader | CacheDataset, *, batch_si
     Workers build whole batches into shared memory and are kept alive across epochs;
     ``device="cuda"`` delivers batches on the GPU (pinned memory, copied one batch ahead).
     A cache behind a URL is read ahead with at most ``prefetch_requests`` requests in flight
-    and ``prefetch_bytes`` held per process. Other keyword arguments go to the torch
-    ``DataLoader`` that runs the workers (``prefetch_factor``, ``timeout``, ...).
+    and ``prefetch_bytes`` held per process. ``max_length`` trains at a shorter length than the
+    cache was made at: every sample is cut there (a causal target's states for the first L tokens
+    do not depend on later ones) and samples left without a supervised token are dropped. Other
+    keyword arguments go to the torch ``DataLoader`` that runs the workers (``prefetch_factor``,
+    ``timeout``, ...).
     """
     if (batch_size is None) == (max_tokens is None):
         raise ValueError(f"pass exactly one of batch_size={batch_size} or max_tokens={max_tokens}")
-    ds = cache if isinstance(cache, CacheDataset) else CacheDataset(cache, layers=layers)
+    if isinstance(cache, CacheDataset) and max_length is not None and max_length != cache.seq_length:
+        raise ValueError(f"max_length={max_length} but the dataset serves {cache.seq_length} tokens; build the "
+                         "CacheDataset with max_length, or pass a path here")
+    ds = cache if isinstance(cache, CacheDataset) else CacheDataset(cache, layers=layers, max_length=max_length)
     if distributed is None:
         import torch.distributed as dist
 

@@ -227,36 +227,11 @@ def test_specforge_export_leaves_out_samples_its_normalizer_refuses_and_counts_t
 
 
 # -- vLLM speculators 0.9.0 ----------------------------------------------------------------
-@pytest.fixture
-def pre_norm_reader(monkeypatch):
-    """Stand-in for the lead's capture.last_state=pre_norm (the reader does not store that state yet).
-
-    The reader is patched to offer a ``pre_norm`` array (layer 1's stored states, so the
-    last slot is distinguishable from the post-norm state) through the announced API:
-    ``"pre_norm" in c.array_names`` and ``read_raw(..., pre_norm=True)`` adding
-    ``target_pre_norm_hidden_states``. The lead swaps in a real
-    ``capture.last_state=pre_norm`` cache here once it lands; the loader check stays.
-    """
-    real_raw, real_names = CacheReader.read_raw, CacheReader.array_names
-
-    def read_raw(self, i, layers=None, last=True, pre_norm=False):
-        out = real_raw(self, i, layers, last)
-        if pre_norm:
-            out["target_pre_norm_hidden_states"] = real_raw(self, i, [1], False)["target_hidden_states"]
-        return out
-
-    monkeypatch.setattr(CacheReader, "read_raw", read_raw)
-    monkeypatch.setattr(CacheReader, "array_names",
-                        property(lambda self: {**real_names.fget(self), "pre_norm": "hidden_states/layer_1"}))
-    return lambda c, i: real_raw(c, i, [1], False)["target_hidden_states"]
-
-
-def test_speculators_arrow_dataset_reads_every_sample_with_the_pre_norm_state_last(default_run, tmp_path,
-                                                                                   pre_norm_reader):
+def test_speculators_arrow_dataset_reads_every_sample_with_the_pre_norm_state_last(both_states_run, tmp_path):
     pytest.importorskip("speculators.train.data", reason=f"needs vLLM speculators 0.9.0: {INTEROP}")
     from speculators.train.data import ArrowDataset
 
-    _, result = default_run
+    _, result = both_states_run  # capture.last_state=both: the pre-norm state is stored beside the post-norm one
     c = open_cache(result.path)
     out = tmp_path / "spec"
     r = export(result.path, out, to="speculators", layers=[2, 3], progress=False)
@@ -268,7 +243,8 @@ def test_speculators_arrow_dataset_reads_every_sample_with_the_pre_norm_state_la
         assert np.array_equal(got["input_ids"].numpy(), want["input_ids"].astype(np.int64))
         assert np.array_equal(got["loss_mask"].numpy(), want["loss_mask"].astype(np.int64))
         assert np.array_equal(bits(got["hidden_states"]), want["target_hidden_states"])
-        assert np.array_equal(bits(got["verifier_last_hidden_states"]), pre_norm_reader(c, j))
+        pre = c.read_raw(j, [], last=False, pre_norm=True)["target_pre_norm_hidden_states"]
+        assert np.array_equal(bits(got["verifier_last_hidden_states"]), pre)
         assert not np.array_equal(bits(got["verifier_last_hidden_states"]), want["target_last_hidden_states"])
     marker = json.loads((out / EXPORT_MARKER).read_text())
     assert marker["slots"] == [2, 3, "pre_norm"]
