@@ -105,6 +105,27 @@ class LastState(StrEnum):
         return self in (LastState.pre_norm, LastState.both)
 
 
+class LayerPreset(StrEnum):
+    """How the captured layer ids are chosen when none are given (``model.layer_preset``; ``capture.layer_preset``)."""
+
+    nemo = "nemo"  # NeMo AutoModel's formula, N-1 (the post-norm state) included
+    servable = "servable"  # no -1 and no N-1: ids a serving engine (SGLang) can capture; DeepSpec's DFlash rule
+
+
+class MaskRule(StrEnum):
+    """Which tokens the loss mask supervises (``data.mask_rule``; ``capture.mask.rule`` records what applied)."""
+
+    nemo = "nemo"  # NeMo AutoModel's: each assistant turn from its role header to its end-of-turn token
+    deepspec = "deepspec"  # DeepSpec's: assistant content and end-of-turn token, no header
+
+
+class Fingerprint(StrEnum):
+    """How much of each weight file the cache identity hashes (``model.fingerprint``)."""
+
+    full = "full"
+    sampled = "sampled"
+
+
 class RejectReason(StrEnum):
     """Why an input row did not become a sample: the ``reason`` of each ``rejects.jsonl`` line (stable codes)."""
 

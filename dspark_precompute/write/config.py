@@ -18,11 +18,20 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from dspark_precompute.contract.spec import MAX_CHUNK_TOKENS, MAX_SEQ_LENGTH
-from dspark_precompute.contract.vocab import Compressor, LastState, Shuffle, StorageDtype
+from dspark_precompute.contract.vocab import (
+    Compressor,
+    Fingerprint,
+    LastState,
+    LayerPreset,
+    MaskRule,
+    Shuffle,
+    StorageDtype,
+)
 from dspark_precompute.errors import ConfigError
 from dspark_precompute.write.layers import LAYER_PRESETS, layer_id_problems
 
@@ -30,11 +39,44 @@ EMBEDDED = "embedded"  # data.path value: the chat set shipped inside the packag
 TINY = "tiny"  # model.path value: a random-weight Qwen3 built from model.random
 
 FP8 = StorageDtype.fp8_e4m3
-COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
-DATA_FORMATS = ("auto", "messages", "sharegpt")
-MASK_RULES = ("nemo", "deepspec")
-ON_INVALID = ("skip", "error")
-ON_NONFINITE = ("reject", "error")
+
+
+class ComputeDtype(StrEnum):
+    """The dtype the target runs in (``model.dtype``): auto = bf16 on CUDA, fp32 on CPU."""
+
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class DataFormat(StrEnum):
+    """How rows hold their conversation (``data.format``)."""
+
+    auto = "auto"
+    messages = "messages"  # OpenAI messages: role / content
+    sharegpt = "sharegpt"  # conversations: from / value
+
+
+class OnInvalid(StrEnum):
+    """What a bad row does (``data.on_invalid``): a reject, or the run stops."""
+
+    skip = "skip"
+    error = "error"
+
+
+class OnNonfinite(StrEnum):
+    """What a sample with NaN/Inf hidden states does (``data.on_nonfinite``)."""
+
+    reject = "reject"
+    error = "error"
+
+
+COMPUTE_DTYPES = tuple(d.value for d in ComputeDtype)
+DATA_FORMATS = tuple(d.value for d in DataFormat)
+MASK_RULES = tuple(d.value for d in MaskRule)
+ON_INVALID = tuple(d.value for d in OnInvalid)
+ON_NONFINITE = tuple(d.value for d in OnNonfinite)
 _SPLIT_RE = re.compile(r"^(\w+)(?:\[(-?\d*):(-?\d*)\])?$")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
@@ -100,15 +142,15 @@ class ModelConfig:
     path: str = TINY
     tokenizer: str | None = None  # null: the tokenizer that ships with model.path
     revision: str | None = None
-    dtype: str = "auto"  # compute dtype; auto = bf16 on CUDA, fp32 on CPU
+    dtype: ComputeDtype = ComputeDtype.auto  # compute dtype; auto = bf16 on CUDA, fp32 on CPU
     device: str = "auto"
     device_map: str | None = None  # "auto" spreads a large target over the node's GPUs
     layer_ids: list[int] | None = None  # null: the layer_preset's ids for draft_num_hidden_layers
-    layer_preset: str = "nemo"  # nemo: NeMo AutoModel's formula; servable: no -1 and no N-1 (SGLang can serve it)
+    layer_preset: LayerPreset = LayerPreset.nemo  # nemo: NeMo AutoModel's formula; servable: no -1 and no N-1
     draft_num_hidden_layers: int = 5
     attn_implementation: str | None = "sdpa"
     trust_remote_code: bool = False
-    fingerprint: str = "full"  # full | sampled: how much of each weight file is hashed (full: every byte)
+    fingerprint: Fingerprint = Fingerprint.full  # how much of each weight file is hashed (full: every byte)
     random: RandomTargetConfig = field(default_factory=RandomTargetConfig)
 
     def problems(self) -> list[str]:
@@ -176,7 +218,7 @@ class DataConfig:
     """The chat dataset and how its conversations become tokens and loss masks."""
 
     path: str = EMBEDDED
-    format: str = "auto"
+    format: DataFormat = DataFormat.auto
     split: str = "train"
     shuffle_seed: int | None = None
     chat_template: str | None = None  # inline Jinja or a path (a .jinja file or tokenizer_config.json)
@@ -184,13 +226,13 @@ class DataConfig:
     mask_generation_prompt: bool = False
     # nemo: NeMo AutoModel's rule (assistant header included); deepspec: DeepSpec's (content and end of turn,
     # its default Qwen system prompt, samples under 14 supervised tokens rejected)
-    mask_rule: str = "nemo"
+    mask_rule: MaskRule = MaskRule.nemo
     max_samples: int | None = None
-    on_invalid: str = "skip"
+    on_invalid: OnInvalid = OnInvalid.skip
     max_invalid_fraction: float = 0.01
     max_row_bytes: int = 1 << 20  # a larger row is a row_too_large reject, never parsed or tokenized
     num_workers: int | None = None  # tokenizing processes; null = the cores this rank may use (when rows warrant)
-    on_nonfinite: str = "reject"  # a sample with NaN/Inf hidden states: reject (rejects.jsonl) | error
+    on_nonfinite: OnNonfinite = OnNonfinite.reject  # a sample with NaN/Inf states: reject (rejects.jsonl) | error
 
     def problems(self) -> list[str]:
         out = []

@@ -15,6 +15,7 @@ from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, cast
 
+from dspark_precompute.contract.vocab import Message
 from dspark_precompute.errors import DataError
 from dspark_precompute.faults import fault_point
 from dspark_precompute.write import processes
@@ -56,10 +57,10 @@ def _worker(spec: RowEncoder, tasks: Any, results: Any, env: dict[str, str]) -> 
     try:
         fault_point("tokenize_start")
         encoder = spec.build(tasks.recv())  # the main process's own tokenizer: never a second load from disk
-        results.send(("ready", -1, None))
+        results.send((Message.ready, -1, None))
     except BaseException as exc:  # noqa: BLE001 - reported to the main process, which raises it typed
         try:
-            results.send(("error", -1, f"{type(exc).__name__}: {exc}"))
+            results.send((Message.error, -1, f"{type(exc).__name__}: {exc}"))
         except OSError:  # the main process is gone (killed while this worker started)
             pass
         return
@@ -76,11 +77,11 @@ def _worker(spec: RowEncoder, tasks: Any, results: Any, env: dict[str, str]) -> 
             for sel, raw in pairs:
                 fault_point("tokenize_row")
                 out.append((sel, spec.encode(encoder, raw, sel)))
-            results.send(("done", chunk_id, out))
+            results.send((Message.done, chunk_id, out))
         except (EOFError, OSError):
             return
         except BaseException as exc:  # noqa: BLE001
-            results.send(("error", chunk_id, f"{type(exc).__name__}: {exc}"))
+            results.send((Message.error, chunk_id, f"{type(exc).__name__}: {exc}"))
             return
 
 
@@ -156,10 +157,10 @@ class EncoderPool:
     def _note(self, i: int, message: tuple[str, int, Any]) -> tuple[str, int, Any] | None:
         """Handle a worker's start-up message (ready or failed); any other message is returned."""
         kind, _chunk_id, payload = message
-        if kind == "ready":
+        if kind == Message.ready:
             self._booted.add(i)
             return None
-        if kind == "error":
+        if kind == Message.error:
             raise DataError(f"tokenizing failed in a worker process: {payload}")
         return message
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-LAYER_PRESETS = ("nemo", "servable")
+from dspark_precompute.contract.vocab import LayerPreset
+
+LAYER_PRESETS = tuple(p.value for p in LayerPreset)
 
 
 def default_layer_ids(num_layers: int, draft_num_hidden_layers: int = 5) -> list[int]:

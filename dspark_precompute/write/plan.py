@@ -11,6 +11,7 @@ builds the cache's manifest.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,6 +273,7 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
         **({"layer_preset": cfg.model.layer_preset} if cfg.model.layer_preset != "nemo" else {}),
         "storage": storage_knobs,
     }
+    identity = json.loads(json.dumps(identity))  # plain JSON values (vocabulary members as their strings)
     return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,
                 config_hash(identity), specs, names, chunk, unit, data_sha,
                 plan_capture(cfg.model, cfg.data, template, target, cfg.model.fingerprint, state))
