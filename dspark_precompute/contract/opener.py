@@ -68,14 +68,11 @@ def read_metas(store: CacheStore, m: Manifest, zstore: Any = None) -> tuple[dict
     return metas, [p for _, p in problems]
 
 
-def read_tables(source: ChunkSource, m: Manifest) -> tuple[dict[str, np.ndarray], dict[str, list[tuple[int, str]]]]:
+def read_tables(source: ChunkSource) -> tuple[dict[str, np.ndarray], dict[str, list[tuple[int, str]]]]:
     """The sample/unit tables, whole: (tables, {table: [(chunk, why unreadable)]}).
 
-    A table with an unreadable chunk is left out. In caches written by 0.1.0, whose writer
-    skipped all-zero table chunks, a missing chunk reads as zeros (the table checks catch any
-    zero that is not the truth); anywhere else it is damage.
+    A table with an unreadable chunk is left out: a missing one is damage (it would read as zeros).
     """
-    legacy = m.format_version < 2 and m.tool_version in ("", "0.1.0")
     tables: dict[str, np.ndarray] = {}
     broken: dict[str, list[tuple[int, str]]] = {}
     for name in TABLES:
@@ -86,9 +83,6 @@ def read_tables(source: ChunkSource, m: Manifest) -> tuple[dict[str, np.ndarray]
         parts = []
         for (_, c), raw in zip(jobs, source.read(jobs)):
             idx = meta.chunk_index(c)
-            if raw is None and legacy:
-                parts.append(np.zeros(meta.chunks, dtype=meta.dtype))
-                continue
             if raw is None:
                 rows = f"[{c * meta.chunks[0]}, {min((c + 1) * meta.chunks[0], meta.shape[0])})"
                 broken.setdefault(name, []).append((c, f"table {name!r} chunk {idx} is missing (file "
@@ -137,7 +131,7 @@ def open_stored(path: str | CacheStore, *, allow_incomplete: bool = False, check
         raise CacheFormatError(listing(f"{store.path}: the arrays disagree with the manifest", problems,
                                        f"Run `dspark-cache verify {store.path}` for a full report; {_FIX}."))
     source = ChunkSource(store, metas, zstore, max_files=max_files)
-    tables, broken = read_tables(source, m)
+    tables, broken = read_tables(source)
     for name, found in broken.items():
         _, why = found[0]
         if "checksum" in why.lower():

@@ -110,7 +110,7 @@ def check_structure(ctx: Context) -> bool:
         ctx.bad.add(Check.structure, p, array=name)
     ctx.metas = metas
     ctx.source = ChunkSource(ctx.store, metas, ctx.zstore)
-    tables, broken = read_tables(ctx.source, ctx.m)
+    tables, broken = read_tables(ctx.source)
     for name, found in broken.items():
         for c, why in found:
             check = Check.checksum if "checksum" in why.lower() or "decode" in why.lower() else Check.missing_chunk
