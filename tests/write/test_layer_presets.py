@@ -104,7 +104,8 @@ def test_a_derived_storage_path_separates_presets_and_keeps_the_default_path():
 @pytest.mark.e2e
 def test_a_servable_cache_stores_no_minus_1_or_n_minus_1_and_keeps_the_post_norm_state_apart(tmp_path):
     cfg = compose(small(tmp_path, "model.random.num_hidden_layers=6", "model.layer_preset=servable",
-                        "model.draft_num_hidden_layers=3", "data.max_samples=4"))
+                        "model.draft_num_hidden_layers=3", "data.max_samples=4",
+                        "batch.max_samples=1"))  # one row per forward: the oracle's unbatched forward, bit for bit
     run(cfg)
     c = open_cache(cfg.storage.path)
     m = c.manifest
