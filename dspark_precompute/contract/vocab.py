@@ -130,22 +130,35 @@ class RejectReason(StrEnum):
     """Why an input row did not become a sample: the ``reason`` of each ``rejects.jsonl`` line (stable codes)."""
 
     MALFORMED_JSON = "malformed_json"
-    INVALID_UTF8 = "invalid_utf8"  # bytes that are not UTF-8, or text holding an unpaired surrogate
-    ROW_TOO_LARGE = "row_too_large"  # more than data.max_row_bytes
+    """Not one JSON object (also: nesting too deep to parse, integers too long)."""
+    INVALID_UTF8 = "invalid_utf8"
+    """Bytes that are not UTF-8, or text holding an unpaired UTF-16 surrogate (the message names the field)."""
+    ROW_TOO_LARGE = "row_too_large"
+    """More than data.max_row_bytes; read past without being held or parsed."""
     MISSING_MESSAGES = "missing_messages"
+    """No messages (or ShareGPT conversations) list in the row."""
     UNKNOWN_ROLE = "unknown_role"
+    """A role other than system, user, assistant or tool (after ShareGPT's names are mapped)."""
     NON_TEXT_CONTENT = "non_text_content"
+    """An image, audio or other non-text content part: only text targets are captured."""
     EMPTY_CONVERSATION = "empty_conversation"
+    """A messages list with no message."""
     NO_ASSISTANT_TURN = "no_assistant_turn"
+    """Nothing to supervise: no assistant message."""
     TEMPLATE_ERROR = "template_error"
+    """The chat template raised, or rendered an empty string, for this row."""
     UNMASKABLE = "unmaskable_template"
+    """The assistant turns could not be located in the render (no generation blocks, and NeMo's prefix rule and
+    the full-render alignment both failed)."""
     NO_SUPERVISED_TOKENS = "no_supervised_tokens"
-    # data.mask_rule=deepspec: fewer supervised tokens than DeepSpec's minimum (14), which it drops as well
+    """No supervised token left after truncation to seq_length (not counted as invalid)."""
     TOO_FEW_SUPERVISED_TOKENS = "too_few_supervised_tokens"
-    # rendering a part of the conversation for data.mask_generation_prompt / mask_reasoning_content failed, so
-    # the option could not be applied to this row (its header or reasoning would have stayed supervised)
+    """data.mask_rule=deepspec: fewer supervised tokens than DeepSpec's minimum (14), which it drops as well."""
     MASK_OPTION_ERROR = "mask_option_error"
-    NONFINITE = "nonfinite_hidden_states"  # found after the forward; the sample is dropped from the cache
+    """data.mask_generation_prompt or mask_reasoning_content could not be applied to this row (rendering a part of
+    the conversation failed), so its header or reasoning would have stayed supervised."""
+    NONFINITE = "nonfinite_hidden_states"
+    """NaN or Inf in a stored state, found after the forward; the sample is dropped from the cache."""
 
 
 class Check(StrEnum):
