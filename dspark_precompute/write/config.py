@@ -110,14 +110,23 @@ class RandomTargetConfig:
     """Shape of the random-weight Qwen3 built when ``model.path=tiny`` (tests, demo, benchmarks)."""
 
     hidden_size: int = 64
+    """Width H of the random target."""
     num_hidden_layers: int = 4
+    """Decoder layers N (at least 2)."""
     num_attention_heads: int = 4
+    """Query heads (a multiple of num_key_value_heads)."""
     num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
     head_dim: int = 16
+    """Width of one attention head."""
     intermediate_size: int = 128
-    vocab_size: int | None = None  # null: the tokenizer's size
+    """Width of the MLP."""
+    vocab_size: int | None = None
+    """Rows of the embedding; null: the tokenizer's size."""
     tie_word_embeddings: bool = True
+    """Whether lm_head shares the embedding's weights."""
     seed: int = 0
+    """Seed of the random weights (the same seed gives the same target, bit for bit)."""
 
     def problems(self) -> list[str]:
         out = []
@@ -140,18 +149,35 @@ class ModelConfig:
     """The frozen target: where it comes from, how it runs, which layers are captured."""
 
     path: str = TINY
-    tokenizer: str | None = None  # null: the tokenizer that ships with model.path
+    """Hub id or local directory of safetensors; tiny: the built-in random Qwen3 (shaped by model.random)."""
+    tokenizer: str | None = None
+    """Tokenizer source when not the model's own; null: the tokenizer that ships with model.path."""
     revision: str | None = None
-    dtype: ComputeDtype = ComputeDtype.auto  # compute dtype; auto = bf16 on CUDA, fp32 on CPU
+    """Hub revision (branch, tag or commit) of model.path."""
+    dtype: ComputeDtype = ComputeDtype.auto
+    """Compute dtype of the forward; auto: bf16 on CUDA, fp32 on CPU."""
     device: str = "auto"
-    device_map: str | None = None  # "auto" spreads a large target over the node's GPUs
-    layer_ids: list[int] | None = None  # null: the layer_preset's ids for draft_num_hidden_layers
-    layer_preset: LayerPreset = LayerPreset.nemo  # nemo: NeMo AutoModel's formula; servable: no -1 and no N-1
+    """auto, cpu, cuda or cuda:N; auto: this rank's GPU when there is one, else the CPU."""
+    device_map: str | None = None
+    """auto spreads a large target over the node's GPUs (needs the accelerate extra); null: one device."""
+    layer_ids: list[int] | None = None
+    """Explicit layer ids to capture (-1: the embeddings, N-1: the post-norm state); null: the layer_preset's ids
+    for draft_num_hidden_layers."""
+    layer_preset: LayerPreset = LayerPreset.nemo
+    """How ids are chosen when layer_ids is null: nemo (NeMo AutoModel's formula, N-1 included) or servable (no -1
+    and no N-1, which a serving engine such as SGLang cannot capture). Part of the identity when not nemo."""
     draft_num_hidden_layers: int = 5
+    """How many layers the preset chooses (the draft's k)."""
     attn_implementation: str | None = "sdpa"
+    """Passed to transformers (sdpa, eager, flash_attention_2, ...)."""
     trust_remote_code: bool = False
-    fingerprint: Fingerprint = Fingerprint.full  # how much of each weight file is hashed (full: every byte)
+    """Run the checkpoint's own Python code (logged loudly); needed for code-only targets."""
+    fingerprint: Fingerprint = Fingerprint.full
+    """How much of each weight file the identity hashes: full (every byte, remembered per user so a checkpoint is
+    read once) or sampled (headers, edges and 16 spread blocks: fast, but a change confined to a few tensors can
+    slip between them)."""
     random: RandomTargetConfig = field(default_factory=RandomTargetConfig)
+    """The random target's shape (model.path=tiny only)."""
 
     def problems(self) -> list[str]:
         out = []
@@ -218,21 +244,40 @@ class DataConfig:
     """The chat dataset and how its conversations become tokens and loss masks."""
 
     path: str = EMBEDDED
+    """A .jsonl/.ndjson/.json/.parquet file, a directory of them, a saved HF dataset, a hub dataset id, or embedded
+    (the bundled 60 conversations)."""
     format: DataFormat = DataFormat.auto
+    """messages (OpenAI), sharegpt (conversations with from/value), or auto (told apart per row)."""
     split: str = "train"
+    """Which split, with an optional slice after the shuffle: train, train[:1000], train[100:200]."""
     shuffle_seed: int | None = None
-    chat_template: str | None = None  # inline Jinja or a path (a .jinja file or tokenizer_config.json)
+    """Shuffle the rows with this seed before the slice (the permutation datasets.shuffle gives); null: file order."""
+    chat_template: str | None = None
+    """Inline Jinja or a path (a .jinja file or tokenizer_config.json); null: the tokenizer's template."""
     mask_reasoning_content: bool = False
+    """Leave reasoning tokens out of the loss mask (a row where that cannot be done is a mask_option_error reject)."""
     mask_generation_prompt: bool = False
-    # nemo: NeMo AutoModel's rule (assistant header included); deepspec: DeepSpec's (content and end of turn,
-    # its default Qwen system prompt, samples under 14 supervised tokens rejected)
+    """Leave the assistant header out of the loss mask (a row where that cannot be done is a mask_option_error
+    reject)."""
     mask_rule: MaskRule = MaskRule.nemo
+    """nemo: NeMo AutoModel's rule (each assistant turn from its header to its end of turn); deepspec: DeepSpec's
+    (content, end of turn and newline, no header; its default Qwen system prompt where a conversation has none;
+    under 14 supervised tokens rejected; ChatML templates only). Part of the identity when not nemo."""
     max_samples: int | None = None
+    """Keep at most this many rows of the selection; null: all."""
     on_invalid: OnInvalid = OnInvalid.skip
+    """skip: a bad row goes to rejects.jsonl with its reason; error: stop at the first, naming file, row and line."""
     max_invalid_fraction: float = 0.01
-    max_row_bytes: int = 1 << 20  # a larger row is a row_too_large reject, never parsed or tokenized
-    num_workers: int | None = None  # tokenizing processes; null = the cores this rank may use (when rows warrant)
-    on_nonfinite: OnNonfinite = OnNonfinite.reject  # a sample with NaN/Inf states: reject (rejects.jsonl) | error
+    """With on_invalid=skip, stop when more than this share of the rows is invalid."""
+    max_row_bytes: int = 1 << 20
+    """A larger row is a row_too_large reject, read past without being parsed or tokenized (tokenizing costs up to
+    about 400 bytes of memory per byte of row)."""
+    num_workers: int | None = None
+    """Tokenizing processes; null: the cores this rank may use. The first 2,000 rows are tokenized in-process, so a
+    small selection never starts them; results are identical to one process, in order."""
+    on_nonfinite: OnNonfinite = OnNonfinite.reject
+    """A sample whose stored states hold NaN or Inf (after the cast to the storage dtype): reject (dropped, a
+    nonfinite_hidden_states line in rejects.jsonl) or error (stop, naming the sample)."""
 
     def problems(self) -> list[str]:
         out = []
@@ -281,22 +326,43 @@ class DataConfig:
 class StorageConfig:
     """Where the cache goes and how its arrays are laid out and compressed."""
 
-    path: str | None = None  # null: derived from model, data and seq_length under root
+    path: str | None = None
+    """The cache's directory or s3:// URL; null: <root>/<model>/<data>/seq<S>-<hash of the settings>."""
     root: str = "caches"
-    dtype: StorageDtype = StorageDtype.bf16  # the captured layers' storage dtype; fp8_e4m3: e4m3 bits + scales
-    last_dtype: StorageDtype | None = None  # the final states'; null: storage.dtype (bf16 when that is fp8_e4m3)
-    fp8_group: int | None = None  # channels per fp8 scale (must divide the hidden size); null: the whole row
+    """Where derived paths go (storage=s3: $DSPARK_S3_ROOT)."""
+    dtype: StorageDtype = StorageDtype.bf16
+    """Storage dtype of the captured layers: bf16, fp16, fp32 (bf16 kept bit-exact as uint16), or fp8_e4m3 (e4m3
+    bits with a float32 scale per token or per fp8_group channels)."""
+    last_dtype: StorageDtype | None = None
+    """Storage dtype of the final states (the trainer turns the post-norm state into the teacher distribution);
+    null: storage.dtype, or bf16 when that is fp8_e4m3."""
+    fp8_group: int | None = None
+    """Channels per fp8 scale (must divide the hidden size, e.g. 128 for targets with outlier channels); null: one
+    scale per token."""
     compressor: Compressor = Compressor.blosc_zstd
+    """Lossless codec of the inner chunks (crc32c checksums are always on)."""
     compression_level: int = 1
+    """The compressor's level."""
     shuffle: Shuffle = Shuffle.byte
-    fp8_shuffle: Shuffle = Shuffle.bit  # fp8 bit arrays' shuffle (byte shuffle does nothing to one-byte values)
-    chunk_tokens: int | None = None  # null: about 1 MiB per inner chunk of the widest array (>= 512 tokens)
-    unit_tokens: int | None = None  # null: as many chunks as fit in unit_mib; one shard per array per unit
-    # raw MiB per unit (one shard per array), at most 131,072 tokens: fewer files, more memory and work a kill loses
+    """blosc's shuffle of the 2- and 4-byte arrays."""
+    fp8_shuffle: Shuffle = Shuffle.bit
+    """blosc's shuffle of fp8 bit arrays (byte shuffle does nothing to one-byte values)."""
+    chunk_tokens: int | None = None
+    """Rows per inner chunk, the unit of decoding (smaller: faster random single-sample reads); null: about 1 MiB
+    of the widest array, at least 512 tokens."""
+    unit_tokens: int | None = None
+    """Rows per commit unit (a multiple of chunk_tokens); null: as many chunks as fit in unit_mib."""
     unit_mib: int = 2048
-    writer_slots: int = 2  # unit buffers in flight between the forward loop and the writers
-    writers: int | None = None  # writer processes; null = the cores this rank may use, less one (at least 1)
-    fsync: bool = True  # make each shard and commit record durable before it counts (off: kill-safe, not power-safe)
+    """Raw MiB of all arrays per commit unit (one shard per array), at most 131,072 tokens: larger means fewer
+    files, more host memory per slot and more work a kill loses."""
+    writer_slots: int = 2
+    """Unit buffers in flight between the forward loop and the writers (host memory: slots x unit size)."""
+    writers: int | None = None
+    """Writer processes that compress and write shards in parallel; null: the cores this rank may use, less one (at
+    least 1)."""
+    fsync: bool = True
+    """Make each shard and commit record durable before it counts; false keeps the atomic renames (safe against a
+    killed process, not a power loss)."""
 
     def resolved_last_dtype(self) -> StorageDtype:
         """The post-norm state's storage dtype: ``last_dtype``, else ``dtype`` (bf16 for an fp8 ``dtype``).
@@ -385,9 +451,9 @@ def _storage_path_problems(path: str) -> list[str]:
 class CaptureConfig:
     """Which final decoder states are stored (part of the cache identity)."""
 
-    # post_norm: after the final norm (NeMo, DeepSpec, SpecForge); pre_norm: the last decoder layer's output
-    # before it (vLLM speculators); both
     last_state: LastState = LastState.post_norm
+    """post_norm: the final state after the target's final norm (NeMo, DeepSpec, SpecForge); pre_norm: the last
+    decoder layer's output before it (vLLM speculators); both. Part of the identity when not post_norm."""
 
     def problems(self) -> list[str]:
         states = [v.value for v in LastState]
@@ -400,8 +466,10 @@ class CaptureConfig:
 class BatchConfig:
     """How samples are grouped for each forward pass (not part of the cache identity)."""
 
-    max_tokens: int = 16384  # padded tokens per forward (batch rows x longest row)
-    max_samples: int | None = None  # cap on rows per forward; 1 = no padding at all
+    max_tokens: int = 16384
+    """Padded tokens per forward (rows x longest row); must be >= seq_length."""
+    max_samples: int | None = None
+    """Cap on rows per forward; 1: no padding at all."""
 
     def problems(self) -> list[str]:
         out = []
@@ -416,7 +484,9 @@ class BatchConfig:
 class PlanConfig:
     """What ``dry_run=true`` assumes when it estimates a run's time (not part of the cache identity)."""
 
-    tokens_per_second: float | None = None  # real tokens/s of the whole job (as the progress bar shows); null: estimate
+    tokens_per_second: float | None = None
+    """Real tokens/s of the whole job (as an earlier run's progress bar shows) for the dry run's time; null:
+    estimated from the target's parameter count at an assumed 300 TFLOP/s per GPU."""
 
     def problems(self) -> list[str]:
         if self.tokens_per_second is not None and not float(self.tokens_per_second) > 0:
@@ -431,16 +501,29 @@ class PrecomputeConfig:
     """One precompute run. Constructing it validates everything that needs no weights."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The frozen target."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The chat dataset."""
     storage: StorageConfig = field(default_factory=StorageConfig)
+    """Where and how the cache is written."""
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    """Which final states are stored."""
     batch: BatchConfig = field(default_factory=BatchConfig)
+    """How samples are grouped for the forward."""
     plan: PlanConfig = field(default_factory=PlanConfig)
+    """What the dry run assumes."""
     seq_length: int = 2048
+    """Keep the first seq_length tokens of each conversation."""
     overwrite: bool = False
-    dry_run: bool = False  # plan the run (data, tokens, rejects, bytes, time) without weights; write nothing
+    """Replace an existing cache of this tool at storage.path instead of resuming or refusing (never a directory it
+    did not write)."""
+    dry_run: bool = False
+    """Plan the run (data, tokens, rejects, exact bytes and files, estimated size and time) without weights; write
+    nothing."""
     log_level: str = "INFO"
+    """The command's log level (a library run() leaves logging to its caller)."""
     progress: bool = True
+    """Show the progress bar (tokens/s, ETA, bytes written)."""
 
     def __post_init__(self) -> None:
         problems = self.problems()
