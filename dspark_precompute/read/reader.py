@@ -151,6 +151,7 @@ class CacheReader:
         self._readable_units = units
         self.indices = opened.readable(units)
         self._cut = self._cut_lengths()
+        self._stored = self.indices  # before the cut: what the cache holds for this view
         self.cut_dropped = 0  # samples dropped by max_length (too few supervised tokens left)
         if self.max_length is not None:
             keep = self._supervised_within(self.indices) >= self._min_supervised()
@@ -526,6 +527,10 @@ class CacheReader:
     def lengths(self) -> np.ndarray:
         """Tokens per readable sample (int32; at most ``max_length``)."""
         return self._cut[self.indices].astype(np.int32)
+
+    def stored_lengths(self) -> np.ndarray:
+        """Tokens the cache stores for the samples this view could read, uncut and dropped ones included (int32)."""
+        return self._length[self._stored].astype(np.int32)
 
     def starts(self) -> np.ndarray:
         """First token slot of each readable sample (int64): sort by it to read in disk order."""

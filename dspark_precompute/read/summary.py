@@ -112,11 +112,12 @@ def summary(c: CacheReader) -> dict[str, Any]:
     m = c.manifest
     lengths = c.lengths()
     tokens = int(lengths.sum())
-    supervised = m.counts.supervised_tokens if c.complete else int(c.supervised_counts().sum())
+    whole = c.complete and c.max_length is None  # the manifest's counts describe exactly this view
+    supervised = m.counts.supervised_tokens if whole else int(c.supervised_counts().sum())
     on_disk = c.store.nbytes()
     entries = c.store.entries()
     token_disk = sum(_bytes_under(c, p) for p in (INPUT_IDS, LOSS_MASK, HIDDEN_GROUP, SCALE_GROUP))
-    raw = tokens * m.bytes_per_token
+    raw = int(c.stored_lengths().sum()) * m.bytes_per_token  # what the token arrays hold, whatever the view cuts
     return {
         "path": c.path,
         "complete": c.complete,
@@ -127,6 +128,8 @@ def summary(c: CacheReader) -> dict[str, Any]:
         "mean_length": float(lengths.mean()) if len(lengths) else 0.0,
         "max_length": int(lengths.max()) if len(lengths) else 0,
         "seq_length": c.seq_length,
+        "cut_at": c.max_length,
+        "cut_dropped": c.cut_dropped,
         "truncated_samples": int((c.untruncated_lengths() > lengths).sum()) if len(lengths) else 0,
         **rejects(c),
         "layer_ids": c.layer_ids,
@@ -179,6 +182,8 @@ def describe(c: CacheReader) -> str:
         f"hidden {s['hidden_size']}, vocab {s['target_vocab_size']}",
         f"  samples     {s['samples']:,}  tokens {s['tokens']:,} (mean {s['mean_length']:.1f}, max "
         f"{s['max_length']}, seq_length {s['seq_length']}; {s['truncated_samples']} truncated)",
+        *([f"  cut         read at max_length {s['cut_at']}: {s['cut_dropped']:,} samples dropped (no supervised "
+           "token left within it); the counts above and below are the cut view's"] if s["cut_at"] else []),
         f"  rejected    {rejects_line(c)}",
         f"  supervised  {s['supervised_tokens']:,} tokens ({s['supervised_fraction']:.1%})",
         f"  layers      {s['layer_ids']} -> target_hidden_states [T, {s['target_hidden_dim']}], "

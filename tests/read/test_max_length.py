@@ -52,3 +52,18 @@ def test_the_loader_and_export_take_the_same_cut(default_run, tmp_path):
         open_cache(default_run[1].path, max_length=999)
     assert np.array_equal(open_cache(default_run[1].path, max_length=256).lengths(),
                           open_cache(default_run[1].path).lengths())  # the cache's own length: no cut
+
+
+def test_the_summary_of_a_cut_view_counts_what_a_run_at_that_length_holds(default_run, fresh_at_l):
+    cut, fresh, full = (open_cache(default_run[1].path, max_length=L), open_cache(fresh_at_l.path),
+                        open_cache(default_run[1].path))
+    s, f, whole = cut.summary(), fresh.summary(), full.summary()
+    assert (s["samples"], s["tokens"], s["supervised_tokens"]) == (f["samples"], f["tokens"], f["supervised_tokens"])
+    assert s["supervised_tokens"] == f["supervised_tokens"] == fresh.manifest.counts.supervised_tokens
+    assert 0 < s["supervised_fraction"] <= 1
+    assert (s["cut_at"], s["cut_dropped"]) == (L, len(full) - len(cut))
+    # the token arrays on disk are the whole cache's, so the ratio is the cache's own, not the view's
+    assert s["compression_ratio"] == pytest.approx(whole["compression_ratio"])
+    text = cut.describe()
+    assert f"read at max_length {L}: {cut.cut_dropped:,} samples dropped" in text
+    assert "cut " not in full.describe() and whole["cut_at"] is None
