@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 if TYPE_CHECKING:  # the real objects, for type checkers and IDEs; at run time __getattr__ imports them on use
     from dspark_precompute.read.plot import plot_cache

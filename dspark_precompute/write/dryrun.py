@@ -281,7 +281,8 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
         matmul = max(1, params - t.vocab_size * t.hidden_size * (1 if t.tied else 2))
         rate = ASSUMED_GPU_FLOPS / (2 * matmul)
         seconds = fwd / rate
-        rate_note = (f"estimated for one GPU: 2 x {_count(matmul)} parameters FLOP per forward token at an assumed "
+        rate_note = (f"estimated for one GPU, whatever this machine has: 2 x {_count(matmul)} parameters (the "
+                     f"embedding and lm_head left out) FLOP per forward token at an assumed "
                      f"{ASSUMED_GPU_FLOPS / 1e12:.0f} TFLOP/s; N data-parallel GPUs take about 1/N of it; set "
                      "plan.tokens_per_second to use a measured rate")
     out = DryRunPlan(

@@ -1,4 +1,4 @@
-"""Progress of the forward loop: samples, tokens/s, ETA, bytes written.
+"""Progress of the forward loop: samples, tokens/s, ETA, raw bytes written (before compression).
 
 On a terminal it is a tqdm bar on stderr; elsewhere (SLURM logs, CI) it logs one line
 every ``interval`` seconds, so log files stay readable instead of filling with redraws.
@@ -40,7 +40,7 @@ class Progress:
         if self._bar is not None:
             self._bar.update(tokens)
             self._bar.set_postfix_str(f"{self.samples}/{self.total_samples} samples, "
-                                      f"{human_bytes(self.bytes)} written", refresh=False)
+                                      f"{human_bytes(self.bytes)} raw written", refresh=False)
             return
         now = time.perf_counter()
         if self.enabled and now - self._last >= self.interval:
@@ -53,12 +53,12 @@ class Progress:
         left = (self.total_tokens - self.tokens) / rate if rate > 0 else 0.0
         pct = 100.0 * self.tokens / max(1, self.total_tokens)
         return (f"{pct:5.1f}% | {self.samples}/{self.total_samples} samples | {rate:,.0f} tok/s | "
-                f"ETA {human_seconds(left)} | {human_bytes(self.bytes)} written")
+                f"ETA {human_seconds(left)} | {human_bytes(self.bytes)} raw written")
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.set_postfix_str(f"{self.samples}/{self.total_samples} samples, "
-                                      f"{human_bytes(self.bytes)} written")
+                                      f"{human_bytes(self.bytes)} raw written")
             self._bar.close()
             self._bar = None
         elif self.enabled:

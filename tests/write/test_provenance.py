@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import REPO, small
 
+import dspark_precompute
 from dspark_precompute import open_cache
 from dspark_precompute.cli.cache import main
 from dspark_precompute.contract.commits import CommitRecord
@@ -42,7 +43,7 @@ def test_the_run_record_names_the_versions_hosts_and_world_size(default_run):
     _, result = default_run
     prov = open_cache(result.path).manifest.provenance
     assert prov is not None
-    assert prov.versions == {"dspark_precompute": "0.2.0", "torch": metadata.version("torch"),
+    assert prov.versions == {"dspark_precompute": dspark_precompute.__version__, "torch": metadata.version("torch"),
                              "transformers": metadata.version("transformers"), "zarr": metadata.version("zarr"),
                              "numcodecs": metadata.version("numcodecs")}
     assert prov.hosts == [socket.gethostname()] and prov.world_size == 1

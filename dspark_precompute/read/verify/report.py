@@ -63,8 +63,9 @@ class VerifyReport:
         head = (f"{'OK' if self.ok else 'FAILED'}: {self.path}: {self.samples} samples, {self.tokens} tokens, "
                 f"{self.chunks_checked} chunks checked")
         if self.recomputed:
-            head += (f", {self.recomputed} samples recomputed ({self.recompute_exact} bit-exact, worst "
-                     f"{self.recompute_max_steps:.2f} storage steps)")
+            head += (f", {self.recomputed} samples recomputed ({self.recompute_exact} equal to the stored values bit "
+                     f"for bit once rounded to the storage dtype; before rounding, the recompute is within "
+                     f"{self.recompute_max_steps:.2f} of a storage-dtype step of them)")
         head += f" in {self.seconds:.1f}s"
         lines = [head]
         if self.teacher_positions:
