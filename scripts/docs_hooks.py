@@ -70,8 +70,19 @@ def _type_name(t: Any) -> str:
 def _default(f: dataclasses.Field[Any]) -> str:
     if f.default is not dataclasses.MISSING:
         v = f.default
+        if isinstance(v, bool):
+            return f"`{str(v).lower()}`"  # as YAML and the command line spell it
         return f"`{v.value if isinstance(v, Enum) else v!r}`".replace("'", "") if v is not None else "`null`"
     return "(section)"
+
+
+def _sections(prefix: str, cls: type) -> list[tuple[str, type]]:
+    """``(key prefix, dataclass)`` of ``cls`` and of every section nested in it (model.random, ...), in order."""
+    out = [(prefix, cls)]
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+            out += _sections(f"{prefix}.{f.name}" if prefix else f.name, f.default_factory)  # type: ignore[arg-type]
+    return out
 
 
 def _config_reference() -> str:
@@ -79,14 +90,11 @@ def _config_reference() -> str:
 
     comments = _comments(CONFIG_PY)
     parts = []
-    sections = [("", config.PrecomputeConfig)] + [
-        (f.name, f.default_factory) for f in dataclasses.fields(config.PrecomputeConfig)  # type: ignore[misc]
-        if f.default_factory is not dataclasses.MISSING]
-    for prefix, cls in sections:
+    for prefix, cls in _sections("", config.PrecomputeConfig):
         rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for f in dataclasses.fields(cls):
-            if f.default_factory is not dataclasses.MISSING and prefix == "":
-                continue
+            if f.default_factory is not dataclasses.MISSING:
+                continue  # a section of its own
             key = f"{prefix}.{f.name}" if prefix else f.name
             choices = ""
             if isinstance(f.default, Enum):
