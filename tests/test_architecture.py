@@ -124,3 +124,18 @@ def test_the_write_side_flows_one_way():
     upstream = [f"{a} imports {b}" for a in rank for b in own_imports(modules[a], modules)
                 if b in rank and rank[b] > rank[a]]
     assert not upstream, "\n".join(upstream)
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_in_the_package_is_longer_than_60_lines():
+    """A function past a screenful does several things: split it into named steps, each saying why it exists."""
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, f"over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
