@@ -72,7 +72,8 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str:
             raise ValueError(
                 "the tokenizer has no chat template; set data.chat_template to inline Jinja or a template file"
             )
-        return tpl
+        text: str = tpl
+        return text
     if "{%" in chat_template or "{{" in chat_template:
         return chat_template
     p = Path(chat_template).expanduser()
@@ -196,11 +197,13 @@ class ChatEncoder:
         self.added_ids = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
 
     # -- primitives -------------------------------------------------------------------
-    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool = False) -> str:
+        text: str = self.tokenizer.apply_chat_template(
             messages, tools=tools, chat_template=self.template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
+        return text
 
     def tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -306,7 +309,8 @@ class ChatEncoder:
             prev_end = ce
         return mask
 
-    def _align_end(self, msgs, tools, full: str, k: int, lo: int) -> int:
+    def _align_end(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, full: str, k: int,
+                   lo: int) -> int:
         """End of ``messages[:k]`` in ``full`` when rendering the prefix alone rewrites some turns.
 
         The prefix render ends with the same text as the full render at the true boundary
@@ -339,7 +343,7 @@ class ChatEncoder:
             raise _Unmaskable(f"the end of message {k - 1} cannot be located in the full render")
         return best_end
 
-    def _remove_generation_prompts(self, conv: Conversation, full: str, offsets, mask: list[int],
+    def _remove_generation_prompts(self, conv: Conversation, full: str, offsets: list[tuple[int, int]], mask: list[int],
                                    turn_starts: dict[int, int] | None = None) -> None:
         starts = [o[0] for o in offsets]
         for i, m in enumerate(conv.messages):

@@ -38,6 +38,7 @@ from dspark_precompute.write.config import TINY, PrecomputeConfig, from_dict
 from dspark_precompute.write.data import Reject, normalize, read_rows, resolve_source
 from dspark_precompute.write.plan import Plan, prepare
 from dspark_precompute.write.target import (
+    TargetInfo,
     inspect_target,
     load_target,
     load_tokenizer,
@@ -222,33 +223,42 @@ def open_stored(path: str | Path, *, model: str | None, trust_remote_code: bool,
                      tables["samples/source_row"]), notes, None
 
 
-def stored_target(run: StoredRun, moved: bool, what: str) -> tuple[Any, Any, Any, str | None]:
-    """The target the manifest names, unloaded: (config, tokenizer for ``tiny`` or None, target info, problem);
-    a problem when it cannot be found or is not the one the cache was made with (``what`` it would give)."""
+@dataclass
+class FoundTarget:
+    """The target a manifest names, checked against the cache's identity, not loaded yet."""
+
+    cfg: PrecomputeConfig
+    tokenizer: Any  # the built-in tiny target's (its vocabulary size); None for a checkpoint (its config's)
+    info: TargetInfo
+
+    def load(self) -> tuple[Any, torch.device, torch.dtype]:
+        """The target on the recorded (or requested) device, in the recorded compute dtype: (model, device, dtype)."""
+        cfg, info = self.cfg, self.info
+        dev = resolve_device(cfg.model.device)
+        dtype = resolve_compute_dtype(cfg.model.dtype, dev)
+        vocab = len(self.tokenizer) if self.tokenizer is not None else info.vocab_size
+        return load_target(cfg.model, info, vocab, dev, dtype), dev, dtype
+
+
+def stored_target(run: StoredRun, moved: bool, what: str) -> tuple[FoundTarget | None, str | None]:
+    """The target the manifest names, unloaded: (found, problem); a problem when it cannot be found or is not the
+    one the cache was made with (``what`` it would give)."""
     cfgd = {**run.cfgd, "data": {}}  # the stored input_ids are the inputs: the data need not exist any more
     try:
         cfg = from_dict(cfgd)
         tokenizer = load_tokenizer(cfg.model) if cfg.model.path == TINY else None
         info = inspect_target(cfg.model, tokenizer)
     except DsparkError as exc:
-        return None, None, None, f"cannot load the target the manifest names: {exc}"
+        return None, f"cannot load the target the manifest names: {exc}"
     m = run.m
     now = {"target": {**m.identity.get("target", {}), "path": info.path, "model_type": info.model_type,
                       "config_sha256": info.config_sha256, "weights_fingerprint": info.weights_fingerprint}}
     diffs = changed_identity({"target": m.identity.get("target", {})}, now, moved)
     if diffs:
         listed = listed_differences(diffs)
-        return None, None, None, (f"the target changed since the cache was written ({listed}); its {what} would not "
-                                  "be the ones the cache was made with. Pass --model PATH for the original target")
-    return cfg, tokenizer, info, None
-
-
-def load_stored_target(cfg: Any, tokenizer: Any, info: Any) -> tuple[Any, torch.device, torch.dtype]:
-    """Load what :func:`stored_target` found, on the recorded (or requested) device and compute dtype."""
-    dev = resolve_device(cfg.model.device)
-    dtype = resolve_compute_dtype(cfg.model.dtype, dev)
-    vocab = len(tokenizer) if tokenizer is not None else info.vocab_size
-    return load_target(cfg.model, info, vocab, dev, dtype), dev, dtype
+        return None, (f"the target changed since the cache was written ({listed}); its {what} would not "
+                      "be the ones the cache was made with. Pass --model PATH for the original target")
+    return FoundTarget(cfg, tokenizer, info), None
 
 
 def sample_positions(lengths: np.ndarray, readable: np.ndarray, n: int, seed: int) -> list[tuple[int, int]]:
@@ -278,7 +288,7 @@ class SampledTarget:
 
     run: StoredRun
     picked: list[tuple[int, int]]
-    target: Any
+    target: Any  # a transformers CausalLM
     dev: torch.device
     dtype: torch.dtype
 
@@ -293,15 +303,15 @@ def open_sampled(out: CheckResult, path: str | Path, n: int, *, seed: int, devic
     if problem or run is None:
         out.add(problem or "the run cannot be rebuilt")
         return None
-    cfg, tokenizer, info, problem = stored_target(run, bool(model), gives)
-    if problem:
-        out.add(problem)
+    found, problem = stored_target(run, bool(model), gives)
+    if problem or found is None:
+        out.add(problem or "the target cannot be found")
         return None
     picked = sample_positions(run.lengths, run.readable, n, seed)
     if not picked:
         out.notes.append(f"{what} found no readable token to compare")
         return None
-    target, dev, dtype = load_stored_target(cfg, tokenizer, info)
+    target, dev, dtype = found.load()
     return SampledTarget(run, picked, target, dev, dtype)
 
 

@@ -76,11 +76,13 @@ def agreement(teacher: torch.Tensor, student: torch.Tensor) -> tuple[list[bool],
 
 def _teacher_logits(model: Any, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The CausalLM's own logits at ``pos`` of one unpadded sequence (float32, ``[len(pos), vocab]``)."""
+    logits: torch.Tensor
     try:
         out = model(input_ids=ids[None], use_cache=False, logits_to_keep=pos)
-        return out.logits[0].float()
+        logits = out.logits[0].float()
     except TypeError:  # a model class without logits_to_keep: project every position, keep the picked ones
-        return model(input_ids=ids[None], use_cache=False).logits[0, pos].float()
+        logits = model(input_ids=ids[None], use_cache=False).logits[0, pos].float()
+    return logits
 
 
 def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None = None, model: str | None = None,
