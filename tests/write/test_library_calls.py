@@ -78,7 +78,7 @@ def test_a_library_run_leaves_the_callers_logging_signal_handlers_and_multiproce
 @pytest.mark.parametrize("how", ["ctrl_c", "exception"])
 def test_an_interrupted_library_run_raises_to_the_caller_and_leaves_no_lock_helper_process_or_shared_memory(
         tmp_path, monkeypatch, how):
-    from dspark_precompute.write import processes
+    from dspark_precompute.write import forward, processes
     from dspark_precompute.write import run as run_module
 
     cfg = compose(small(tmp_path, "storage.chunk_tokens=256", "storage.unit_tokens=512"))
@@ -91,7 +91,7 @@ def test_an_interrupted_library_run_raises_to_the_caller_and_leaves_no_lock_help
         if how == "ctrl_c":
             signal.raise_signal(signal.SIGINT)  # a real Ctrl-C, under the caller's (Python's default) handler
         raise RuntimeError("the caller's code failed")
-    monkeypatch.setattr(run_module, "fault_point", interrupt)
+    monkeypatch.setattr(forward, "fault_point", interrupt)  # the forward loop's unit_submitted point
     shm = set(os.listdir("/dev/shm"))
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
