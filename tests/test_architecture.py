@@ -139,3 +139,17 @@ def test_no_function_in_the_package_is_longer_than_60_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {lines} lines")
     assert not long, f"over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_the_e2e_marker_is_the_e2e_directory():
+    """tests/e2e/conftest.py marks everything there; a test elsewhere that needs the marker belongs there instead."""
+    tests = REPO / "tests"
+    marked = []
+    for path in sorted(tests.rglob("*.py")):
+        if (tests / "e2e") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "e2e" and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == "mark":
+                marked.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not marked, "e2e markers outside tests/e2e/ (move those tests there):\n" + "\n".join(marked)
