@@ -55,3 +55,25 @@ def both_states_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("both_states_run")
     cfg = compose(small(tmp, "storage.chunk_tokens=256", "storage.unit_tokens=1024", "capture.last_state=both"))
     return cfg, run(cfg)
+
+
+@pytest.fixture(scope="module")
+def saved_target(tmp_path_factory):
+    """The tiny random Qwen3 and its tokenizer saved as a Hugging Face directory (safetensors)."""
+    from dspark_precompute.write import tiny
+    from dspark_precompute.write.config import RandomTargetConfig
+
+    d = tmp_path_factory.mktemp("tiny_hf")
+    tok = tiny.build_tokenizer()
+    tiny.build_target(RandomTargetConfig(), len(tok)).save_pretrained(d, safe_serialization=True)
+    tok.save_pretrained(d)
+    assert (d / "model.safetensors").is_file()
+    return d
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fail the test if anything tries to load target weights."""
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded before the refusal")
+    monkeypatch.setattr("dspark_precompute.write.run.load_target", boom)

@@ -124,3 +124,32 @@ def test_the_write_side_flows_one_way():
     upstream = [f"{a} imports {b}" for a in rank for b in own_imports(modules[a], modules)
                 if b in rank and rank[b] > rank[a]]
     assert not upstream, "\n".join(upstream)
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_in_the_package_is_longer_than_60_lines():
+    """A function past a screenful does several things: split it into named steps, each saying why it exists."""
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, f"over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_the_e2e_marker_is_the_e2e_directory():
+    """tests/e2e/conftest.py marks everything there; a test elsewhere that needs the marker belongs there instead."""
+    tests = REPO / "tests"
+    marked = []
+    for path in sorted(tests.rglob("*.py")):
+        if (tests / "e2e") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "e2e" and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == "mark":
+                marked.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not marked, "e2e markers outside tests/e2e/ (move those tests there):\n" + "\n".join(marked)

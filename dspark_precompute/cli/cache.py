@@ -184,12 +184,38 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("info", help="print a cache's summary")
-    s.add_argument("path", help="cache directory or fsspec URL")
-    s.add_argument("--json", action="store_true", help="machine-readable summary")
-    s.add_argument("--allow-incomplete", action="store_true", help="describe the committed part of an unfinished cache")
+    _info_options(s)
     s.set_defaults(fn=_info)
 
     s = sub.add_parser("verify", help="check structure, offsets, counts and every chunk's checksum")
+    _verify_options(s)
+    s.set_defaults(fn=_verify)
+
+    s = sub.add_parser("export", help="write the layout a DSpark / EAGLE-3 trainer reads (NeMo, DeepSpec, "
+                                      "SpecForge, vLLM speculators)")
+    _export_options(s)
+    s.set_defaults(fn=_export_to)
+
+    s = sub.add_parser("export-nemo", help="write NeMo AutoModel's DSpark offline cache layout")
+    _export_nemo_options(s)
+    s.set_defaults(fn=_export)
+
+    s = sub.add_parser("plot", help="length histogram, supervised fraction and per-layer RMS as one image")
+    _plot_options(s)
+    s.set_defaults(fn=_plot)
+    return p
+
+
+def _info_options(s: argparse.ArgumentParser) -> None:
+    """``info PATH``: the summary, or its JSON."""
+    s.add_argument("path", help="cache directory or fsspec URL")
+    s.add_argument("--json", action="store_true", help="machine-readable summary")
+    s.add_argument("--allow-incomplete", action="store_true", help="describe the committed part of an unfinished cache")
+
+
+def _verify_options(s: argparse.ArgumentParser) -> None:
+    """``verify PATH``: the reruns of the target beyond the structure and checksum checks, their bounds,
+    the target to rerun, repair."""
     s.add_argument("path")
     s.add_argument("--recompute", type=int, default=0, metavar="N",
                    help="reload the target and recompute N random samples (needs the target and data)")
@@ -226,10 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repair", action="store_true",
                    help="mark damaged units for recomputation by the next run of the precompute command")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(fn=_verify)
 
-    s = sub.add_parser("export", help="write the layout a DSpark / EAGLE-3 trainer reads (NeMo, DeepSpec, "
-                                      "SpecForge, vLLM speculators)")
+
+def _export_options(s: argparse.ArgumentParser) -> None:
+    """``export CACHE OUT --to TRAINER``: the layout, the samples and layers written, each trainer's own options."""
     s.add_argument("cache")
     s.add_argument("out", help="output directory (created; must be empty or hold a previous export)")
     s.add_argument("--to", required=True, choices=("nemo", "deepspec", "specforge", "speculators"),
@@ -244,9 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target-name", default=None, metavar="NAME",
                    help="deepspec: target_model_name_or_path to record, which DeepSpec's trainer compares with its "
                         "config (default: the model.path the cache was made with)")
-    s.set_defaults(fn=_export_to)
 
-    s = sub.add_parser("export-nemo", help="write NeMo AutoModel's DSpark offline cache layout")
+
+def _export_nemo_options(s: argparse.ArgumentParser) -> None:
+    """``export-nemo CACHE OUT``: NeMo's layout, its shard size, the samples and layers written."""
     s.add_argument("cache")
     s.add_argument("out", help="output directory (use as recipe_args.cached_target_path)")
     s.add_argument("--shard-size", type=int, default=256, help="samples per shard (NeMo's default 256)")
@@ -255,16 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut every sample (and the padding) at L tokens; samples left with no supervised token are "
                         "left out (counted)")
     s.add_argument("--overwrite", action="store_true", help="replace a previous export in OUT")
-    s.set_defaults(fn=_export)
 
-    s = sub.add_parser("plot", help="length histogram, supervised fraction and per-layer RMS as one image")
+
+def _plot_options(s: argparse.ArgumentParser) -> None:
+    """``plot PATH -o FILE``: the image and the samples its RMS panel reads."""
     s.add_argument("path")
     s.add_argument("-o", "--output", required=True, help="image file (png, svg, pdf)")
     s.add_argument("--max-samples", type=int, default=64, help="samples used for the RMS panel")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--allow-incomplete", action="store_true")
-    s.set_defaults(fn=_plot)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from dspark_precompute.read.reader import DEFAULT_CHUNK_CACHE_BYTES, CacheReader
 BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "target_hidden_states", "target_last_hidden_states")
 
 
-class CacheDataset(Dataset):
+class CacheDataset(Dataset[dict[str, torch.Tensor]]):
     """Map-style, lazy dataset over a cache: item ``i`` is sample ``i`` as torch tensors (no padding).
 
     Only a small description of the opened cache travels to DataLoader workers (pickling

@@ -64,56 +64,21 @@ def plot_cache(cache: CacheReader | str | Path, path: str | Path | None = None, 
     cache. Saves to ``path`` when given (format from its suffix); returns the Figure.
     """
     Figure = _figure_class()
-    from matplotlib.ticker import MaxNLocator
 
     c = cache if isinstance(cache, CacheReader) else open_cache(cache, allow_incomplete=allow_incomplete)
     if len(c) == 0:
         raise DsparkError(f"{c.path} has no readable samples to plot")
     lengths = c.lengths().astype(np.int64)
     sup = c.supervised_counts()
-    frac = sup / np.maximum(lengths, 1)
     rng = np.random.default_rng(seed)
     pick = np.sort(rng.choice(len(c), size=min(max_samples, len(c)), replace=False))
     rms = layer_rms(c, pick)
 
     fig = Figure(figsize=(15, 4.4), dpi=dpi, layout="constrained")
     ax1, ax2, ax3 = fig.subplots(1, 3)
-    bins = min(40, max(5, int(np.sqrt(len(lengths))) * 2))
-    ax1.hist(lengths, bins=bins, color="#4C72B0", edgecolor="white")
-    if c.seq_length:
-        ax1.axvline(c.seq_length, color="#C44E52", linestyle="--", linewidth=1.2,
-                    label=f"seq_length {c.seq_length}")
-    ax1.axvline(lengths.mean(), color="#333333", linestyle=":", linewidth=1.2, label=f"mean {lengths.mean():.0f}")
-    truncated = int((c.untruncated_lengths() > lengths).sum())
-    ax1.set_title(f"sequence length ({len(lengths)} samples, {truncated} truncated)")
-    ax1.set_xlabel("tokens per sample")
-    ax1.set_ylabel("samples")
-    ax1.legend(loc="upper right", fontsize=8)
-    ax1.yaxis.set_major_locator(MaxNLocator(integer=True))
-
-    ax2.hist(frac, bins=np.linspace(0, 1, 21), color="#55A868", edgecolor="white")
-    overall = sup.sum() / max(1, lengths.sum())
-    ax2.axvline(overall, color="#333333", linestyle=":", linewidth=1.2, label=f"all tokens {overall:.1%}")
-    ax2.set_xlim(0, 1)
-    ax2.set_title("supervised-token fraction per sample")
-    ax2.set_xlabel("loss_mask = 1 share of the sample's tokens")
-    ax2.set_ylabel("samples")
-    ax2.legend(loc="upper left", fontsize=8)
-    ax2.yaxis.set_major_locator(MaxNLocator(integer=True))
-
-    labels = list(rms)
-    data = [np.maximum(rms[k], 1e-12) for k in labels]
-    ax3.boxplot(data, showfliers=False, widths=0.6)
-    ax3.set_xticks(range(1, len(labels) + 1), labels, rotation=30 if len(labels) > 6 else 0,
-                   fontsize=9 if len(labels) > 4 else 10)
-    means = [float(np.mean(d)) if len(d) else 0.0 for d in data]
-    ax3.plot(range(1, len(labels) + 1), means, "o", color="#C44E52", markersize=4, label="mean")
-    spread = [float(np.percentile(d, q)) for d in data if len(d) for q in (5, 95)]
-    if spread and max(spread) / max(min(spread), 1e-12) > 30:  # scales differ by decades: log axis
-        ax3.set_yscale("log")
-    ax3.set_title(f"activation RMS per token ({len(pick)} of {len(c)} samples)")
-    ax3.set_ylabel("RMS over hidden dim")
-    ax3.legend(loc="upper left", fontsize=8)
+    _length_panel(ax1, c, lengths)
+    _supervision_panel(ax2, sup, lengths)
+    _rms_panel(ax3, rms, f"activation RMS per token ({len(pick)} of {len(c)} samples)")
 
     name = Path(str(c.path).rstrip("/")).name or str(c.path)
     rejected = c.rejects()
@@ -125,3 +90,54 @@ def plot_cache(cache: CacheReader | str | Path, path: str | Path | None = None, 
         fig.savefig(str(path))
         log.info("plot: wrote %s", path)
     return fig
+
+
+def _length_panel(ax: Any, c: CacheReader, lengths: np.ndarray) -> None:
+    """Histogram of sample lengths, with seq_length, the mean and how many were truncated."""
+    from matplotlib.ticker import MaxNLocator
+
+    bins = min(40, max(5, int(np.sqrt(len(lengths))) * 2))
+    ax.hist(lengths, bins=bins, color="#4C72B0", edgecolor="white")
+    if c.seq_length:
+        ax.axvline(c.seq_length, color="#C44E52", linestyle="--", linewidth=1.2,
+                   label=f"seq_length {c.seq_length}")
+    ax.axvline(lengths.mean(), color="#333333", linestyle=":", linewidth=1.2, label=f"mean {lengths.mean():.0f}")
+    truncated = int((c.untruncated_lengths() > lengths).sum())
+    ax.set_title(f"sequence length ({len(lengths)} samples, {truncated} truncated)")
+    ax.set_xlabel("tokens per sample")
+    ax.set_ylabel("samples")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _supervision_panel(ax: Any, sup: np.ndarray, lengths: np.ndarray) -> None:
+    """Histogram of each sample's supervised-token share, with the share over all tokens."""
+    from matplotlib.ticker import MaxNLocator
+
+    frac = sup / np.maximum(lengths, 1)
+    ax.hist(frac, bins=np.linspace(0, 1, 21), color="#55A868", edgecolor="white")
+    overall = sup.sum() / max(1, lengths.sum())
+    ax.axvline(overall, color="#333333", linestyle=":", linewidth=1.2, label=f"all tokens {overall:.1%}")
+    ax.set_xlim(0, 1)
+    ax.set_title("supervised-token fraction per sample")
+    ax.set_xlabel("loss_mask = 1 share of the sample's tokens")
+    ax.set_ylabel("samples")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _rms_panel(ax: Any, rms: dict[str, np.ndarray], title: str) -> None:
+    """Box plot of each layer's per-token RMS (log axis when the layers' scales differ by decades)."""
+    labels = list(rms)
+    data = [np.maximum(rms[k], 1e-12) for k in labels]
+    ax.boxplot(data, showfliers=False, widths=0.6)
+    ax.set_xticks(range(1, len(labels) + 1), labels, rotation=30 if len(labels) > 6 else 0,
+                  fontsize=9 if len(labels) > 4 else 10)
+    means = [float(np.mean(d)) if len(d) else 0.0 for d in data]
+    ax.plot(range(1, len(labels) + 1), means, "o", color="#C44E52", markersize=4, label="mean")
+    spread = [float(np.percentile(d, q)) for d in data if len(d) for q in (5, 95)]
+    if spread and max(spread) / max(min(spread), 1e-12) > 30:  # scales differ by decades: log axis
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_ylabel("RMS over hidden dim")
+    ax.legend(loc="upper left", fontsize=8)

@@ -113,7 +113,7 @@ def pin(slots: list[Slot]) -> list[np.ndarray]:
 
     if not torch.cuda.is_available():
         return []
-    cudart = torch.cuda.cudart()
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch leaves cudart() unannotated
     done: list[np.ndarray] = []
     for arr in (a for slot in slots for a in slot.arrays.values() if a.nbytes):
         err = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, 0)
@@ -132,6 +132,6 @@ def unpin(arrays: list[np.ndarray]) -> None:
         return
     import torch
 
-    cudart = torch.cuda.cudart()
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch leaves cudart() unannotated
     for arr in arrays:
         cudart.cudaHostUnregister(arr.ctypes.data)

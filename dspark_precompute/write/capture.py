@@ -8,6 +8,7 @@ output (before the final norm) is kept too, under key ``N``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,8 +45,8 @@ class HiddenStateCapture:
             self.close()
             raise
 
-    def _hook(self, lid: int):
-        def fn(_module, _inputs, output):
+    def _hook(self, lid: int) -> Callable[[Any, tuple[Any, ...], Any], None]:
+        def fn(_module: Any, _inputs: tuple[Any, ...], output: Any) -> None:
             self._store[lid] = output[0] if isinstance(output, tuple) else output
         return fn
 

@@ -72,7 +72,8 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str:
             raise ValueError(
                 "the tokenizer has no chat template; set data.chat_template to inline Jinja or a template file"
             )
-        return tpl
+        text: str = tpl
+        return text
     if "{%" in chat_template or "{{" in chat_template:
         return chat_template
     p = Path(chat_template).expanduser()
@@ -120,6 +121,53 @@ def deepspec_conversation(conv: Conversation) -> Conversation:
     return Conversation(head + list(msgs), conv.tools)
 
 
+class _TurnBoundaries:
+    """Where ``messages[:k]`` ends in one row's full render, memoized per ``k``: in tokens by NeMo's prefix rule
+    (:meth:`token`), else in characters by aligning the prefix's render against the full one (:meth:`char`)."""
+
+    def __init__(self, encoder: ChatEncoder, conv: Conversation, full: str, ids: list[int],
+                 offsets: list[tuple[int, int]]) -> None:
+        self.encoder, self.msgs, self.tools, self.full, self.ids = encoder, conv.messages, conv.tools, full, ids
+        self.starts = [o[0] for o in offsets]
+        self.added_starts = {o[0] for o, t in zip(offsets, ids) if t in encoder.added_ids}
+        self._tokens: dict[int, int | None] = {len(self.msgs): len(ids)}
+        self._chars: dict[int, int] = {}
+
+    def token(self, k: int) -> int | None:
+        """NeMo's prefix length of messages[:k] in tokens, or None where the rule breaks."""
+        if k in self._tokens:
+            return self._tokens[k]
+        enc, full, ids, S = self.encoder, self.full, self.ids, self.encoder.seq_length
+        try:
+            prefix = enc.render(self.msgs[:k], self.tools)
+        except Exception:
+            self._tokens[k] = None
+            return None
+        if full.startswith(prefix) and (len(prefix) == len(full) or len(prefix) in self.added_starts):
+            # Added tokens split the text before BPE runs, so tokenizing the prefix alone
+            # gives exactly the full tokenization's first tokens.
+            self._tokens[k] = bisect.bisect_left(self.starts, len(prefix))
+            return self._tokens[k]
+        pids, _ = enc.tokenize(prefix)
+        ref = ids[:S]
+        p = pids[:S]
+        ok = len(p) <= len(ref) and (
+            p == ref[: len(p)]
+            or (len(p) > 1 and enc.eos_token_id is not None and p[-1] == enc.eos_token_id
+                and p[:-1] == ref[: len(p) - 1])
+        )
+        self._tokens[k] = len(pids) if ok else None
+        return self._tokens[k]
+
+    def char(self, k: int, lo: int) -> int:
+        """Where messages[:k] ends inside the full render, without the prefix rule."""
+        if k not in self._chars:
+            t = self.token(k)
+            self._chars[k] = (self.starts[t] if t < len(self.ids) else len(self.full)) if t is not None else \
+                self.encoder._align_end(self.msgs, self.tools, self.full, k, lo)
+        return self._chars[k]
+
+
 class ChatEncoder:
     """Renders conversations with one template and builds NeMo-compatible loss masks."""
 
@@ -149,11 +197,13 @@ class ChatEncoder:
         self.added_ids = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
 
     # -- primitives -------------------------------------------------------------------
-    def render(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool = False) -> str:
+        text: str = self.tokenizer.apply_chat_template(
             messages, tools=tools, chat_template=self.template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
+        return text
 
     def tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -226,50 +276,12 @@ class ChatEncoder:
             raise _Unmaskable("the template's tokenization differs from a plain tokenization of its render")
         return [int(bool(m)) for m in out["assistant_masks"]]
 
-    def _assistant_mask(self, conv: Conversation, full: str, ids: list[int], offsets,
+    def _assistant_mask(self, conv: Conversation, full: str, ids: list[int], offsets: list[tuple[int, int]],
                         turn_starts: dict[int, int] | None = None) -> list[int]:
-        msgs, tools = conv.messages, conv.tools
-        starts = [o[0] for o in offsets]
-        added_starts = {o[0] for o, t in zip(offsets, ids) if t in self.added_ids}
-        cache: dict[int, int | None] = {len(msgs): len(ids)}
-        S = self.seq_length
-
-        def boundary(k: int) -> int | None:
-            """NeMo's prefix length of messages[:k] in tokens, or None where the rule breaks."""
-            if k in cache:
-                return cache[k]
-            try:
-                prefix = self.render(msgs[:k], tools)
-            except Exception:
-                cache[k] = None
-                return None
-            if full.startswith(prefix) and (len(prefix) == len(full) or len(prefix) in added_starts):
-                # Added tokens split the text before BPE runs, so tokenizing the prefix alone
-                # gives exactly the full tokenization's first tokens.
-                cache[k] = bisect.bisect_left(starts, len(prefix))
-                return cache[k]
-            pids, _ = self.tokenize(prefix)
-            ref = ids[:S]
-            p = pids[:S]
-            ok = len(p) <= len(ref) and (
-                p == ref[: len(p)]
-                or (len(p) > 1 and self.eos_token_id is not None and p[-1] == self.eos_token_id
-                    and p[:-1] == ref[: len(p) - 1])
-            )
-            cache[k] = len(pids) if ok else None
-            return cache[k]
-
+        msgs = conv.messages
+        bounds = _TurnBoundaries(self, conv, full, ids, offsets)
+        starts, S = bounds.starts, self.seq_length
         mask = [0] * len(ids)
-        char_cache: dict[int, int] = {}
-
-        def char_boundary(k: int, lo: int) -> int:
-            """Where messages[:k] ends inside the full render, without the prefix rule."""
-            if k not in char_cache:
-                t = boundary(k)
-                char_cache[k] = (starts[t] if t < len(ids) else len(full)) if t is not None else \
-                    self._align_end(msgs, tools, full, k, lo)
-            return char_cache[k]
-
         prev_end = 0
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
@@ -279,7 +291,7 @@ class ChatEncoder:
                 # well), so this turn and every later one lie past seq_length: their masks are
                 # cut off anyway, and rendering their prefixes would cost O(messages^2).
                 break
-            s, e = boundary(i), boundary(i + 1)
+            s, e = bounds.token(i), bounds.token(i + 1)
             if s is not None and e is not None:
                 for t in range(s, min(e, len(ids))):
                     mask[t] = 1
@@ -287,17 +299,18 @@ class ChatEncoder:
                 if turn_starts is not None:
                     turn_starts[i] = starts[s] if s < len(ids) else len(full)
                 continue
-            cs = 0 if i == 0 else char_boundary(i, prev_end)
+            cs = 0 if i == 0 else bounds.char(i, prev_end)
             if turn_starts is not None:
                 turn_starts[i] = cs
-            ce = char_boundary(i + 1, cs)
+            ce = bounds.char(i + 1, cs)
             lo, hi = bisect.bisect_left(starts, cs), bisect.bisect_left(starts, ce)
             for t in range(lo, hi):
                 mask[t] = 1
             prev_end = ce
         return mask
 
-    def _align_end(self, msgs, tools, full: str, k: int, lo: int) -> int:
+    def _align_end(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, full: str, k: int,
+                   lo: int) -> int:
         """End of ``messages[:k]`` in ``full`` when rendering the prefix alone rewrites some turns.
 
         The prefix render ends with the same text as the full render at the true boundary
@@ -330,7 +343,7 @@ class ChatEncoder:
             raise _Unmaskable(f"the end of message {k - 1} cannot be located in the full render")
         return best_end
 
-    def _remove_generation_prompts(self, conv: Conversation, full: str, offsets, mask: list[int],
+    def _remove_generation_prompts(self, conv: Conversation, full: str, offsets: list[tuple[int, int]], mask: list[int],
                                    turn_starts: dict[int, int] | None = None) -> None:
         starts = [o[0] for o in offsets]
         for i, m in enumerate(conv.messages):

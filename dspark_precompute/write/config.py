@@ -553,7 +553,8 @@ class PrecomputeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (vocabulary members as their strings)."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        out: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(self)))
+        return out
 
 
 def host_problems(cfg: PrecomputeConfig) -> list[str]:

@@ -304,57 +304,68 @@ def resolve_source(path: str, split: str | None = None) -> DataSource:
         return DataSource(path=EMBEDDED, files=[embedded_data_path()], kind="jsonl")
     p = Path(path).expanduser()
     if p.is_file():
-        suffix = p.suffix.lower()
-        kind = DATA_SUFFIXES.get(suffix)
-        if kind is None:
-            hint = " (decompress it first)" if suffix in COMPRESSED_SUFFIXES else ""
-            raise DataError(f"data.path={path!r}: unsupported file type {suffix!r}{hint}; "
-                            "use .jsonl, .ndjson, .json or .parquet")
-        problems = _file_problems(p.name, p, kind)
-        if kind == "parquet" and (need := _needs_pyarrow([p.name])):
-            problems.append(need)
-        if problems:
-            raise DataError(f"data.path={path!r}: " + "; ".join(problems))
-        return DataSource(path=str(p), files=[p], kind=kind)
+        return _file_source(path, p)
     if p.is_dir():
         if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file():
             arrow = sorted(p.rglob("*.arrow"))
             if arrow:  # written by datasets' save_to_disk
                 _need_datasets(path, "a dataset saved with save_to_disk")
                 return DataSource(path=str(p), files=arrow, kind="hf_disk", root=p)
-        walk = _walk(p)
-        if walk.broken:
-            raise DataError(f"data.path={path!r}: cannot read {_few(walk.broken)}; fix or remove them")
-        if walk.unknown:
-            compressed = [r for r in walk.unknown if Path(r).suffix.lower() in COMPRESSED_SUFFIXES]
-            arrow_files = [r for r in walk.unknown if r.endswith(".arrow")]
-            hint = (" Decompress the compressed ones." if compressed else "") + (
-                " .arrow files are read only as a whole dataset saved with datasets' save_to_disk "
-                "(point data.path at that folder)." if arrow_files else "")
-            raise DataError(
-                f"data.path={path!r} holds {len(walk.unknown)} file(s) that are not data this tool reads: "
-                f"{_few(walk.unknown)}. A data directory is read whole (.jsonl, .ndjson, .json, .parquet, in any "
-                f"subfolder); move the other files out, convert them, or point data.path at one file or a "
-                f"subfolder.{hint}"
-            )
-        if walk.skipped:
-            log.info("data: not reading %d file(s) that are not data: %s", len(walk.skipped), _few(walk.skipped))
-        if not walk.data:
-            raise DataError(f"data.path={path!r} is a directory without .jsonl, .ndjson, .json or .parquet files"
-                            + (f" (it holds only {_few(walk.skipped)})" if walk.skipped else ""))
-        problems = []
-        for rel, f in walk.data:
-            problems += _file_problems(rel, f, DATA_SUFFIXES[f.suffix.lower()])
-        parquet = [rel for rel, f in walk.data if f.suffix.lower() == ".parquet"]
-        if parquet and (need := _needs_pyarrow(parquet)):
-            problems.append(need)
-        if problems:
-            raise DataError(f"data.path={path!r}: {len(problems)} file problem(s): " + "; ".join(problems[:5])
-                            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
-        source = DataSource(path=str(p), files=[f for _, f in walk.data], kind="files", root=p)
-        return select_split(source, split) if split is not None else source
+        return _directory_source(path, p, split)
     _need_datasets(path, "not a local file or directory, so a Hugging Face hub dataset id")
     return DataSource(path=path, files=[], kind="hub")
+
+
+def _file_source(path: str, p: Path) -> DataSource:
+    """``data.path`` naming one file: a data suffix, readable, its reader installed; else a DataError."""
+    suffix = p.suffix.lower()
+    kind = DATA_SUFFIXES.get(suffix)
+    if kind is None:
+        hint = " (decompress it first)" if suffix in COMPRESSED_SUFFIXES else ""
+        raise DataError(f"data.path={path!r}: unsupported file type {suffix!r}{hint}; "
+                        "use .jsonl, .ndjson, .json or .parquet")
+    problems = _file_problems(p.name, p, kind)
+    if kind == "parquet" and (need := _needs_pyarrow([p.name])):
+        problems.append(need)
+    if problems:
+        raise DataError(f"data.path={path!r}: " + "; ".join(problems))
+    return DataSource(path=str(p), files=[p], kind=kind)
+
+
+def _directory_source(path: str, p: Path, split: str | None) -> DataSource:
+    """``data.path`` naming a directory of data files, read whole (narrowed to ``split``'s files when given): a
+    broken, unknown or unreadable file, or none at all, is a DataError naming them."""
+    walk = _walk(p)
+    if walk.broken:
+        raise DataError(f"data.path={path!r}: cannot read {_few(walk.broken)}; fix or remove them")
+    if walk.unknown:
+        compressed = [r for r in walk.unknown if Path(r).suffix.lower() in COMPRESSED_SUFFIXES]
+        arrow_files = [r for r in walk.unknown if r.endswith(".arrow")]
+        hint = (" Decompress the compressed ones." if compressed else "") + (
+            " .arrow files are read only as a whole dataset saved with datasets' save_to_disk "
+            "(point data.path at that folder)." if arrow_files else "")
+        raise DataError(
+            f"data.path={path!r} holds {len(walk.unknown)} file(s) that are not data this tool reads: "
+            f"{_few(walk.unknown)}. A data directory is read whole (.jsonl, .ndjson, .json, .parquet, in any "
+            f"subfolder); move the other files out, convert them, or point data.path at one file or a "
+            f"subfolder.{hint}"
+        )
+    if walk.skipped:
+        log.info("data: not reading %d file(s) that are not data: %s", len(walk.skipped), _few(walk.skipped))
+    if not walk.data:
+        raise DataError(f"data.path={path!r} is a directory without .jsonl, .ndjson, .json or .parquet files"
+                        + (f" (it holds only {_few(walk.skipped)})" if walk.skipped else ""))
+    problems = []
+    for rel, f in walk.data:
+        problems += _file_problems(rel, f, DATA_SUFFIXES[f.suffix.lower()])
+    parquet = [rel for rel, f in walk.data if f.suffix.lower() == ".parquet"]
+    if parquet and (need := _needs_pyarrow(parquet)):
+        problems.append(need)
+    if problems:
+        raise DataError(f"data.path={path!r}: {len(problems)} file problem(s): " + "; ".join(problems[:5])
+                        + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
+    source = DataSource(path=str(p), files=[f for _, f in walk.data], kind="files", root=p)
+    return select_split(source, split) if split is not None else source
 
 
 def _need_datasets(path: str, what: str) -> None:

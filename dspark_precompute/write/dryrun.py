@@ -28,7 +28,7 @@ from dspark_precompute.errors import DsparkError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.write import resume
 from dspark_precompute.write.batching import make_batches
-from dspark_precompute.write.config import PrecomputeConfig
+from dspark_precompute.write.config import PrecomputeConfig, StorageConfig
 from dspark_precompute.write.plan import Plan, prepare
 from dspark_precompute.write.target import parameter_count
 from dspark_precompute.write.tokenize import reason_counts, tokenize, warn_about_rejects
@@ -240,51 +240,19 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
     tok = tokenize(plan)
     warn_about_rejects(tok)
     layout = build_layout(tok.lengths, plan.chunk_tokens, plan.unit_tokens)
-    s = cfg.storage
     t = plan.target
     slots = int(sum(layout.unit_slots(u) for u in range(layout.num_units)))
     tokens = int(tok.lengths.sum())
-    arrays, notes = [], set()
-    for spec in plan.specs:
-        kind = spec.name if spec.width is None else spec.storage or "fp8_scale"
-        ratio = compression_ratio(s.compressor, s.fp8_shuffle if kind == "fp8_e4m3" else s.shuffle, kind)
-        raw = slots * spec.row_bytes
-        chunks = -(-slots // layout.chunk_tokens)
-        if ratio is None:
-            notes.add(f"no measured ratio for {s.compressor} with shuffle={s.shuffle} and {kind}: counted uncompressed")
-            est = raw
-        elif s.compressor == "none":
-            est = raw
-        else:  # the unit tails' slack is zeros, which compress to next to nothing
-            est = int(tokens * spec.row_bytes / ratio)
-        arrays.append(ArrayPlan(spec.name, spec.dtype, spec.row_bytes, slots, raw, est + chunks * CRC32C_BYTES, ratio))
+    arrays, notes = array_plans(plan, layout, slots, tokens)
     token_bytes = sum(a.raw_bytes for a in arrays)
     n, u = len(tok.lengths), layout.num_units
     table_bytes = sum(n * np.dtype(d).itemsize for d in SAMPLE_ARRAYS.values()) + \
         sum(u * np.dtype(d).itemsize for d in UNIT_ARRAYS.values())
     wbytes = weights_file_bytes(plan)
     rbytes = sum(len((json.dumps(r.to_json(), sort_keys=True) + "\n").encode()) for r in tok.rejects)
-    raw_total = token_bytes + table_bytes + wbytes + rbytes
-    hidden_ratio = compression_ratio(s.compressor, s.fp8_shuffle if s.dtype == "fp8_e4m3" else s.shuffle, s.dtype)
-    shown = f"{hidden_ratio:.2f}x" if hidden_ratio else "(no measured ratio)"
-    note = (f"{s.compressor} level {s.compression_level}: hidden states {shown} as measured at level 1 "
-            "on a random-weight Qwen3; real activations may compress differently" if s.compressor != "none"
-            else "storage.compressor=none: the raw bytes plus checksums")
-    note = "; ".join([note, *sorted(notes)])
     fwd = forward_tokens(plan, layout)
     params = parameter_count(cfg.model, t)
-    if cfg.plan.tokens_per_second:
-        rate = float(cfg.plan.tokens_per_second)
-        seconds = tokens / rate
-        rate_note = "plan.tokens_per_second, real tokens"
-    else:
-        matmul = max(1, params - t.vocab_size * t.hidden_size * (1 if t.tied else 2))
-        rate = ASSUMED_GPU_FLOPS / (2 * matmul)
-        seconds = fwd / rate
-        rate_note = (f"estimated for one GPU, whatever this machine has: 2 x {_count(matmul)} parameters (the "
-                     f"embedding and lm_head left out) FLOP per forward token at an assumed "
-                     f"{ASSUMED_GPU_FLOPS / 1e12:.0f} TFLOP/s; N data-parallel GPUs take about 1/N of it; set "
-                     "plan.tokens_per_second to use a measured rate")
+    rate, seconds, rate_note = time_estimate(plan, params, tokens, fwd)
     out = DryRunPlan(
         path=plan.path, storage_state=state,
         target=(f"{t.path} ({t.model_type}): {t.num_hidden_layers} layers, hidden {t.hidden_size}, vocab "
@@ -299,9 +267,10 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
         forward_tokens=fwd, arrays=arrays,
         bytes_per_token=sum(spec.row_bytes for spec in plan.specs),
         token_array_bytes=token_bytes, table_bytes=table_bytes, weights_file_bytes=wbytes, rejects_file_bytes=rbytes,
-        raw_bytes=raw_total, estimated_bytes=sum(a.estimated_bytes for a in arrays) + table_bytes + wbytes + rbytes,
-        estimate_note=note, parameters=params, tokens_per_second=rate, rate_note=rate_note,
-        estimated_seconds=seconds,
+        raw_bytes=token_bytes + table_bytes + wbytes + rbytes,
+        estimated_bytes=sum(a.estimated_bytes for a in arrays) + table_bytes + wbytes + rbytes,
+        estimate_note=estimate_note(cfg.storage, notes), parameters=params, tokens_per_second=rate,
+        rate_note=rate_note, estimated_seconds=seconds,
     )
     files = inventory(len(plan.specs), u, n, any(spec.scale_of for spec in plan.specs))
     hidden_raw = sum(a.raw_bytes for a in arrays if a.name not in (INPUT_IDS, LOSS_MASK))
@@ -312,3 +281,49 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
         log.info("dry run: array %s: %s x %d B = %s B uncompressed, about %s stored", a.name, f"{a.rows:,}",
                  a.row_bytes, f"{a.raw_bytes:,}", human_bytes(a.estimated_bytes))
     return out
+
+
+def array_plans(plan: Plan, layout: Layout, slots: int, tokens: int) -> tuple[list[ArrayPlan], set[str]]:
+    """Each token array's exact raw bytes (``slots`` written token slots) and estimated stored bytes (``tokens``
+    real tokens at its measured ratio, plus a checksum per chunk); notes name the arrays with no measured ratio."""
+    s = plan.cfg.storage
+    arrays, notes = [], set()
+    for spec in plan.specs:
+        kind = spec.name if spec.width is None else spec.storage or "fp8_scale"
+        ratio = compression_ratio(s.compressor, s.fp8_shuffle if kind == "fp8_e4m3" else s.shuffle, kind)
+        raw = slots * spec.row_bytes
+        chunks = -(-slots // layout.chunk_tokens)
+        if ratio is None:
+            notes.add(f"no measured ratio for {s.compressor} with shuffle={s.shuffle} and {kind}: counted uncompressed")
+            est = raw
+        elif s.compressor == "none":
+            est = raw
+        else:  # the unit tails' slack is zeros, which compress to next to nothing
+            est = int(tokens * spec.row_bytes / ratio)
+        arrays.append(ArrayPlan(spec.name, spec.dtype, spec.row_bytes, slots, raw, est + chunks * CRC32C_BYTES, ratio))
+    return arrays, notes
+
+
+def estimate_note(s: StorageConfig, notes: set[str]) -> str:
+    """How the size after compression was estimated (the measured hidden-state ratio, its caveat), and ``notes``."""
+    hidden_ratio = compression_ratio(s.compressor, s.fp8_shuffle if s.dtype == "fp8_e4m3" else s.shuffle, s.dtype)
+    shown = f"{hidden_ratio:.2f}x" if hidden_ratio else "(no measured ratio)"
+    note = (f"{s.compressor} level {s.compression_level}: hidden states {shown} as measured at level 1 "
+            "on a random-weight Qwen3; real activations may compress differently" if s.compressor != "none"
+            else "storage.compressor=none: the raw bytes plus checksums")
+    return "; ".join([note, *sorted(notes)])
+
+
+def time_estimate(plan: Plan, params: int, tokens: int, forward: int) -> tuple[float, float, str]:
+    """(tokens per second, seconds, how the rate was found): ``plan.tokens_per_second`` over the real tokens when
+    given, else the assumed GPU rate over the ``forward`` tokens (padding included)."""
+    cfg, t = plan.cfg, plan.target
+    if cfg.plan.tokens_per_second:
+        rate = float(cfg.plan.tokens_per_second)
+        return rate, tokens / rate, "plan.tokens_per_second, real tokens"
+    matmul = max(1, params - t.vocab_size * t.hidden_size * (1 if t.tied else 2))
+    rate = ASSUMED_GPU_FLOPS / (2 * matmul)
+    return rate, forward / rate, (f"estimated for one GPU, whatever this machine has: 2 x {_count(matmul)} parameters "
+                                  f"(the embedding and lm_head left out) FLOP per forward token at an assumed "
+                                  f"{ASSUMED_GPU_FLOPS / 1e12:.0f} TFLOP/s; N data-parallel GPUs take about 1/N of it; "
+                                  "set plan.tokens_per_second to use a measured rate")

@@ -165,7 +165,31 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
     lacks their fingerprint and must not be compared with a cache's.
     """
     path = cfg.storage.path or default_storage_path(cfg)
-    # this machine's view first (each rank's own): a part it refuses is not resolved further
+    data_sha, tokenizer, template, target, problems = _resolve_inputs(cfg, fingerprint)
+    layer_ids: list[int] = []
+    if target is not None and tokenizer is not None:
+        layer_ids = _layer_ids(cfg, target, tokenizer, problems)
+    device = resolve_device(cfg.model.device)
+    compute_dtype = resolve_compute_dtype(cfg.model.dtype, device)
+    if target is not None:
+        _target_storage_problems(cfg, target, device, compute_dtype, problems)
+    if problems:
+        raise ConfigError(problems)
+    assert tokenizer is not None and template is not None and target is not None  # else a problem was listed
+    store = CacheStore(path)  # resolves a local path: after the checks of it (a symlink loop would raise)
+    state = LastState(cfg.capture.last_state)
+    specs, names, chunk, unit = array_layout(cfg, layer_ids, target, state)
+    identity = cache_identity(cfg, target, tokenizer, template, data_sha, layer_ids, compute_dtype, chunk, unit)
+    return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,
+                config_hash(identity), specs, names, chunk, unit, data_sha,
+                plan_capture(cfg.model, cfg.data, template, target, cfg.model.fingerprint, state))
+
+
+def _resolve_inputs(cfg: PrecomputeConfig, fingerprint: bool) -> tuple[str, Any, str | None, TargetInfo | None,
+                                                                     list[str]]:
+    """The data's content hash, the tokenizer, the template and the target's facts, as far as this machine (this
+    rank) lets them be found: (data_sha256, tokenizer, template, target, problems). A part whose paths it refuses
+    is not resolved further, so one missing path gives one problem, not a cascade."""
     model_paths, data_host = cfg.model.path_problems(), cfg.data.host_problems()
     problems = host_problems(cfg)
     data_sha = ""
@@ -174,7 +198,9 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
             data_sha = resolve_source(cfg.data.path, cfg.data.split_slice()[0]).content_sha256()
         except DataError as exc:
             problems.append(str(exc))
-    tokenizer = template = target = None
+    tokenizer: Any = None
+    template: str | None = None
+    target: TargetInfo | None = None
     if not model_paths:
         try:
             tokenizer = load_tokenizer(cfg.model)
@@ -188,45 +214,56 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
             target = inspect_target(cfg.model, tokenizer, fingerprint)
         except TargetError as exc:
             problems.append(str(exc))
+    return data_sha, tokenizer, template, target, problems
+
+
+def _layer_ids(cfg: PrecomputeConfig, target: TargetInfo, tokenizer: Any, problems: list[str]) -> list[int]:
+    """The captured layer ids (resolved only when nothing else is wrong yet), and a tokenizer too large for the
+    target's embedding; problems go into ``problems``."""
     layer_ids: list[int] = []
-    if target is not None and tokenizer is not None:
-        if cfg.model.layer_ids is not None:
-            problems += layer_id_problems(cfg.model.layer_ids, target.num_hidden_layers)
-        if not problems:
-            try:
-                layer_ids = resolve_layer_ids(cfg.model.layer_ids, target.num_hidden_layers,
-                                              cfg.model.draft_num_hidden_layers, cfg.model.layer_preset)
-            except ConfigError as exc:
-                problems += exc.problems
-            except ValueError as exc:
-                problems.append(str(exc))
-        if len(tokenizer) > target.vocab_size:
-            what = "model.random.vocab_size" if cfg.model.path == "tiny" else "the target's vocab_size (config.json)"
-            problems.append(
-                f"{what} is {target.vocab_size} but the tokenizer has {len(tokenizer)} tokens: ids from "
-                f"{target.vocab_size} up would index past the embedding. "
-                + ("Raise model.random.vocab_size or leave it null (the tokenizer's size)" if cfg.model.path == "tiny"
-                   else "Point model.tokenizer at the target's own tokenizer")
-            )
-    device = resolve_device(cfg.model.device)
-    compute_dtype = resolve_compute_dtype(cfg.model.dtype, device)
+    if cfg.model.layer_ids is not None:
+        problems += layer_id_problems(cfg.model.layer_ids, target.num_hidden_layers)
+    if not problems:
+        try:
+            layer_ids = resolve_layer_ids(cfg.model.layer_ids, target.num_hidden_layers,
+                                          cfg.model.draft_num_hidden_layers, cfg.model.layer_preset)
+        except ConfigError as exc:
+            problems += exc.problems
+        except ValueError as exc:
+            problems.append(str(exc))
+    if len(tokenizer) > target.vocab_size:
+        what = "model.random.vocab_size" if cfg.model.path == "tiny" else "the target's vocab_size (config.json)"
+        problems.append(
+            f"{what} is {target.vocab_size} but the tokenizer has {len(tokenizer)} tokens: ids from "
+            f"{target.vocab_size} up would index past the embedding. "
+            + ("Raise model.random.vocab_size or leave it null (the tokenizer's size)" if cfg.model.path == "tiny"
+               else "Point model.tokenizer at the target's own tokenizer")
+        )
+    return layer_ids
+
+
+def _target_storage_problems(cfg: PrecomputeConfig, target: TargetInfo, device: torch.device,
+                             compute_dtype: torch.dtype, problems: list[str]) -> None:
+    """An fp8 group that does not divide the hidden size; then, when nothing else is wrong, weights that do not fit
+    the device. Problems go into ``problems``."""
     group = cfg.storage.fp8_group
-    if target is not None and group and "fp8_group" in stored_dtype_knobs(cfg.storage) and target.hidden_size % group:
+    if group and "fp8_group" in stored_dtype_knobs(cfg.storage) and target.hidden_size % group:
         problems.append(fp8_group_problem(group, target.hidden_size))
-    if target is not None and not problems:
+    if not problems:
         try:
             problem = fit_problem(cfg.model, target, device, compute_dtype)
         except TargetError as exc:
             problem = str(exc)
         if problem:
             problems.append(problem)
-    if problems:
-        raise ConfigError(problems)
-    assert tokenizer is not None and template is not None and target is not None  # else a problem was listed
-    store = CacheStore(path)  # resolves a local path: after the checks of it (a symlink loop would raise)
+
+
+def array_layout(cfg: PrecomputeConfig, layer_ids: list[int], target: TargetInfo,
+                 state: LastState) -> tuple[list[ArraySpec], dict[str, str], int, int]:
+    """The token arrays (specs and manifest names) and the chunk and unit sizes they are stored in:
+    (specs, names, chunk_tokens, unit_tokens). A chunk readers would refuse is a ConfigError."""
     hidden = target.hidden_size
     knobs = stored_dtype_knobs(cfg.storage)
-    state = LastState(cfg.capture.last_state)
     specs = token_array_specs(layer_ids, target.num_hidden_layers, hidden, cfg.storage.dtype,
                               knobs.get("last_dtype"), knobs.get("fp8_group"), state)
     names = hidden_arrays(layer_ids, target.num_hidden_layers, post_norm=state.post, pre_norm=state.pre)
@@ -239,6 +276,18 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
                            f"Use at most {MAX_CHUNK_BYTES // (hidden * itemsize)} (or null: about 1 MiB)"])
     per_token = sum(s.row_bytes for s in specs)
     unit = unit_tokens(per_token, chunk, cfg.storage.unit_mib, cfg.seq_length, cfg.storage.unit_tokens)
+    return specs, names, chunk, unit
+
+
+def cache_identity(cfg: PrecomputeConfig, target: TargetInfo, tokenizer: Any, template: str, data_sha: str,
+                   layer_ids: list[int], compute_dtype: torch.dtype, chunk: int, unit: int) -> dict[str, Any]:
+    """What ``config_hash`` covers: everything that changes a stored value or the layout, nothing else.
+
+    A key added later is recorded only when it is not its default, so caches written before it existed keep their
+    hash (and a resume of them is not refused).
+    """
+    knobs = stored_dtype_knobs(cfg.storage)
+    state = LastState(cfg.capture.last_state)
     storage_knobs = {k: str(getattr(cfg.storage, k)) if k != "compression_level" else cfg.storage.compression_level
                      for k in STORED_STORAGE_KEYS}
     storage_knobs.update(chunk_tokens=chunk, unit_tokens=unit, **knobs)
@@ -273,7 +322,4 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
         **({"layer_preset": cfg.model.layer_preset} if cfg.model.layer_preset != "nemo" else {}),
         "storage": storage_knobs,
     }
-    identity = json.loads(json.dumps(identity))  # plain JSON values (vocabulary members as their strings)
-    return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,
-                config_hash(identity), specs, names, chunk, unit, data_sha,
-                plan_capture(cfg.model, cfg.data, template, target, cfg.model.fingerprint, state))
+    return dict(json.loads(json.dumps(identity)))  # plain JSON values (vocabulary members as their strings)

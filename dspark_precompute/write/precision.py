@@ -25,16 +25,23 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.spec import INPUT_IDS
 from dspark_precompute.errors import CacheFormatError
 from dspark_precompute.write.capture import HiddenStateCapture
-from dspark_precompute.write.recompute import open_sampled, stored_as_torch
-from dspark_precompute.write.teacher import DEFAULT_MAX_TV, DEFAULT_MIN_TOP1, POSITIONS_PER_FORWARD
+from dspark_precompute.write.recompute import (
+    CheckResult,
+    SampledTarget,
+    open_sampled,
+    positions_by_sample,
+    stored_as_torch,
+)
+from dspark_precompute.write.teacher import DEFAULT_MAX_TV, DEFAULT_MIN_TOP1, POSITIONS_PER_FORWARD, agreement
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +79,10 @@ class ArrayError:
 
 
 @dataclass
-class PrecisionResult:
+class PrecisionResult(CheckResult):
     """What ``--precision`` measured; problems as dicts with ``check, message, array, sample`` (the verify report's)."""
 
-    problems: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    check: ClassVar[str] = "precision"
     positions: int = 0
     samples: int = 0
     compute_dtype: str = ""
@@ -85,9 +91,6 @@ class PrecisionResult:
     tv_mean: float | None = None  # total variation between the two teacher distributions
     tv_max: float | None = None
     logit_rel_error: float | None = None  # mean over positions of ||l_s - l_r|| / ||l_r||
-
-    def add(self, message: str, **where: Any) -> None:
-        self.problems.append({"check": "precision", "message": message, **where})
 
     def to_json(self) -> dict[str, Any] | None:
         if not self.positions:
@@ -108,46 +111,61 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
     mean total-variation distance above ``max_tv``.
     """
     out = PrecisionResult()
-    sampled, notes, problem = open_sampled(path, n, seed=seed, device=device, model=model,
-                                           trust_remote_code=trust_remote_code, what="the precision check",
-                                           gives="states")
-    out.notes += notes
-    if problem:
-        out.add(problem)
+    sampled = open_sampled(out, path, n, seed=seed, device=device, model=model, trust_remote_code=trust_remote_code,
+                           what="the precision check", gives="states")
     if sampled is None:
         return out
-    run, picked, target, dev, dtype = sampled.run, sampled.picked, sampled.target, sampled.dev, sampled.dtype
-    m = run.m
-    lengths, start = run.lengths, run.start
-    out.compute_dtype = str(dtype).replace("torch.", "")
-    head = target.get_output_embeddings()
-    capture = HiddenStateCapture(target, m.layer_ids, pre_norm=m.pre_norm_array is not None)
-    last_id = m.num_hidden_layers - 1
+    m = sampled.run.m
+    out.compute_dtype = str(sampled.dtype).replace("torch.", "")
+    layer_of = _capture_keys(m)
+    errors = [ArrayError(name, _array_label(m, name, layer_of), m.array_dtypes[name]) for name in m.hidden_array_names]
+    teacher = _measure(sampled, layer_of, errors, out)
+    if not out.positions:
+        return out
+    out.arrays = errors
+    top1, tv, logit_rel = teacher
+    out.top1_agreement, out.tv_mean, out.tv_max = float(np.mean(top1)), float(np.mean(tv)), float(np.max(tv))
+    out.logit_rel_error = float(np.mean(logit_rel))
+    _judge(out, m, max_rel_rms=max_rel_rms, min_top1=min_top1, max_tv=max_tv)
+    return out
+
+
+def _capture_keys(m: Manifest) -> dict[str, int]:
+    """Each stored array's key in the capture's states (the pre-norm state's is the layer count)."""
     layer_of = {v: int(k) for k, v in m.arrays.items() if k.lstrip("-").isdigit()}
     if m.pre_norm_array is not None:
         layer_of[m.pre_norm_array] = m.num_hidden_layers  # the capture's key of the pre-norm state
-    errors = []
-    for name in m.hidden_array_names:
-        lid = layer_of.get(name, last_id)
-        label = "embeddings" if lid == -1 else "pre-norm" if name == m.pre_norm_array else f"layer {lid}" \
-            if name in layer_of else "final norm"
-        label += " (post-norm)" if name == m.last_array else ""
-        errors.append(ArrayError(name, label, m.array_dtypes[name]))
+    return layer_of
+
+
+def _array_label(m: Manifest, name: str, layer_of: dict[str, int]) -> str:
+    """How the report names a stored array: "layer 3", "embeddings", "pre-norm", "final norm", "(post-norm)"."""
+    lid = layer_of.get(name, m.num_hidden_layers - 1)
+    label = "embeddings" if lid == -1 else "pre-norm" if name == m.pre_norm_array else f"layer {lid}" \
+        if name in layer_of else "final norm"
+    return label + (" (post-norm)" if name == m.last_array else "")
+
+
+def _measure(sampled: SampledTarget, layer_of: dict[str, int], errors: list[ArrayError],
+             out: PrecisionResult) -> tuple[list[bool], list[float], list[float]]:
+    """Run each sample holding a sampled position alone; add every array's error at those positions to ``errors``
+    and return the teacher comparison from the stored final state: (top-1 agreement, TV, relative logit error)."""
+    run, target, dev, dtype = sampled.run, sampled.target, sampled.dev, sampled.dtype
+    m = run.m
+    head = target.get_output_embeddings()
+    capture = HiddenStateCapture(target, m.layer_ids, pre_norm=m.pre_norm_array is not None)
+    last_id = m.num_hidden_layers - 1
     scales = m.scale_arrays
-    by_sample: dict[int, list[int]] = {}
-    for s, t in picked:
-        by_sample.setdefault(s, []).append(t)
     top1: list[bool] = []
     tv: list[float] = []
     logit_rel: list[float] = []
     try:
         with torch.inference_mode():
-            for s, toks in by_sample.items():
-                a, length = int(start[s]), int(lengths[s])
+            for s, toks in positions_by_sample(sampled.picked).items():
                 try:
-                    got = run.read([INPUT_IDS, *m.hidden_array_names, *scales.values()], a, a + length)
+                    got = run.read_sample([INPUT_IDS, *m.hidden_array_names, *scales.values()], s)
                 except CacheFormatError as exc:
-                    out.add(f"sample {s}: cannot read it ({exc})", sample=s, array=getattr(exc, "array", None))
+                    out.add_unreadable(s, exc)
                     continue
                 ids = torch.from_numpy(got[INPUT_IDS].astype(np.int64)).to(dev)
                 states, last = capture(ids[None])
@@ -165,19 +183,21 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
                 for b in range(0, len(toks), POSITIONS_PER_FORWARD):
                     teacher = head(ref_last[b:b + POSITIONS_PER_FORWARD]).float()
                     student = head(stored_last[b:b + POSITIONS_PER_FORWARD]).float()
-                    top1 += (teacher.argmax(-1) == student.argmax(-1)).tolist()
-                    tv += (0.5 * (torch.softmax(teacher, -1) - torch.softmax(student, -1)).abs().sum(-1)).tolist()
+                    agree, dist = agreement(teacher, student)
+                    top1 += agree
+                    tv += dist
                     logit_rel += ((teacher - student).norm(dim=-1) / teacher.norm(dim=-1).clamp_min(1e-30)).tolist()
                 out.positions += len(toks)
                 out.samples += 1
     finally:
         capture.close()
-    if not out.positions:
-        return out
-    out.arrays = errors
-    out.top1_agreement, out.tv_mean, out.tv_max = float(np.mean(top1)), float(np.mean(tv)), float(np.max(tv))
-    out.logit_rel_error = float(np.mean(logit_rel))
-    for e in errors:
+    return top1, tv, logit_rel
+
+
+def _judge(out: PrecisionResult, m: Manifest, *, max_rel_rms: float, min_top1: float, max_tv: float) -> None:
+    """A problem per array past ``max_rel_rms`` and one for a distorted teacher; the measurements logged."""
+    assert out.top1_agreement is not None and out.tv_mean is not None
+    for e in out.arrays:
         if e.rel_rms > max_rel_rms:
             out.add(f"{e.layer} (array {e.array!r}, stored as {e.dtype}): relative RMS error {e.rel_rms:.3%} against "
                     f"the recompute in {out.compute_dtype} over {out.positions} positions (at most {max_rel_rms:.1%}); "
@@ -190,9 +210,8 @@ def precision_check(path: str | Path, n: int, *, seed: int = 0, device: str | No
                 f"with a mean total-variation distance of {out.tv_mean:.3g} (at most {max_tv:g}) against the "
                 "recomputed one: a trainer would learn from a distorted teacher. Keep storage.last_dtype=bf16",
                 array=m.last_array)
-    for e in errors:
+    for e in out.arrays:
         log.info("precision: %s (%s): relative RMS error %.4f, worst token %.4f at sample %d token %d", e.layer,
                  e.dtype, e.rel_rms, e.worst_rel, e.worst_sample, e.worst_token)
     log.info("precision: teacher from the stored final state: top-1 agreement %.2f%%, TV mean %.3g / max %.3g, "
              "relative logit error %.3g", 100 * out.top1_agreement, out.tv_mean, out.tv_max, out.logit_rel_error)
-    return out

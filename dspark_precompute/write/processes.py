@@ -106,7 +106,8 @@ class HelperServer(BaseContext):
     def pid(self) -> int | None:
         """The server process, while it runs."""
         server: Any = self._server  # ForkServer's state is private to multiprocessing (the same in 3.11-3.13)
-        return server._forkserver_pid
+        pid: int | None = server._forkserver_pid
+        return pid
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the server. It exits once the helpers it forked have (they hold its "alive" pipe too);

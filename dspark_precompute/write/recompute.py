@@ -17,14 +17,14 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from dspark_precompute.contract.chunks import read_slots
 from dspark_precompute.contract.fp8 import E4M3, E4M3_EPS, E4M3_MIN_NORMAL, dequantize
-from dspark_precompute.contract.layout import build_layout
+from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.manifest import Manifest, identity_differences
 from dspark_precompute.contract.opener import OpenedCache
 from dspark_precompute.contract.opener import open_stored as open_cache_files
@@ -33,11 +33,12 @@ from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, DsparkError
 from dspark_precompute.write.batching import batch_inputs, make_batches
 from dspark_precompute.write.capture import HiddenStateCapture
-from dspark_precompute.write.chat import ChatEncoder
-from dspark_precompute.write.config import TINY, from_dict
+from dspark_precompute.write.chat import ChatEncoder, Encoded
+from dspark_precompute.write.config import TINY, PrecomputeConfig, from_dict
 from dspark_precompute.write.data import Reject, normalize, read_rows, resolve_source
-from dspark_precompute.write.plan import prepare
+from dspark_precompute.write.plan import Plan, prepare
 from dspark_precompute.write.target import (
+    TargetInfo,
     inspect_target,
     load_target,
     load_tokenizer,
@@ -54,17 +55,29 @@ _TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
-class RecomputeResult:
-    """Problems as dicts with ``check, message, array, chunk, sample, unit`` (the verify report's fields)."""
+class CheckResult:
+    """What a check that reruns the target found: problems as dicts with ``check, message, array, chunk, sample,
+    unit`` (the verify report's fields) and notes; ``check`` names it in each problem."""
 
     problems: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    check: ClassVar[str] = "recompute"
+
+    def add(self, message: str, **where: Any) -> None:
+        self.problems.append({"check": self.check, "message": message, **where})
+
+    def add_unreadable(self, sample: int, exc: CacheFormatError) -> None:
+        """Sample ``sample`` could not be read (a corrupt or missing chunk): a problem, and the check goes on."""
+        self.add(f"sample {sample}: cannot read it ({exc})", sample=sample, array=getattr(exc, "array", None))
+
+
+@dataclass
+class RecomputeResult(CheckResult):
+    """Problems as dicts with ``check, message, array, chunk, sample, unit`` (the verify report's fields)."""
+
     recomputed: int = 0
     exact: int = 0
     max_steps: float = 0.0
-
-    def add(self, message: str, **where: Any) -> None:
-        self.problems.append({"check": "recompute", "message": message, **where})
 
 
 def paths_inside(cfgd: dict[str, Any], root: str) -> list[str]:
@@ -157,6 +170,11 @@ def changed_identity(recorded: dict[str, Any], now: dict[str, Any], moved_target
     return [d for d in diffs if not (moved_target and d[0] == "target.path")]
 
 
+def listed_differences(diffs: list[tuple[str, Any, Any]]) -> str:
+    """The first few identity differences, as a problem message lists them."""
+    return "; ".join(f"{k}: recorded {a!r}, now {b!r}" for k, a, b in diffs[:6])
+
+
 @dataclass
 class StoredRun:
     """A cache opened for a check that reruns its target: what it holds and which samples may be read."""
@@ -180,6 +198,11 @@ class StoredRun:
         """Token slots ``[a, b)`` of the named arrays, as stored."""
         return read_slots(self.opened.source, names, a, b)
 
+    def read_sample(self, names: list[str], s: int) -> dict[str, np.ndarray]:
+        """Sample ``s``'s tokens of the named arrays, as stored."""
+        a = int(self.start[s])
+        return self.read(names, a, a + int(self.lengths[s]))
+
 
 def open_stored(path: str | Path, *, model: str | None, trust_remote_code: bool, device: str | None,
                 what: str) -> tuple[StoredRun | None, list[str], str | None]:
@@ -200,33 +223,42 @@ def open_stored(path: str | Path, *, model: str | None, trust_remote_code: bool,
                      tables["samples/source_row"]), notes, None
 
 
-def stored_target(run: StoredRun, moved: bool, what: str) -> tuple[Any, Any, Any, str | None]:
-    """The target the manifest names, unloaded: (config, tokenizer for ``tiny`` or None, target info, problem);
-    a problem when it cannot be found or is not the one the cache was made with (``what`` it would give)."""
+@dataclass
+class FoundTarget:
+    """The target a manifest names, checked against the cache's identity, not loaded yet."""
+
+    cfg: PrecomputeConfig
+    tokenizer: Any  # the built-in tiny target's (its vocabulary size); None for a checkpoint (its config's)
+    info: TargetInfo
+
+    def load(self) -> tuple[Any, torch.device, torch.dtype]:
+        """The target on the recorded (or requested) device, in the recorded compute dtype: (model, device, dtype)."""
+        cfg, info = self.cfg, self.info
+        dev = resolve_device(cfg.model.device)
+        dtype = resolve_compute_dtype(cfg.model.dtype, dev)
+        vocab = len(self.tokenizer) if self.tokenizer is not None else info.vocab_size
+        return load_target(cfg.model, info, vocab, dev, dtype), dev, dtype
+
+
+def stored_target(run: StoredRun, moved: bool, what: str) -> tuple[FoundTarget | None, str | None]:
+    """The target the manifest names, unloaded: (found, problem); a problem when it cannot be found or is not the
+    one the cache was made with (``what`` it would give)."""
     cfgd = {**run.cfgd, "data": {}}  # the stored input_ids are the inputs: the data need not exist any more
     try:
         cfg = from_dict(cfgd)
         tokenizer = load_tokenizer(cfg.model) if cfg.model.path == TINY else None
         info = inspect_target(cfg.model, tokenizer)
     except DsparkError as exc:
-        return None, None, None, f"cannot load the target the manifest names: {exc}"
+        return None, f"cannot load the target the manifest names: {exc}"
     m = run.m
     now = {"target": {**m.identity.get("target", {}), "path": info.path, "model_type": info.model_type,
                       "config_sha256": info.config_sha256, "weights_fingerprint": info.weights_fingerprint}}
     diffs = changed_identity({"target": m.identity.get("target", {})}, now, moved)
     if diffs:
-        listed = "; ".join(f"{k}: recorded {a!r}, now {b!r}" for k, a, b in diffs[:6])
-        return None, None, None, (f"the target changed since the cache was written ({listed}); its {what} would not "
-                                  "be the ones the cache was made with. Pass --model PATH for the original target")
-    return cfg, tokenizer, info, None
-
-
-def load_stored_target(cfg: Any, tokenizer: Any, info: Any) -> tuple[Any, torch.device, torch.dtype]:
-    """Load what :func:`stored_target` found, on the recorded (or requested) device and compute dtype."""
-    dev = resolve_device(cfg.model.device)
-    dtype = resolve_compute_dtype(cfg.model.dtype, dev)
-    vocab = len(tokenizer) if tokenizer is not None else info.vocab_size
-    return load_target(cfg.model, info, vocab, dev, dtype), dev, dtype
+        listed = listed_differences(diffs)
+        return None, (f"the target changed since the cache was written ({listed}); its {what} would not "
+                      "be the ones the cache was made with. Pass --model PATH for the original target")
+    return FoundTarget(cfg, tokenizer, info), None
 
 
 def sample_positions(lengths: np.ndarray, readable: np.ndarray, n: int, seed: int) -> list[tuple[int, int]]:
@@ -242,33 +274,45 @@ def sample_positions(lengths: np.ndarray, readable: np.ndarray, n: int, seed: in
     return [(int(readable[w]), int(f - starts[w])) for w, f in zip(which, flat)]
 
 
+def positions_by_sample(picked: list[tuple[int, int]]) -> dict[int, list[int]]:
+    """The picked (sample, token) pairs grouped by sample, in order: each sample is read and run once."""
+    by_sample: dict[int, list[int]] = {}
+    for s, t in picked:
+        by_sample.setdefault(s, []).append(t)
+    return by_sample
+
+
 @dataclass
 class SampledTarget:
     """A stored run, ``n`` seeded positions of it and its target loaded: what a position-wise check compares."""
 
     run: StoredRun
     picked: list[tuple[int, int]]
-    target: Any
+    target: Any  # a transformers CausalLM
     dev: torch.device
     dtype: torch.dtype
 
 
-def open_sampled(path: str | Path, n: int, *, seed: int, device: str | None, model: str | None,
-                 trust_remote_code: bool, what: str, gives: str) -> tuple[SampledTarget | None, list[str], str | None]:
-    """:func:`open_stored`, :func:`stored_target`, :func:`sample_positions`, then the target loaded:
-    (sampled, notes, problem); ``None`` without a problem when there is no readable token (a note says so)."""
+def open_sampled(out: CheckResult, path: str | Path, n: int, *, seed: int, device: str | None, model: str | None,
+                 trust_remote_code: bool, what: str, gives: str) -> SampledTarget | None:
+    """:func:`open_stored`, :func:`stored_target`, :func:`sample_positions`, then the target loaded; notes and a
+    problem go into ``out``. ``None`` when there is nothing to compare (a problem, or no readable token: a note)."""
     run, notes, problem = open_stored(path, model=model, trust_remote_code=trust_remote_code, device=device,
                                       what=what)
+    out.notes += notes
     if problem or run is None:
-        return None, notes, problem or "the run cannot be rebuilt"
-    cfg, tokenizer, info, problem = stored_target(run, bool(model), gives)
-    if problem:
-        return None, notes, problem
+        out.add(problem or "the run cannot be rebuilt")
+        return None
+    found, problem = stored_target(run, bool(model), gives)
+    if problem or found is None:
+        out.add(problem or "the target cannot be found")
+        return None
     picked = sample_positions(run.lengths, run.readable, n, seed)
     if not picked:
-        return None, [*notes, f"{what} found no readable token to compare"], None
-    target, dev, dtype = load_stored_target(cfg, tokenizer, info)
-    return SampledTarget(run, picked, target, dev, dtype), notes, None
+        out.notes.append(f"{what} found no readable token to compare")
+        return None
+    target, dev, dtype = found.load()
+    return SampledTarget(run, picked, target, dev, dtype)
 
 
 def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0, device: str | None = None,
@@ -281,85 +325,121 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
     if problem or run is None:
         out.add(problem or "the run cannot be rebuilt")
         return out
-    m, readable = run.m, run.readable
-    lengths, start = run.lengths, run.start
+    rebuilt = rebuild_plan(run, bool(model), out)
+    if rebuilt is None:
+        return out
+    cfg, plan = rebuilt
+    layout = build_layout(run.lengths, run.m.layout.chunk_tokens, run.m.layout.unit_tokens, run.m.format_version)
+    readable = run.readable
+    pick = np.sort(np.random.default_rng(seed).choice(readable, size=min(int(n), len(readable)), replace=False))
+    rerun = _Rerun(run, cfg, plan, layout, tolerance, out)
+    try:
+        for s in (int(x) for x in pick):
+            rerun.compare(s)
+    finally:
+        rerun.capture.close()
+    return out
+
+
+def rebuild_plan(run: StoredRun, moved: bool, out: RecomputeResult) -> tuple[PrecomputeConfig, Plan] | None:
+    """The run's config and plan, rebuilt from the manifest; ``None`` (a problem in ``out``) when it cannot be, or
+    when the target, tokenizer or data changed since: a rerun would compare against another run."""
     try:
         cfg = from_dict(run.cfgd)
         plan = prepare(cfg)
     except DsparkError as exc:
         out.add(f"cannot rebuild the run from the manifest's config: {exc}")
-        return out
-    diffs = changed_identity(m.identity, plan.identity, bool(model))
+        return None
+    diffs = changed_identity(run.m.identity, plan.identity, moved)
     if diffs:
-        listed = "; ".join(f"{k}: recorded {a!r}, now {b!r}" for k, a, b in diffs[:6])
         out.add(f"the target, tokenizer or data named in the manifest changed since the cache was written "
-                f"({listed}); recomputing would compare against a different run")
-        return out
-    layout = build_layout(lengths, m.layout.chunk_tokens, m.layout.unit_tokens, m.format_version)
-    pick = np.sort(np.random.default_rng(seed).choice(readable, size=min(int(n), len(readable)), replace=False))
-    rows = read_rows(resolve_source(cfg.data.path, cfg.data.split_slice()[0]), cfg.data)
-    encoder = ChatEncoder(plan.tokenizer, plan.template, cfg.seq_length, cfg.data.mask_reasoning_content,
-                          cfg.data.mask_generation_prompt, mask_rule=cfg.data.mask_rule)
-    target = load_target(cfg.model, plan.target, len(plan.tokenizer), plan.device, plan.compute_dtype)
-    capture = HiddenStateCapture(target, plan.layer_ids, pre_norm=m.pre_norm_array is not None)
-    ct = m.layout.chunk_tokens
-    names = {int(k): v for k, v in m.arrays.items() if k.lstrip("-").isdigit()}
-    stored = run.read
+                f"({listed_differences(diffs)}); recomputing would compare against a different run")
+        return None
+    return cfg, plan
 
-    try:
-        for s in (int(x) for x in pick):
-            a, length = int(start[s]), int(lengths[s])
-            try:
-                got_all = stored([INPUT_IDS, LOSS_MASK, *m.hidden_array_names, *m.scale_arrays.values()], a,
-                                 a + length)
-            except CacheFormatError as exc:  # a corrupt or missing chunk
-                out.add(f"sample {s}: cannot read it ({exc})", sample=s, array=getattr(exc, "array", None))
-                continue
-            raw = rows[int(run.source_row[s])]
-            conv = normalize(raw, cfg.data.format)
-            enc = conv if isinstance(conv, Reject) else encoder.encode(conv, raw.row)
-            if isinstance(enc, Reject):
-                out.add(f"sample {s}: its source row {raw.row} no longer encodes ({enc.reason}: {enc.message})",
-                        sample=s)
-                continue
-            u = int(layout.unit[s])
-            for key, want in ((INPUT_IDS, enc.input_ids), (LOSS_MASK, enc.loss_mask)):
-                got = got_all[key]
-                if len(got) != len(want) or not np.array_equal(got, want):
-                    diff = got[:len(want)] != want[:len(got)]
-                    pos = int(np.flatnonzero(diff)[0]) if diff.any() else min(len(got), len(want))
-                    out.add(f"sample {s}: stored {key} differs from re-tokenizing source row {raw.row} (first at "
-                            f"token {pos}, chunk {(a + pos) // ct})", sample=s, array=key, chunk=((a + pos) // ct,),
-                            unit=u)
-            # the forward batch the pipeline ran this sample in, rebuilt from the layout
-            batch = next(b for b in make_batches(layout.unit_order[u], lengths, cfg.batch.max_tokens,
-                                                 cfg.batch.max_samples) if s in set(b.tolist()))
-            members = {int(t): stored([INPUT_IDS], int(start[t]), int(start[t] + lengths[t]))[INPUT_IDS]
-                       for t in batch}
-            ids, _ = batch_inputs(members, batch, lengths, plan.pad_id, plan.device)  # the pipeline's own inputs
-            states, last = capture(ids)
-            r = int(np.flatnonzero(batch == s)[0])
-            worst, exact = 0.0, True
-            checks = [(f"layer {lid}", names[lid], states[lid]) for lid in plan.layer_ids]
-            if m.last_array is not None:
-                checks.append(("last (post-norm)", m.last_array, last))
-            if m.pre_norm_array is not None:
-                checks.append(("last (pre-norm)", m.pre_norm_array, states[m.num_hidden_layers]))
-            for label, arr_name, t in checks:
-                steps, same = storage_steps(got_all, arr_name, m, t[r, :length].detach().cpu())
-                exact = exact and same
-                sdtype = m.array_dtypes[arr_name]
-                ms = float(steps.max()) if steps.numel() else 0.0
-                worst = max(worst, ms)
-                if ms > tolerance:
-                    pos = int(steps.amax(dim=-1).argmax())
-                    out.add(f"sample {s}, {label} (array {arr_name!r}): stored hidden states differ from the "
-                            f"recomputation by {ms:.1f} {sdtype} steps (> tolerance {tolerance}), worst at token "
-                            f"{pos} in chunk {((a + pos) // ct, 0)}", sample=s, array=arr_name,
-                            chunk=((a + pos) // ct, 0), unit=u)
-            out.recomputed += 1
-            out.exact += int(exact)
-            out.max_steps = max(out.max_steps, worst)
-    finally:
-        capture.close()
-    return out
+
+class _Rerun:
+    """The rebuilt run a sample is compared with: its source rows, encoder, layout, batching and target (hooked)."""
+
+    def __init__(self, run: StoredRun, cfg: PrecomputeConfig, plan: Plan, layout: Layout, tolerance: float,
+                 out: RecomputeResult) -> None:
+        m = run.m
+        self.run, self.cfg, self.plan, self.layout, self.tolerance, self.out = run, cfg, plan, layout, tolerance, out
+        self.rows = read_rows(resolve_source(cfg.data.path, cfg.data.split_slice()[0]), cfg.data)
+        self.encoder = ChatEncoder(plan.tokenizer, plan.template, cfg.seq_length, cfg.data.mask_reasoning_content,
+                                   cfg.data.mask_generation_prompt, mask_rule=cfg.data.mask_rule)
+        target = load_target(cfg.model, plan.target, len(plan.tokenizer), plan.device, plan.compute_dtype)
+        self.capture = HiddenStateCapture(target, plan.layer_ids, pre_norm=m.pre_norm_array is not None)
+        self.names = {int(k): v for k, v in m.arrays.items() if k.lstrip("-").isdigit()}
+
+    def compare(self, s: int) -> None:
+        """Sample ``s``: stored tokens against its source row re-encoded, stored states against its batch rerun."""
+        run, m, out = self.run, self.run.m, self.out
+        try:
+            got = run.read_sample([INPUT_IDS, LOSS_MASK, *m.hidden_array_names, *m.scale_arrays.values()], s)
+        except CacheFormatError as exc:  # a corrupt or missing chunk
+            out.add_unreadable(s, exc)
+            return
+        raw = self.rows[int(run.source_row[s])]
+        conv = normalize(raw, self.cfg.data.format)
+        enc = conv if isinstance(conv, Reject) else self.encoder.encode(conv, raw.row)
+        if isinstance(enc, Reject):
+            out.add(f"sample {s}: its source row {raw.row} no longer encodes ({enc.reason}: {enc.message})",
+                    sample=s)
+            return
+        self._compare_tokens(s, got, enc, raw.row)
+        worst, exact = self._compare_states(s, got)
+        out.recomputed += 1
+        out.exact += int(exact)
+        out.max_steps = max(out.max_steps, worst)
+
+    def _compare_tokens(self, s: int, got: dict[str, np.ndarray], enc: Encoded, row: int) -> None:
+        """Stored ids and masks against the re-encoded row: a problem at the first token that differs."""
+        a, u, ct = int(self.run.start[s]), int(self.layout.unit[s]), self.run.m.layout.chunk_tokens
+        for key, want in ((INPUT_IDS, enc.input_ids), (LOSS_MASK, enc.loss_mask)):
+            have = got[key]
+            if len(have) != len(want) or not np.array_equal(have, want):
+                diff = have[:len(want)] != want[:len(have)]
+                pos = int(np.flatnonzero(diff)[0]) if diff.any() else min(len(have), len(want))
+                self.out.add(f"sample {s}: stored {key} differs from re-tokenizing source row {row} (first at "
+                             f"token {pos}, chunk {(a + pos) // ct})", sample=s, array=key, chunk=((a + pos) // ct,),
+                             unit=u)
+
+    def _rerun_batch(self, s: int) -> tuple[dict[int, torch.Tensor], torch.Tensor, int]:
+        """The forward batch the pipeline ran sample ``s`` in, rebuilt from the layout and run again:
+        (states by layer id, last state, the sample's row in the batch)."""
+        run, cfg, lengths = self.run, self.cfg, self.run.lengths
+        u = int(self.layout.unit[s])
+        batch = next(b for b in make_batches(self.layout.unit_order[u], lengths, cfg.batch.max_tokens,
+                                             cfg.batch.max_samples) if s in set(b.tolist()))
+        members = {int(t): run.read_sample([INPUT_IDS], int(t))[INPUT_IDS] for t in batch}
+        ids, _ = batch_inputs(members, batch, lengths, self.plan.pad_id, self.plan.device)  # the pipeline's inputs
+        states, last = self.capture(ids)
+        return states, last, int(np.flatnonzero(batch == s)[0])
+
+    def _compare_states(self, s: int, got: dict[str, np.ndarray]) -> tuple[float, bool]:
+        """Every stored state of sample ``s`` against the rerun, in steps of its storage dtype: (worst, bit-exact);
+        a problem per array past the tolerance."""
+        m, out = self.run.m, self.out
+        a, length, u, ct = int(self.run.start[s]), int(self.run.lengths[s]), int(self.layout.unit[s]), \
+            m.layout.chunk_tokens
+        states, last, r = self._rerun_batch(s)
+        worst, exact = 0.0, True
+        checks = [(f"layer {lid}", self.names[lid], states[lid]) for lid in self.plan.layer_ids]
+        if m.last_array is not None:
+            checks.append(("last (post-norm)", m.last_array, last))
+        if m.pre_norm_array is not None:
+            checks.append(("last (pre-norm)", m.pre_norm_array, states[m.num_hidden_layers]))
+        for label, arr_name, t in checks:
+            steps, same = storage_steps(got, arr_name, m, t[r, :length].detach().cpu())
+            exact = exact and same
+            sdtype = m.array_dtypes[arr_name]
+            ms = float(steps.max()) if steps.numel() else 0.0
+            worst = max(worst, ms)
+            if ms > self.tolerance:
+                pos = int(steps.amax(dim=-1).argmax())
+                out.add(f"sample {s}, {label} (array {arr_name!r}): stored hidden states differ from the "
+                        f"recomputation by {ms:.1f} {sdtype} steps (> tolerance {self.tolerance}), worst at token "
+                        f"{pos} in chunk {((a + pos) // ct, 0)}", sample=s, array=arr_name,
+                        chunk=((a + pos) // ct, 0), unit=u)
+        return worst, exact

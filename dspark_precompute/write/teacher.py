@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -28,7 +28,14 @@ import torch
 from dspark_precompute.contract.spec import INPUT_IDS
 from dspark_precompute.errors import CacheFormatError
 from dspark_precompute.write.provenance import final_norm_of
-from dspark_precompute.write.recompute import STEP, open_sampled, stored_as_torch
+from dspark_precompute.write.recompute import (
+    STEP,
+    CheckResult,
+    SampledTarget,
+    open_sampled,
+    positions_by_sample,
+    stored_as_torch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +52,10 @@ POSITIONS_PER_FORWARD = 512  # logits of at most this many positions at once (me
 
 
 @dataclass
-class TeacherResult:
+class TeacherResult(CheckResult):
     """What the check measured; problems as dicts with ``check, message, array, sample`` (the verify report's)."""
 
-    problems: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    check: ClassVar[str] = "teacher"
     positions: list[tuple[int, int]] = field(default_factory=list)  # (sample, token) pairs compared
     samples: int = 0
     top1_agreement: float | None = None  # share of positions whose argmax agrees
@@ -60,17 +66,23 @@ class TeacherResult:
     rel_error_max: float | None = None
     normed_top1_agreement: float | None = None  # diagnosis: agreement after applying the final norm once more
 
-    def add(self, message: str, **where: Any) -> None:
-        self.problems.append({"check": "teacher", "message": message, **where})
+
+def agreement(teacher: torch.Tensor, student: torch.Tensor) -> tuple[list[bool], list[float]]:
+    """Per position: do the two logits' argmaxes agree, and the total-variation distance of their softmaxes."""
+    top1 = (teacher.argmax(-1) == student.argmax(-1)).tolist()
+    tv = (0.5 * (torch.softmax(teacher, -1) - torch.softmax(student, -1)).abs().sum(-1)).tolist()
+    return top1, tv
 
 
 def _teacher_logits(model: Any, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The CausalLM's own logits at ``pos`` of one unpadded sequence (float32, ``[len(pos), vocab]``)."""
+    logits: torch.Tensor
     try:
         out = model(input_ids=ids[None], use_cache=False, logits_to_keep=pos)
-        return out.logits[0].float()
+        logits = out.logits[0].float()
     except TypeError:  # a model class without logits_to_keep: project every position, keep the picked ones
-        return model(input_ids=ids[None], use_cache=False).logits[0, pos].float()
+        logits = model(input_ids=ids[None], use_cache=False).logits[0, pos].float()
+    return logits
 
 
 def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None = None, model: str | None = None,
@@ -83,41 +95,49 @@ def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None
     :data:`REL_STEPS` steps of the storage and compute dtypes).
     """
     out = TeacherResult()
-    sampled, notes, problem = open_sampled(path, n, seed=seed, device=device, model=model,
-                                           trust_remote_code=trust_remote_code, what="the teacher check",
-                                           gives="logits")
-    out.notes += notes
-    if problem:
-        out.add(problem)
+    sampled = open_sampled(out, path, n, seed=seed, device=device, model=model, trust_remote_code=trust_remote_code,
+                           what="the teacher check", gives="logits")
     if sampled is None:
         return out
-    run, picked, target, dev, dtype = sampled.run, sampled.picked, sampled.target, sampled.dev, sampled.dtype
-    m = run.m
-    lengths, start = run.lengths, run.start
-    head = target.get_output_embeddings()
-    norm = final_norm_of(target)
+    m = sampled.run.m
+    norm = final_norm_of(sampled.target)
     norm_class = type(norm).__name__ if norm is not None else None
     recorded_norm = m.capture.final_norm_class if m.capture is not None else None
     if recorded_norm and norm_class and recorded_norm != norm_class:
         out.notes.append(f"the manifest records the final norm as {recorded_norm}, the loaded target's is "
                          f"{norm_class}")
-    last = m.last_array
-    if last is None:
+    if m.last_array is None:
         out.add("this cache stores no post-norm state (capture.last_state=pre_norm): there is no teacher "
                 "distribution to check")
         return out
+    acc = _compare_logits(sampled, norm, out)
+    if not acc.positions:
+        return out
+    tol = max_rel if max_rel is not None else REL_STEPS * (acc.storage_eps + float(torch.finfo(sampled.dtype).eps))
+    acc.finish(out)
+    _judge(out, acc, m.last_array, norm_class, min_top1=min_top1, max_tv=max_tv, max_rel=max_rel, tol=tol)
+    log.info("teacher check: %d positions in %d samples, top-1 agreement %.2f%%, mean relative logit error %.3g, "
+             "mean TV %.3g", len(out.positions), out.samples, 100 * (out.top1_agreement or 0.0),
+             out.rel_error_mean, out.tv_mean)
+    return out
+
+
+def _compare_logits(sampled: SampledTarget, norm: Any, out: TeacherResult) -> _Accumulator:
+    """The target's own logits against ``lm_head`` of the stored final state (and of it normed once more, the
+    diagnosis of a state taken before the norm) at every sampled position, one sample's forward at a time."""
+    run, target, dev, dtype = sampled.run, sampled.target, sampled.dev, sampled.dtype
+    m = run.m
+    last = m.last_array
+    assert last is not None
+    head = target.get_output_embeddings()
     last_scale = m.scale_arrays.get(last)
-    by_sample: dict[int, list[int]] = {}
-    for s, t in picked:
-        by_sample.setdefault(s, []).append(t)
     acc = _Accumulator()
     with torch.inference_mode():
-        for s, toks in by_sample.items():
-            a, length = int(start[s]), int(lengths[s])
+        for s, toks in positions_by_sample(sampled.picked).items():
             try:
-                got = run.read([INPUT_IDS, last, *([last_scale] if last_scale else [])], a, a + length)
+                got = run.read_sample([INPUT_IDS, last, *([last_scale] if last_scale else [])], s)
             except CacheFormatError as exc:
-                out.add(f"sample {s}: cannot read it ({exc})", sample=s, array=getattr(exc, "array", None))
+                out.add_unreadable(s, exc)
                 continue
             ids = torch.from_numpy(got[INPUT_IDS].astype(np.int64)).to(dev)
             for b in range(0, len(toks), POSITIONS_PER_FORWARD):
@@ -129,10 +149,13 @@ def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None
                 stored = stored.to(dev, dtype)
                 normed = head(norm(stored)).float() if norm is not None else None
                 acc.add(s, block, teacher, head(stored).float(), normed)
-    if not acc.positions:
-        return out
-    tol = max_rel if max_rel is not None else REL_STEPS * (acc.storage_eps + float(torch.finfo(dtype).eps))
-    acc.finish(out)
+    return acc
+
+
+def _judge(out: TeacherResult, acc: _Accumulator, last: str, norm_class: str | None, *, min_top1: float,
+           max_tv: float, max_rel: float | None, tol: float) -> None:
+    """One problem naming every bound the measurement broke (and, when normalizing the stored state once more
+    would pass, that it was taken before the final norm)."""
     failed = []
     if out.top1_agreement is not None and out.top1_agreement < min_top1:
         failed.append(f"top-1 agreement {out.top1_agreement:.1%} (at least {min_top1:.0%} required)")
@@ -141,22 +164,19 @@ def teacher_check(path: str | Path, n: int, *, seed: int = 0, device: str | None
     if out.rel_error_mean is not None and out.rel_error_mean > tol:
         why = f", {REL_STEPS} steps of the storage and compute dtypes" if max_rel is None else ""
         failed.append(f"mean relative logit error {out.rel_error_mean:.3g} (at most {tol:.3g}{why})")
-    if failed:
-        hint = ""
-        if acc.normed_rel and float(np.mean(acc.normed_rel)) <= tol and (out.normed_top1_agreement or 0) >= min_top1:
-            hint = (f" Applying the target's {norm_class} to the stored state once more brings the relative error to "
-                    f"{float(np.mean(acc.normed_rel)):.3g}: the stored state was taken before the final norm.")
-        s_w, t_w, rel_w = acc.worst
-        out.add(f"lm_head applied to the stored final state ({last!r}) does not reproduce the target's own logits "
-                f"over {len(out.positions)} positions in {out.samples} samples: {'; '.join(failed)}; largest logit "
-                f"difference {out.max_logit_diff:.3g}, worst at sample {s_w}, token {t_w} (relative error "
-                f"{rel_w:.3g}). The stored state is not the target's post-norm state at the right position, so a "
-                "trainer would learn from wrong target logits. Re-create the cache (re-run the precompute command "
-                f"with overwrite=true).{hint}", array=last, sample=s_w)
-    log.info("teacher check: %d positions in %d samples, top-1 agreement %.2f%%, mean relative logit error %.3g, "
-             "mean TV %.3g", len(out.positions), out.samples, 100 * (out.top1_agreement or 0.0),
-             out.rel_error_mean, out.tv_mean)
-    return out
+    if not failed:
+        return
+    hint = ""
+    if acc.normed_rel and float(np.mean(acc.normed_rel)) <= tol and (out.normed_top1_agreement or 0) >= min_top1:
+        hint = (f" Applying the target's {norm_class} to the stored state once more brings the relative error to "
+                f"{float(np.mean(acc.normed_rel)):.3g}: the stored state was taken before the final norm.")
+    s_w, t_w, rel_w = acc.worst
+    out.add(f"lm_head applied to the stored final state ({last!r}) does not reproduce the target's own logits "
+            f"over {len(out.positions)} positions in {out.samples} samples: {'; '.join(failed)}; largest logit "
+            f"difference {out.max_logit_diff:.3g}, worst at sample {s_w}, token {t_w} (relative error "
+            f"{rel_w:.3g}). The stored state is not the target's post-norm state at the right position, so a "
+            "trainer would learn from wrong target logits. Re-create the cache (re-run the precompute command "
+            f"with overwrite=true).{hint}", array=last, sample=s_w)
 
 
 class _Accumulator:
@@ -178,8 +198,9 @@ class _Accumulator:
         scale = teacher.norm(dim=-1).clamp_min(torch.finfo(teacher.dtype).tiny)
         rel = ((teacher - student).norm(dim=-1) / scale).tolist()
         self.positions += [(sample, t) for t in tokens]
-        self.top1 += (teacher.argmax(-1) == student.argmax(-1)).tolist()
-        self.tv += (0.5 * (torch.softmax(teacher, -1) - torch.softmax(student, -1)).abs().sum(-1)).tolist()
+        top1, tv = agreement(teacher, student)
+        self.top1 += top1
+        self.tv += tv
         self.rel += rel
         self.max_diff = max(self.max_diff, float((teacher - student).abs().max()))
         k = int(np.argmax(rel))

@@ -64,7 +64,8 @@ def build_tokenizer() -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
+    # transformers leaves the tokenizer's constructor unannotated
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         bos_token=None,
         eos_token="<|im_end|>",

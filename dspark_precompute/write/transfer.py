@@ -89,7 +89,8 @@ class UnitTransfer:
         self.device = device
         self.check_finite = check_finite
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # torch.cuda.Stream and Event have unannotated constructors
+        self.stream = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
         self.views: dict[str, torch.Tensor] = {}
         self.batches: list[_Batch] = []
 
@@ -141,7 +142,7 @@ class UnitTransfer:
         """Wait for this unit's copies, then count what was not finite (the unit's one sync on CUDA)."""
         if self.cuda:
             assert self.stream is not None
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # an unannotated constructor
             done.record(self.stream)
             done.synchronize()
         check = UnitCheck()

@@ -186,6 +186,16 @@ class UnitWriter:
         return self.slots[slot].arrays
 
     def _dead_writer(self) -> StorageWriteError:
+        """The error for a writer that is gone: the error it reported before it went, when that is still unread in
+        its pipe (a send to it can fail first, the writer having exited after reporting), else that it died."""
+        for conn in self.done:
+            try:
+                while conn.poll():
+                    kind, unit, _slot, payload = cast(Any, conn).recv()
+                    if kind == Message.error:
+                        return self._writer_error(unit, payload)
+            except (EOFError, OSError):
+                continue
         for p in self.procs:
             p.join(0.1)
         codes = [p.exitcode for p in self.procs if p.exitcode is not None]
@@ -212,13 +222,7 @@ class UnitWriter:
         except (EOFError, OSError):
             raise self._dead_writer() from None
         if kind == Message.error:
-            log.debug("writer traceback:\n%s", payload[1])
-            left = sum(self.unit_bytes[u] for u in self.todo if u not in self.committed)
-            what = f"writing unit {unit} of {self.path}" if unit >= 0 else f"opening {self.path} for writing"
-            raise StorageWriteError(
-                f"{what} failed: {payload[0]}. About {left / 1e6:,.1f} MB (uncompressed) are still to be "
-                "written; free space or fix the storage, then re-run the same command: committed units are kept "
-                "and the cache resumes.")
+            raise self._writer_error(unit, payload)
         self.inflight[w] -= 1
         self.raw_bytes += int(payload[0])
         self.busy_s += float(payload[1])
@@ -227,6 +231,16 @@ class UnitWriter:
             return False
         self._commit(unit)
         return True
+
+    def _writer_error(self, unit: int, payload: tuple[str, str]) -> StorageWriteError:
+        """What a writer's error report means for the run: which unit failed, why, and how much is left to write."""
+        log.debug("writer traceback:\n%s", payload[1])
+        left = sum(self.unit_bytes[u] for u in self.todo if u not in self.committed)
+        what = f"writing unit {unit} of {self.path}" if unit >= 0 else f"opening {self.path} for writing"
+        return StorageWriteError(
+            f"{what} failed: {payload[0]}. About {left / 1e6:,.1f} MB (uncompressed) are still to be "
+            "written; free space or fix the storage, then re-run the same command: committed units are kept "
+            "and the cache resumes.")
 
     def _collect(self, block: bool) -> None:
         """Take the writers' reports and deal more work; returns after one commit (or at once if not ``block``)."""

@@ -26,7 +26,6 @@ from helpers import REPO
 
 from dspark_precompute import open_cache
 
-pytestmark = pytest.mark.e2e
 BENCH = REPO / "scripts" / "bench.py"
 
 

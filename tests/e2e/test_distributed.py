@@ -9,13 +9,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from helpers import assert_same_cache, compose, small
 
 from dspark_precompute.write.distributed import assign_units
 from dspark_precompute.write.run import run
-
-pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024")
 

@@ -30,8 +30,6 @@ from dspark_precompute.write.target import (
     weight_bytes,
 )
 
-pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
-
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024", "data.max_samples=16")
 
 
@@ -347,7 +345,6 @@ def test_the_built_in_target_counts_its_weights_without_building_them():
     info = inspect_target(cfg, tok)
     model = tiny.build_target(cfg.random, len(tok))
     assert weight_bytes(cfg, info, torch.float32) == sum(p.numel() for p in model.parameters()) * 4
-
 
 
 # -- verify --recompute never runs code a cache points at ----------------------------------------------

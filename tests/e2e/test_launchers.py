@@ -13,8 +13,6 @@ from helpers import assert_same_cache, compose, small
 
 from dspark_precompute.write.run import run
 
-pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
-
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024")
 
 

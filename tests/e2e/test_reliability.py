@@ -27,8 +27,6 @@ from dspark_precompute.write.plan import prepare
 from dspark_precompute.write.run import run
 from dspark_precompute.write.tokenize import tokenize
 
-pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
-
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024", "data.max_samples=16")
 
 # (fault point, hit) -> where the kill lands (16 rows, 4 units of 1024 token slots, one writer)

@@ -31,8 +31,6 @@ from dspark_precompute.contract.store import CacheStore, storage_options  # noqa
 from dspark_precompute.errors import MissingChunkError  # noqa: E402
 from dspark_precompute.write.run import run  # noqa: E402
 
-pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
-
 SECRET = "s3cr3t-" + uuid.uuid4().hex  # must never show up in a log, a repr or the cache
 
 

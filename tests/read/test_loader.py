@@ -48,13 +48,17 @@ def rows(batch: dict[str, torch.Tensor]) -> list[tuple[int, ...]]:
     return [tuple(ids[m.bool()].tolist()) for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
 
 
-@pytest.fixture(scope="module", params=["fp16", pytest.param("fp32", marks=pytest.mark.e2e)])
-def dtype_run(request, tmp_path_factory):
-    """An fp16 (fp32: e2e lane) cache with a separately stored final norm (layers [0, 1] of 4): 3 samples."""
+def dtype_cache(tmp_path_factory, dt):
+    """A cache stored as ``dt`` with a separately stored final norm (layers [0, 1] of 4): 3 samples."""
     base = tmp_path_factory.getbasetemp()
-    dt = request.param
-    return dt, run(compose(small(base, f"storage.dtype={dt}", "model.layer_ids=[0,1]", "data.max_samples=3",
-                                 name=f"loader_{dt}"))).path
+    return run(compose(small(base, f"storage.dtype={dt}", "model.layer_ids=[0,1]", "data.max_samples=3",
+                             name=f"loader_{dt}"))).path
+
+
+@pytest.fixture(scope="module", params=["fp16"])
+def dtype_run(request, tmp_path_factory):
+    """The fp16 cache (its fp32 twin: tests/e2e/test_read_loader.py)."""
+    return request.param, dtype_cache(tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +89,10 @@ def test_an_assembled_batch_equals_what_the_per_sample_path_gives_for_the_same_i
 
 
 def test_fp16_fp32_and_a_separate_final_norm_are_copied_bit_for_bit(dtype_run):
-    dt, path = dtype_run
+    assert_copied_bit_for_bit(*dtype_run)
+
+
+def assert_copied_bit_for_bit(dt, path):
     ds = CacheDataset(path)
     assert ds.cache.array_names["last"].endswith("final_norm")
     got = BatchAssembler(ds.cache).build([[0, 1, 2], [2]], "shared")
@@ -458,9 +465,13 @@ def test_a_dropped_sample_never_comes_out_of_the_loader(cache_copy, shuffle, wor
         assert Counter(r for b in loader for r in rows(b)) == want
 
 
-# a DataLoader whose worker raised takes 2 x 5 s to shut its workers down (torch's join timeout): e2e lane
-@pytest.mark.parametrize("shuffle,workers", [(True, 0), ("block", 0), pytest.param("block", 2, marks=pytest.mark.e2e)])
+# with workers: tests/e2e/test_read_loader.py (a DataLoader whose worker raised takes 2 x 5 s to shut them down)
+@pytest.mark.parametrize("shuffle,workers", [(True, 0), ("block", 0)])
 def test_a_missing_chunk_stops_the_loader_with_a_missing_chunk_error_never_zeros(cache_copy, shuffle, workers):
+    assert_a_missing_chunk_stops_the_loader(cache_copy, shuffle, workers)
+
+
+def assert_a_missing_chunk_stops_the_loader(cache_copy, shuffle, workers):
     from dspark_precompute.errors import MissingChunkError
 
     c = open_cache(cache_copy)
@@ -492,71 +503,3 @@ def test_a_held_batch_is_never_overwritten_while_the_shared_region_recycles_and_
     assert arena.fallbacks > 0 and arena.peak <= arena.nbytes
     del kept, batch
     assert arena.in_use == 0  # every extent came back once its tensors were freed
-
-
-TRAIN = r'''
-import json, os, sys, time
-from dspark_precompute.read.training import build_dataloader
-
-path, ckpt, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
-loader = build_dataloader(path, batch_size=1, shuffle="block", seed=7, num_workers=2, block_chunks=1, window_blocks=2)
-seen = []
-if os.path.exists(ckpt):  # restart after preemption: the last checkpoint's history and loader position
-    saved = json.load(open(ckpt))
-    seen = saved["seen"]
-    loader.load_state_dict(saved["loader"])
-for epoch in range(loader.epoch, epochs):
-    loader.set_epoch(epoch)
-    for batch in loader:
-        time.sleep(0.15)  # the step
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        seen.append([epoch, [ids[r][mask[r].bool()].tolist() for r in range(len(ids))]])
-        tmp = ckpt + ".tmp"  # checkpoint after every step, atomically
-        with open(tmp, "w") as f:
-            json.dump({"seen": seen, "loader": loader.state_dict()}, f)
-        os.replace(tmp, ckpt)
-'''
-
-
-@pytest.mark.e2e
-def test_a_job_killed_mid_epoch_resumes_without_repeating_or_skipping_a_sample(default_run, tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    import psutil
-
-    _, result = default_run
-    ckpt = tmp_path / "ckpt.json"
-    ref = build_dataloader(result.path, batch_size=1, shuffle="block", seed=7, block_chunks=1, window_blocks=2)
-    want = []
-    for epoch in range(2):
-        ref.set_epoch(epoch)
-        want += [[epoch, [list(r) for r in rows(b)]] for b in ref]
-    per_epoch = len(want) // 2
-    cmd = [sys.executable, "-c", TRAIN, str(result.path), str(ckpt), "2"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    job = subprocess.Popen(cmd, env=env)
-    deadline = time.time() + 120
-    done = 0
-    while time.time() < deadline and job.poll() is None:
-        if ckpt.exists():
-            done = len(json.loads(ckpt.read_text())["seen"])
-            if done >= per_epoch // 2:
-                break
-        time.sleep(0.02)
-    workers = [p.pid for p in psutil.Process(job.pid).children(recursive=True)]
-    job.send_signal(signal.SIGKILL)
-    job.wait()
-    killed_at = json.loads(ckpt.read_text())
-    assert 0 < len(killed_at["seen"]) < per_epoch, "the kill did not land in the middle of the first epoch"
-    assert killed_at["loader"]["epoch"] == 0 and killed_at["loader"]["batches_done"] == len(killed_at["seen"])
-    assert len(workers) == 2
-    gone = time.time() + 30  # orphaned workers notice their parent is gone and exit
-    while time.time() < gone and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                     for p in workers):
-        time.sleep(0.2)
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in workers)
-    subprocess.run(cmd, env=env, check=True, timeout=300)
-    assert json.loads(ckpt.read_text())["seen"] == want

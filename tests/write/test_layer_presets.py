@@ -5,14 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import compose, small
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dspark_precompute import open_cache
 from dspark_precompute.errors import ConfigError, IncompatibleCacheError
-from dspark_precompute.write import tiny
 from dspark_precompute.write.config import ModelConfig
 from dspark_precompute.write.layers import default_layer_ids, preset_layer_ids, resolve_layer_ids, servable_layer_ids
 from dspark_precompute.write.run import run
@@ -74,13 +71,6 @@ def test_the_preset_is_checked_with_the_config():
     assert not Path("/nonexistent/never-created").exists()
 
 
-@pytest.fixture
-def no_weights(monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("weights were loaded before the refusal")
-    monkeypatch.setattr("dspark_precompute.write.run.load_target", boom)
-
-
 def test_resuming_with_another_layer_preset_is_refused_naming_it(default_run, no_weights):
     _, result = default_run
     overrides = small(Path(result.path).parent, "storage.chunk_tokens=256", "storage.unit_tokens=1024",
@@ -99,24 +89,3 @@ def test_a_derived_storage_path_separates_presets_and_keeps_the_default_path():
     same = compose(["seq_length=256", "model.layer_preset=nemo"])
     other = compose(["seq_length=256", "model.layer_preset=servable"])
     assert default_storage_path(base) == default_storage_path(same) != default_storage_path(other)
-
-
-@pytest.mark.e2e
-def test_a_servable_cache_stores_no_minus_1_or_n_minus_1_and_keeps_the_post_norm_state_apart(tmp_path):
-    cfg = compose(small(tmp_path, "model.random.num_hidden_layers=6", "model.layer_preset=servable",
-                        "model.draft_num_hidden_layers=3", "data.max_samples=4",
-                        "batch.max_samples=1"))  # one row per forward: the oracle's unbatched forward, bit for bit
-    run(cfg)
-    c = open_cache(cfg.storage.path)
-    m = c.manifest
-    assert m.layer_ids == [1, 2, 3] and m.arrays["last"] == "hidden_states/final_norm"
-    assert m.capture is not None and m.capture.layer_preset == "servable"
-    assert m.identity["layer_preset"] == "servable"
-    model = tiny.build_target(cfg.model.random, len(tiny.build_tokenizer()))
-    s = c[0]
-    with torch.no_grad():
-        hs = model(input_ids=s["input_ids"][None], output_hidden_states=True).hidden_states
-    assert torch.equal(s["target_last_hidden_states"], hs[-1][0].to(torch.bfloat16))  # post-norm, N-1
-    H = cfg.model.random.hidden_size
-    for j, lid in enumerate([1, 2, 3]):
-        assert torch.equal(s["target_hidden_states"][:, j * H:(j + 1) * H], hs[lid + 1][0].to(torch.bfloat16))

@@ -70,16 +70,6 @@ def test_batched_padded_forwards_match_unbatched_hf_within_one_bf16_step(tmp_pat
     assert worst <= 1.0
 
 
-@pytest.mark.e2e
-def test_fp16_and_fp32_storage_keep_their_dtype(tmp_path):
-    for dtype, torch_dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
-        cfg = compose(small(tmp_path, f"storage.dtype={dtype}", "data.max_samples=3", name=dtype))
-        run(cfg)
-        s = open_cache(cfg.storage.path)[0]
-        assert s["target_hidden_states"].dtype == torch_dtype
-        assert s["input_ids"].dtype == torch.int64 and s["loss_mask"].dtype == torch.int64
-
-
 def test_exported_weights_store_a_tied_embedding_once():
     model = tiny.build_target(RandomTargetConfig(tie_word_embeddings=True), 300)
     assert list(export_weights(model)) == ["embed_tokens.weight"]

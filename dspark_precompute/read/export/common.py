@@ -14,6 +14,7 @@ onto it only when whole, so a killed export never leaves a readable partial one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -395,6 +396,18 @@ class StagedExport:
 
     def abort(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staging(stage: StagedExport, prog: ExportProgress) -> Iterator[None]:
+    """The writing of a staged export: on any failure (a Ctrl-C's KeyboardInterrupt included) the progress is
+    closed and the staging directory removed, so nothing partial is left beside ``out``."""
+    try:
+        yield
+    except BaseException:
+        prog.close()
+        stage.abort()
+        raise
 
 
 def export_marker(c: CacheReader, plan: Plan, target: str, notes: list[str], **extra: Any) -> dict[str, Any]:

@@ -30,6 +30,7 @@ import os
 import struct
 import time
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -39,12 +40,14 @@ from dspark_precompute.humanize import human_bytes
 from dspark_precompute.read.export.common import (
     ExportProgress,
     ExportResult,
+    Plan,
     StagedExport,
     atomic_write_bytes,
     export_marker,
     json_bytes,
     open_complete,
     plan_export,
+    staging,
 )
 from dspark_precompute.read.reader import CacheReader
 
@@ -91,15 +94,8 @@ def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers:
     if not lids:
         raise ExportError("layers=[]: DeepSpec needs at least one target layer")
     m = c.manifest
-    H, k, n = c.hidden_size, len(lids), len(plan)
-    notes: list[str] = []
-    converted_from = None
-    if m.storage_dtype == "fp8_e4m3" or m.last_storage_dtype == "fp8_e4m3":
-        converted_from = "fp8_e4m3"
-        notes.append("fp8 (e4m3) states exported dequantized to bf16: DeepSpec reads bf16 only")
-    elif c.output_dtype != "bf16" or c.last_output_dtype != "bf16":
-        converted_from = c.output_dtype if c.output_dtype != "bf16" else c.last_output_dtype
-        notes.append(f"{converted_from} states rounded to bf16 (nearest even): DeepSpec reads bf16 only")
+    n = len(plan)
+    notes, converted_from = _conversion_notes(c)
     rule = m.capture.mask.rule if m.capture is not None and m.capture.mask is not None else None
     if rule != "deepspec":
         notes.append(f"loss masks follow the cache's rule ({rule or 'not recorded'}), not DeepSpec's own "
@@ -108,96 +104,127 @@ def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers:
         log.warning("export deepspec: %s", note)
     target_name = str(target_model_name_or_path or m.target_model)
     stage = StagedExport(Path(out), c.path, overwrite, "DeepSpec target cache")
-    total = 0
-    shards: list[dict[str, object]] = []
     prog = ExportProgress("deepspec", plan.total_tokens, enabled=progress)
-    fh = None
-    try:
-        idx_fd = os.open(stage.dir / DEEPSPEC_INDEX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(idx_fd, n * INDEX_RECORD.size)
-            size = 0
-            for j, raw in plan.iter_disk_order():
-                T = len(raw["input_ids"])
-                parts = [
-                    np.ascontiguousarray(raw["input_ids"], dtype="<i4"),
-                    np.ones(T, dtype=np.uint8),
-                    np.ascontiguousarray(raw["loss_mask"], dtype=np.uint8),
-                    np.ascontiguousarray(_bf16(raw["target_hidden_states"], c.output_dtype)),
-                    np.ascontiguousarray(_bf16(raw["target_last_hidden_states"], c.last_output_dtype)),
-                ]
-                nbytes = sum(p.nbytes for p in parts)
-                assert parts[3].shape == (T, k * H) and parts[4].shape == (T, H)
-                if fh is None or (size > 0 and size + nbytes > shard_bytes):
-                    if fh is not None:
-                        fh.flush()
-                        os.fsync(fh.fileno())
-                        fh.close()
-                    name = shard_file(len(shards))
-                    shards.append({"shard_id": len(shards), "file_name": name})
-                    fh = open(stage.dir / name, "wb")
-                    size = 0
-                offsets = []
-                for p in parts:
-                    offsets.append(size)
-                    fh.write(p.data)
-                    size += p.nbytes
-                os.pwrite(idx_fd, INDEX_RECORD.pack(j, len(shards) - 1, T, *offsets), j * INDEX_RECORD.size)
-                total += nbytes
-                prog.update(T, nbytes)
-            if fh is not None:
-                fh.flush()
-                os.fsync(fh.fileno())
-                fh.close()
-                fh = None
-            os.fsync(idx_fd)
-        finally:
-            os.close(idx_fd)
-            if fh is not None:
-                fh.close()
-        total += n * INDEX_RECORD.size
+    with staging(stage, prog):
+        shards, total = _write_shards(stage.dir, c, plan, shard_bytes, prog)
         prog.close()
-        mrule = m.capture.mask if m.capture is not None else None
-        manifest = {
-            "version": DEEPSPEC_VERSION,
-            "num_samples": n,
-            "num_shards": len(shards),
-            "target_layer_ids": list(lids),
-            "hidden_dtype": "bfloat16",
-            "token_dtype": "int32",
-            "mask_dtype": "uint8",
-            "index_record_size": INDEX_RECORD.size,
-            "hidden_size": H,
-            "shards": shards,
-            "target_model_name_or_path": target_name,
-            "source_jsonl_paths": [str(m.data_identity("path"))],
-            "chat_template": DEEPSPEC_QWEN_TEMPLATE if rule == "deepspec" else None,
-            "max_length": int(plan.max_length or c.seq_length),
-            "min_loss_tokens": DEEPSPEC_MIN_LOSS_TOKENS if rule == "deepspec" else 1,
-            "project_name": None,
-            "exp_name": None,
-            "git_sha": None,
-            # beyond DeepSpec's own fields (its loader ignores them): where this came from and what was changed
-            "exported_by": "dspark-precompute",
-            "source_cache": str(c.path),
-            "source_config_hash": m.config_hash,
-            "mask_rule": rule,
-            "mask_generation_prompt": getattr(mrule, "mask_generation_prompt", None),
-            "converted_from": converted_from,
-            "dropped_samples": dict(sorted(plan.dropped.items())),
-            "notes": notes,
-        }
+        manifest = deepspec_manifest(c, plan, shards, target_name, rule, converted_from, notes)
         data = json_bytes(manifest)
         atomic_write_bytes(stage.dir / DEEPSPEC_MANIFEST, data)
         total += len(data)
         total += stage.finish(export_marker(c, plan, "deepspec", notes, converted_from=converted_from,
                                             target_model_name_or_path=target_name))
-    except BaseException:
-        prog.close()
-        stage.abort()
-        raise
     secs = time.perf_counter() - t0
     log.info("export deepspec: %d samples in %d shard(s), %s -> %s (%.1fs)", n, len(shards), human_bytes(total),
              out, secs)
     return ExportResult(str(out), n, len(shards), 0, total, secs, target="deepspec", layers=list(lids),
                         max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)
+
+
+def _conversion_notes(c: CacheReader) -> tuple[list[str], str | None]:
+    """What reading bf16 only forces on this cache: (notes, the dtype converted from, or None)."""
+    m = c.manifest
+    if m.storage_dtype == "fp8_e4m3" or m.last_storage_dtype == "fp8_e4m3":
+        return ["fp8 (e4m3) states exported dequantized to bf16: DeepSpec reads bf16 only"], "fp8_e4m3"
+    if c.output_dtype != "bf16" or c.last_output_dtype != "bf16":
+        converted_from = c.output_dtype if c.output_dtype != "bf16" else c.last_output_dtype
+        return [f"{converted_from} states rounded to bf16 (nearest even): DeepSpec reads bf16 only"], converted_from
+    return [], None
+
+
+def _sample_parts(c: CacheReader, raw: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """One sample's five arrays as DeepSpec lays them out, back to back: ids, attention mask, loss mask, states."""
+    T = len(raw["input_ids"])
+    return [
+        np.ascontiguousarray(raw["input_ids"], dtype="<i4"),
+        np.ones(T, dtype=np.uint8),
+        np.ascontiguousarray(raw["loss_mask"], dtype=np.uint8),
+        np.ascontiguousarray(_bf16(raw["target_hidden_states"], c.output_dtype)),
+        np.ascontiguousarray(_bf16(raw["target_last_hidden_states"], c.last_output_dtype)),
+    ]
+
+
+def _write_shards(root: Path, c: CacheReader, plan: Plan, shard_bytes: int,
+                  prog: ExportProgress) -> tuple[list[dict[str, object]], int]:
+    """The shard files (a new one when the next sample would pass ``shard_bytes``) and ``samples.idx``, written in
+    place record by record in disk order: (the manifest's shard list, bytes written)."""
+    H, k, n = c.hidden_size, len(plan.layers), len(plan)
+    total = 0
+    shards: list[dict[str, object]] = []
+    fh = None
+    idx_fd = os.open(root / DEEPSPEC_INDEX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(idx_fd, n * INDEX_RECORD.size)
+        size = 0
+        for j, raw in plan.iter_disk_order():
+            T = len(raw["input_ids"])
+            parts = _sample_parts(c, raw)
+            nbytes = sum(p.nbytes for p in parts)
+            assert parts[3].shape == (T, k * H) and parts[4].shape == (T, H)
+            if fh is None or (size > 0 and size + nbytes > shard_bytes):
+                if fh is not None:
+                    _close_durably(fh)
+                name = shard_file(len(shards))
+                shards.append({"shard_id": len(shards), "file_name": name})
+                fh = open(root / name, "wb")
+                size = 0
+            offsets = []
+            for p in parts:
+                offsets.append(size)
+                fh.write(p.data)
+                size += p.nbytes
+            os.pwrite(idx_fd, INDEX_RECORD.pack(j, len(shards) - 1, T, *offsets), j * INDEX_RECORD.size)
+            total += nbytes
+            prog.update(T, nbytes)
+        if fh is not None:
+            _close_durably(fh)
+            fh = None
+        os.fsync(idx_fd)
+    finally:
+        os.close(idx_fd)
+        if fh is not None:
+            fh.close()
+    return shards, total + n * INDEX_RECORD.size
+
+
+def _close_durably(fh: BinaryIO) -> None:
+    """A finished shard file: flushed, fsynced, closed."""
+    fh.flush()
+    os.fsync(fh.fileno())
+    fh.close()
+
+
+def deepspec_manifest(c: CacheReader, plan: Plan, shards: list[dict[str, object]], target_name: str,
+                      rule: str | None, converted_from: str | None, notes: list[str]) -> dict[str, Any]:
+    """DeepSpec's ``manifest.json`` (version 2), plus where the export came from and what it changed."""
+    m = c.manifest
+    mrule = m.capture.mask if m.capture is not None else None
+    return {
+        "version": DEEPSPEC_VERSION,
+        "num_samples": len(plan),
+        "num_shards": len(shards),
+        "target_layer_ids": list(plan.layers),
+        "hidden_dtype": "bfloat16",
+        "token_dtype": "int32",
+        "mask_dtype": "uint8",
+        "index_record_size": INDEX_RECORD.size,
+        "hidden_size": c.hidden_size,
+        "shards": shards,
+        "target_model_name_or_path": target_name,
+        "source_jsonl_paths": [str(m.data_identity("path"))],
+        "chat_template": DEEPSPEC_QWEN_TEMPLATE if rule == "deepspec" else None,
+        "max_length": int(plan.max_length or c.seq_length),
+        "min_loss_tokens": DEEPSPEC_MIN_LOSS_TOKENS if rule == "deepspec" else 1,
+        "project_name": None,
+        "exp_name": None,
+        "git_sha": None,
+        # beyond DeepSpec's own fields (its loader ignores them): where this came from and what was changed
+        "exported_by": "dspark-precompute",
+        "source_cache": str(c.path),
+        "source_config_hash": m.config_hash,
+        "mask_rule": rule,
+        "mask_generation_prompt": getattr(mrule, "mask_generation_prompt", None),
+        "converted_from": converted_from,
+        "dropped_samples": dict(sorted(plan.dropped.items())),
+        "notes": notes,
+    }

@@ -28,6 +28,7 @@ from dspark_precompute.humanize import human_bytes
 from dspark_precompute.read.export.common import (
     ExportProgress,
     ExportResult,
+    Plan,
     SafetensorsStreamWriter,
     atomic_write_bytes,
     fsync_dir,
@@ -143,68 +144,23 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     plan = plan_export(c, layers, max_length)
     lids = plan.layers
     out = Path(out)
-    n, H = len(plan), c.hidden_size
+    n = len(plan)
     S = c.seq_length if max_length is None else min(c.seq_length, int(max_length))
     weights = c.target_weights()  # checked (sha256, shapes) before a previous export is replaced
     _prepare_out(out, c.path, overwrite)
     total = _write_weights(weights, out)
     del weights
-    # what read_raw returns: fp8 states dequantized to bf16, the post-norm state in its own dtype
-    st_dtype, st_last = StorageDtype(c.output_dtype).safetensors, StorageDtype(c.last_output_dtype).safetensors
-    disk_dtype, last_disk = StorageDtype(c.output_dtype).disk, StorageDtype(c.last_output_dtype).disk
-    width = H * len(lids)
-    pad_id = c.pad_token_id
-    starts = c.starts()
     num_shards = -(-n // shard_size)
     notes = ["fp8 states exported dequantized to bf16"] if c.manifest.storage_dtype == "fp8_e4m3" else []
     for note in notes:
         log.info("export nemo: %s", note)
-    # row buffers reused across samples: the real tokens are copied in, the tail stays padding
-    ids_row = np.empty(S, dtype=np.int64)
-    mask_row = np.zeros(S, dtype=np.int64)
-    attn_row = np.zeros(S, dtype=np.int64)
-    hid_row = np.zeros((S, width), dtype=disk_dtype)
-    last_row = np.zeros((S, H), dtype=last_disk)
+    rows = _PaddedRows(c, S, len(lids))
+    starts = c.starts()
     prog = ExportProgress("nemo", plan.total_tokens, enabled=progress)
-    row_bytes = S * (3 * 8 + width * disk_dtype.itemsize + H * last_disk.itemsize)
     for k in range(num_shards):
-        rows = np.arange(k * shard_size, min(n, (k + 1) * shard_size))
-        spec = {
-            "input_ids": ("I64", (len(rows), S), 8),
-            "attention_mask": ("I64", (len(rows), S), 8),
-            "loss_mask": ("I64", (len(rows), S), 8),
-            "target_hidden_states": (st_dtype, (len(rows), S, width), disk_dtype.itemsize),
-            "target_last_hidden_states": (st_last, (len(rows), S, H), last_disk.itemsize),
-        }
-        w = SafetensorsStreamWriter(out / shard_name(k), spec, {"format": "pt"})
-        try:
-            for j in rows[np.argsort(starts[plan.samples[rows]], kind="stable")]:  # disk order: chunks decoded once
-                raw = plan.read(int(j))
-                m = len(raw["input_ids"])
-                r = int(j) - k * shard_size
-                ids_row[:] = pad_id
-                ids_row[:m] = raw["input_ids"]
-                mask_row[:] = 0
-                mask_row[:m] = raw["loss_mask"]
-                attn_row[:] = 0
-                attn_row[:m] = 1
-                hid_row[m:] = 0
-                hid_row[:m] = raw["target_hidden_states"]
-                last_row[m:] = 0
-                last_row[:m] = raw["target_last_hidden_states"]
-                w.write_row("input_ids", r, ids_row)
-                w.write_row("attention_mask", r, attn_row)
-                w.write_row("loss_mask", r, mask_row)
-                w.write_row("target_hidden_states", r, hid_row)
-                w.write_row("target_last_hidden_states", r, last_row)
-                prog.update(m, row_bytes)
-            w.commit()
-        except BaseException:
-            w.abort()
-            prog.close()
-            raise
-        total += w.nbytes
-        log.info("export: wrote %s (%d samples, %s)", shard_name(k), len(rows), human_bytes(w.nbytes))
+        members = np.arange(k * shard_size, min(n, (k + 1) * shard_size))
+        disk_order = members[np.argsort(starts[plan.samples[members]], kind="stable")]  # each chunk decoded once
+        total += _write_shard(out, k, k * shard_size, disk_order, plan, rows, prog)
     prog.close()
     manifest = nemo_manifest(c, shard_size, lids, num_samples=n, seq_length=S)
     data = json_bytes(manifest)
@@ -215,3 +171,76 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     log.info("export: %d samples in %d shards, %s -> %s (%.1fs)", n, num_shards, human_bytes(total), out, secs)
     return ExportResult(str(out), n, num_shards, int(shard_size), total, secs, target="nemo", layers=list(lids),
                         max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)
+
+
+class _PaddedRows:
+    """One sample's rows right-padded to ``S`` tokens, in buffers reused across samples: the real tokens are
+    copied in, the tail stays padding (what ``read_raw`` returns: fp8 dequantized to bf16, the post-norm state in
+    its own dtype)."""
+
+    def __init__(self, c: CacheReader, S: int, num_layers: int) -> None:
+        H = c.hidden_size
+        self.st_dtype = StorageDtype(c.output_dtype).safetensors
+        self.st_last = StorageDtype(c.last_output_dtype).safetensors
+        self.disk_dtype, self.last_disk = StorageDtype(c.output_dtype).disk, StorageDtype(c.last_output_dtype).disk
+        self.S, self.H, self.width = S, H, H * num_layers
+        self.pad_id = c.pad_token_id
+        self.ids = np.empty(S, dtype=np.int64)
+        self.mask = np.zeros(S, dtype=np.int64)
+        self.attn = np.zeros(S, dtype=np.int64)
+        self.hid = np.zeros((S, self.width), dtype=self.disk_dtype)
+        self.last = np.zeros((S, H), dtype=self.last_disk)
+        self.row_bytes = S * (3 * 8 + self.width * self.disk_dtype.itemsize + H * self.last_disk.itemsize)
+
+    def spec(self, rows: int) -> dict[str, tuple[str, tuple[int, ...], int]]:
+        """The safetensors header of a shard of ``rows`` samples."""
+        S = self.S
+        return {
+            "input_ids": ("I64", (rows, S), 8),
+            "attention_mask": ("I64", (rows, S), 8),
+            "loss_mask": ("I64", (rows, S), 8),
+            "target_hidden_states": (self.st_dtype, (rows, S, self.width), self.disk_dtype.itemsize),
+            "target_last_hidden_states": (self.st_last, (rows, S, self.H), self.last_disk.itemsize),
+        }
+
+    def fill(self, raw: dict[str, np.ndarray]) -> int:
+        """Copy one sample in, pad the rest; returns its real length."""
+        m = len(raw["input_ids"])
+        self.ids[:] = self.pad_id
+        self.ids[:m] = raw["input_ids"]
+        self.mask[:] = 0
+        self.mask[:m] = raw["loss_mask"]
+        self.attn[:] = 0
+        self.attn[:m] = 1
+        self.hid[m:] = 0
+        self.hid[:m] = raw["target_hidden_states"]
+        self.last[m:] = 0
+        self.last[:m] = raw["target_last_hidden_states"]
+        return m
+
+    def write(self, w: SafetensorsStreamWriter, r: int) -> None:
+        """The filled rows as row ``r`` of every shard tensor."""
+        w.write_row("input_ids", r, self.ids)
+        w.write_row("attention_mask", r, self.attn)
+        w.write_row("loss_mask", r, self.mask)
+        w.write_row("target_hidden_states", r, self.hid)
+        w.write_row("target_last_hidden_states", r, self.last)
+
+
+def _write_shard(out: Path, k: int, first: int, members: np.ndarray, plan: Plan, rows: _PaddedRows,
+                 prog: ExportProgress) -> int:
+    """Shard ``k``: export rows ``members`` (``first`` is its row 0), streamed in that order; committed whole or
+    removed. Returns its bytes."""
+    w = SafetensorsStreamWriter(out / shard_name(k), rows.spec(len(members)), {"format": "pt"})
+    try:
+        for j in members:
+            m = rows.fill(plan.read(int(j)))
+            rows.write(w, int(j) - first)
+            prog.update(m, rows.row_bytes)
+        w.commit()
+    except BaseException:
+        w.abort()
+        prog.close()
+        raise
+    log.info("export: wrote %s (%d samples, %s)", shard_name(k), len(members), human_bytes(w.nbytes))
+    return w.nbytes

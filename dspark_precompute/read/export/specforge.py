@@ -38,6 +38,7 @@ from dspark_precompute.read.export.common import (
     keep_two_consecutive,
     open_complete,
     plan_export,
+    staging,
 )
 from dspark_precompute.read.reader import CacheReader, to_torch
 
@@ -69,7 +70,7 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
     stage = StagedExport(Path(out), c.path, overwrite, "SpecForge offline features")
     total = 0
     prog = ExportProgress("specforge", plan.total_tokens, enabled=progress)
-    try:
+    with staging(stage, prog):
         made: set[str] = set()
         for j, raw in plan.iter_disk_order():
             rel = sample_file(j)
@@ -92,10 +93,6 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
         prog.close()
         total += stage.finish(export_marker(c, plan, "specforge", notes, layout="rows_<g>/data_<j>.ckpt",
                                             checked_with="specforge==0.2.0"))
-    except BaseException:
-        prog.close()
-        stage.abort()
-        raise
     secs = time.perf_counter() - t0
     log.info("export specforge: %d samples, %s -> %s (%.1fs)", n, human_bytes(total), out, secs)
     return ExportResult(str(out), n, n, 1, total, secs, target="specforge", layers=list(plan.layers),

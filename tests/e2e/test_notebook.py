@@ -5,13 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
-import pytest
 from helpers import REPO
 from nbclient import NotebookClient
 
 from dspark_precompute import open_cache
-
-pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
 
 NOTEBOOK = REPO / "examples" / "reading_a_cache.ipynb"
 

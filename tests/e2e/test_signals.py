@@ -8,8 +8,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.e2e  # each test runs a Python subprocess
-
 SHUTDOWN_UNDER_SIGNAL = """
 import os, signal, threading, time
 from concurrent.futures import ThreadPoolExecutor

@@ -12,9 +12,6 @@ from helpers import CONF, REPO, compose, small
 from dspark_precompute.errors import ConfigError
 from dspark_precompute.write.plan import default_storage_path
 
-pytestmark = pytest.mark.e2e  # runs the commands as processes / whole runs
-
-
 BENCH_CONF = REPO / "scripts" / "conf"  # the benchmark targets, composable with hydra.searchpath
 # group options that leave a required key (???) to the command line, and a value for it
 REQUIRED = {"model/hf": ["model.path=Qwen/Qwen3-0.6B"], "data/jsonl": [f"data.path={REPO / 'pyproject.toml'}"]}

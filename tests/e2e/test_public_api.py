@@ -6,13 +6,11 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 from helpers import REPO
 
 PUBLIC = ("open_cache", "build_dataloader", "compose", "PrecomputeConfig", "run")
 
 
-@pytest.mark.e2e
 def test_the_public_names_import_and_importing_the_package_alone_loads_neither_torch_nor_transformers():
     code = textwrap.dedent(f"""
         import sys
@@ -56,7 +54,6 @@ run(["seq_length=1024"])
 """
 
 
-@pytest.mark.e2e
 def test_a_type_checker_sees_the_real_signatures_of_the_public_names(tmp_path):
     (tmp_path / "mypy.ini").write_text(MYPY_CONFIG)
     (tmp_path / "snippet.py").write_text(SNIPPET)
