@@ -618,10 +618,24 @@ def _index_past_end(f: Path) -> None:
     write_shard_index(f, index)
 
 
+def _index_aliased(f: Path) -> None:
+    index = shard_index(f, 4)
+    index[1] = index[0]  # valid crc32c, chunk 1 names chunk 0's bytes (each passes its own crc32c)
+    write_shard_index(f, index)
+
+
+def _index_swapped(f: Path) -> None:
+    index = shard_index(f, 4)
+    index[[0, 1]] = index[[1, 0]]  # valid crc32c: chunks 0 and 1 would read each other's values
+    write_shard_index(f, index)
+
+
 @pytest.mark.parametrize("damage,words,checksum", [
     (_truncate, r"has an index that fails its crc32c checksum \(the shard was truncated", True),
     (_flip_index_byte, r"has an index that fails its crc32c checksum", True),
     (_index_past_end, r"has an index entry for inner chunk 0 .* points outside its", False),
+    (_index_aliased, r"has index entries for inner chunks 0 and 1 that overlap or are out of order", False),
+    (_index_swapped, r"has index entries for inner chunks 0 and 1 that overlap or are out of order", False),
 ])
 def test_a_damaged_shard_is_a_typed_error_naming_array_shard_and_samples_everywhere(cache_copy, tmp_path, capsys,
                                                                                       damage, words, checksum):
