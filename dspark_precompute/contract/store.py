@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from dspark_precompute.errors import NotRegularFileError
 from dspark_precompute.faults import fault_point
 
 STORAGE_OPTIONS_ENV = "DSPARK_STORAGE_OPTIONS"
@@ -50,6 +53,33 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path: str | Path) -> io.FileIO:
+    """``path`` opened for unbuffered binary reading, only when it is a regular file (or a symlink to one).
+
+    Opened non-blocking first, so a FIFO put where a file belongs cannot hang the reader (a plain
+    ``open`` waits forever for a writer); a directory, FIFO, device or socket raises
+    :class:`~dspark_precompute.errors.NotRegularFileError` (a CacheFormatError and an OSError)
+    naming what it is. Missing files raise FileNotFoundError as usual.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+            raise NotRegularFileError(f"{path} is {kind}, not a file: the cache was altered (this tool writes only "
+                                      "regular files); it is not read. Put the file back or re-create the cache",
+                                      kind=kind)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def is_url(path: str) -> bool:
@@ -120,7 +150,8 @@ class CacheStore:
     def read_bytes(self, key: str) -> bytes:
         if self.url:
             return bytes(self.fs.cat_file(self._remote(key)))
-        return self._local(key).read_bytes()
+        with open_regular(self._local(key)) as fh:
+            return bytes(fh.read())
 
     def write_bytes(self, key: str, data: bytes, fsync: bool = True) -> None:
         """Atomic: readers see the old file or the whole new one, never a part."""
@@ -198,9 +229,9 @@ class CacheStore:
             except FileNotFoundError:
                 return None
         try:
-            with open(self._local(key), "rb", buffering=0) as fh:
+            with open_regular(self._local(key)) as fh:
                 return os.pread(fh.fileno(), max(0, end - start), start)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, NotRegularFileError):
             return None
 
     def size(self, key: str) -> int | None:
@@ -306,7 +337,7 @@ class CacheStore:
         if self.url:
             h.update(self.read_bytes(key))
         else:
-            with open(self._local(key), "rb") as fh:
+            with open_regular(self._local(key)) as fh:
                 for block in iter(lambda: fh.read(1 << 22), b""):
                     h.update(block)
         return h.hexdigest()

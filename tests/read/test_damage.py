@@ -674,3 +674,81 @@ def test_a_shard_object_cut_short_after_its_index_was_read_is_refused_not_zero_f
     c._source._indexes[("hidden_states/layer_1", 1)] = np.asarray([[off, n], [-1, -1], [-1, -1], [-1, -1]])
     with pytest.raises(DamagedShardError, match=r"is cut short"):
         c._read_tokens(["hidden_states/layer_1"], 4 * CT, 4 * CT + 1)
+
+
+@pytest.fixture
+def no_hang():
+    """Turn a read that blocks (a FIFO opened like a file waits for a writer forever) into a failure."""
+    import signal
+
+    def hang(*_):
+        raise TimeoutError("a read blocked: something in the cache was opened that never answers")
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _not_a_file(f: Path, kind: str) -> None:
+    f.unlink()
+    if kind == "directory":
+        f.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "device":
+        f.symlink_to("/dev/zero")
+    else:
+        f.symlink_to(f.name)  # a symlink to itself: ELOOP
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("directory", "it is a directory, not a file"),
+    ("fifo", r"it is a FIFO \(named pipe\), not a file"),
+    ("device", "it is a character device, not a file"),
+    ("loop", "Too many levels of symbolic links"),
+])
+def test_a_shard_that_is_not_a_file_is_a_damaged_shard_everywhere_never_a_hang_or_an_os_error(
+        cache_copy, tmp_path, capsys, no_hang, kind, words):
+    _not_a_file(shard_file(cache_copy, "hidden_states/layer_2", 4), kind)  # unit 1's shard
+    victims = _unit_samples(cache_copy, 1)
+    named = r"array 'hidden_states/layer_2' shard \(1, 0\) \(object hidden_states/layer_2/c.1.0\) cannot be read as " \
+            r"a shard: " + words
+    with pytest.raises(DamagedShardError, match=named) as info:
+        open_cache(cache_copy)[victims[0]]
+    assert list(info.value.samples) == victims
+    with pytest.raises(DamagedShardError, match=named):
+        for _ in build_dataloader(cache_copy, batch_size=4, shuffle=False):
+            pass
+    assert main(["export-nemo", str(cache_copy), str(tmp_path / "nemo")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(named, err) and "Traceback" not in err
+    assert main(["verify", str(cache_copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [(p["check"], p["array"], p["unit"]) for p in report["problems"]] == [
+        ("structure", "hidden_states/layer_2", 1)]
+
+
+@pytest.mark.parametrize("rel,check", [
+    ("manifest.json", "manifest"),
+    ("commits/u000001.json", "commits"),
+    ("target_weights.safetensors", "weights"),
+    ("rejects.jsonl", "structure"),
+    ("samples/start/c.0", "missing-chunk"),
+    ("input_ids/zarr.json", "structure"),
+])
+def test_a_fifo_in_place_of_a_cache_file_is_named_by_verify_and_never_blocks_a_reader(cache_copy, capsys, no_hang,
+                                                                                     rel, check):
+    _not_a_file(cache_copy / rel, "fifo")
+    assert main(["verify", str(cache_copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert check in {p["check"] for p in report["problems"]} and "verify" not in {p["check"] for p in
+                                                                                   report["problems"]}, report
+    if rel in ("manifest.json", "samples/start/c.0", "input_ids/zarr.json"):
+        with pytest.raises(CacheFormatError):
+            open_cache(cache_copy)
+    elif rel == "target_weights.safetensors":
+        with pytest.raises(CacheFormatError, match=r"is a FIFO \(named pipe\), not a file"):
+            open_cache(cache_copy).target_weights()
+    else:
+        assert len(open_cache(cache_copy)[:]) == 14  # the reader does not read them in a complete cache
