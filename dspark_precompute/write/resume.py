@@ -196,6 +196,34 @@ class Stored:
         self.opened.close()
 
 
+def stored_token_problems(store: CacheStore, manifest: Manifest) -> list[str]:
+    """Why the stored ``input_ids``/``loss_mask`` of the units still to write cannot be read back (empty: they can).
+
+    A resume forwards the ids it reads back and never writes those arrays again, so a shard
+    deleted or damaged since the first run wrote it would otherwise end in a "complete" cache
+    missing it (or stop the run with no way forward). Every chunk of those units is read and
+    checked (crc32c, index), about 5 bytes a token. A cache whose metadata or tables do not
+    open is left to :func:`load_stored` to refuse.
+    """
+    try:
+        opened = open_stored(store, allow_incomplete=True)
+    except CacheFormatError:
+        return []
+    problems: list[str] = []
+    try:
+        t = opened.tables
+        for u in sorted(set(range(manifest.layout.num_units)) - opened.committed):
+            a, b = int(t["units/token_start"][u]), int(t["units/token_stop"][u])
+            for name in (INPUT_IDS, LOSS_MASK):
+                try:
+                    read_slots(opened.source, [name], a, b)
+                except CacheFormatError as exc:
+                    problems.append(f"unit {u}: {exc}")
+    finally:
+        opened.close()
+    return problems
+
+
 def load_stored(plan: Plan, manifest: Manifest) -> Stored:
     """Open a resumed cache's tables and token arrays (checked as a reader checks them) and rebuild its layout."""
     try:

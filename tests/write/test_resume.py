@@ -103,3 +103,31 @@ def test_resuming_a_format_1_cache_is_refused_saying_which_version_wrote_it_and_
                                                r"with the version that wrote it .*or pass overwrite=true"):
         run(compose(overrides))
     shutil.rmtree(tmp_path / "fp8_e4m3")
+
+
+def _delete(f: Path) -> None:
+    f.unlink()
+
+
+def _flip(f: Path) -> None:
+    blob = bytearray(f.read_bytes())
+    blob[10] ^= 0x01  # inside the first inner chunk: its crc32c fails
+    f.write_bytes(bytes(blob))
+
+
+@pytest.mark.parametrize("array", ["input_ids", "loss_mask"])
+@pytest.mark.parametrize("damage", [_delete, _flip])
+def test_a_resume_whose_stored_tokens_were_damaged_tokenizes_again_and_ends_as_the_uninterrupted_run(
+        tmp_path, monkeypatch, reference, caplog, array, damage):
+    overrides = interrupted(tmp_path, monkeypatch)
+    cache = tmp_path / "c"
+    m = json.loads((cache / "manifest.json").read_text())
+    todo = sorted(set(range(m["layout"]["num_units"])) - committed_units(CacheStore(cache)))
+    assert m["tokens_stored"] and todo
+    damage(cache / array / f"c.{todo[-1]}")  # a unit the resume still has to forward
+    with caplog.at_level("WARNING"):
+        result = run(compose(overrides))
+    assert result.complete and "tokenize_s" in result.timing  # never a "complete" cache missing what it forwarded
+    assert f"the stored token ids or masks of 1 unit(s) cannot be read back (unit {todo[-1]}: " in caplog.text
+    assert array in caplog.text
+    assert_same_cache(reference, str(cache))
