@@ -21,7 +21,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import shutil
 import stat
 import tempfile
@@ -29,12 +28,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from dspark_precompute.contract.spec import TEMPORARY
 from dspark_precompute.errors import NotRegularFileError
 from dspark_precompute.faults import fault_point
 
 STORAGE_OPTIONS_ENV = "DSPARK_STORAGE_OPTIONS"
-# what write_parts names its temporaries: a dot, the target's name, mkstemp's random part, .tmp
-TEMPORARY = re.compile(r"^\.[^/]+\.[A-Za-z0-9_]{6,}\.tmp$")
 _S3_PROTOCOLS = ("s3", "s3a")
 
 
@@ -214,7 +212,8 @@ class CacheStore:
         return written
 
     def temporaries(self) -> list[str]:
-        """Keys of the temporaries an interrupted atomic write left (``.c.3.0.<random>.tmp``); none on object stores."""
+        """Keys of the files named like a temporary of an atomic write (``.c.3.0.<8 random>.tmp``); none on object
+        stores. Which of them this tool left is for the caller to judge (``spec.is_own_temporary_key``)."""
         if self.url:
             return []
         root = Path(self.root)

@@ -32,6 +32,7 @@ from dspark_precompute.contract.spec import (
     WEIGHTS,
     foreign_entries,
     is_own_temporary,
+    is_own_temporary_key,
 )
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, IncompatibleCacheError
@@ -124,8 +125,11 @@ def version_problem(path: str, m: Manifest) -> str:
 
 
 def clear_temporaries(store: CacheStore) -> list[str]:
-    """Remove what writes a kill interrupted left behind (temporaries never renamed into place); their keys."""
-    found = store.temporaries()
+    """Remove what writes a kill interrupted left behind (temporaries never renamed into place); their keys.
+
+    Only this tool's own: named for a file it writes, in a directory it writes (a user's
+    ``notes/.draft.abcdefgh.tmp`` or ``input_ids/.c.0.abc.tmp`` stays)."""
+    found = [key for key in store.temporaries() if is_own_temporary_key(key)]
     for key in found:
         store.delete(key)
     return found

@@ -4,6 +4,7 @@ tokenizing again, still refuses changed inputs, and says what to do with a cache
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tarfile
 from pathlib import Path
@@ -130,4 +131,37 @@ def test_a_resume_whose_stored_tokens_were_damaged_tokenizes_again_and_ends_as_t
     assert result.complete and "tokenize_s" in result.timing  # never a "complete" cache missing what it forwarded
     assert f"the stored token ids or masks of 1 unit(s) cannot be read back (unit {todo[-1]}: " in caplog.text
     assert array in caplog.text
+    assert_same_cache(reference, str(cache))
+
+
+def test_a_resume_removes_only_its_own_temporaries_never_a_file_merely_named_like_one(tmp_path, monkeypatch,
+                                                                                      reference):
+    import tempfile
+
+    overrides = interrupted(tmp_path, monkeypatch)
+    cache = tmp_path / "c"
+
+    def temporary(d: Path, target: str) -> Path:  # named exactly as write_parts names its temporaries
+        fd, name = tempfile.mkstemp(dir=d, prefix=f".{target}.", suffix=".tmp")
+        os.write(fd, b"half a write")
+        os.close(fd)
+        return Path(name)
+
+    own = [temporary(cache / "input_ids", "c.3"), temporary(cache / "hidden_states" / "layer_1", "c.3.0"),
+           temporary(cache, "manifest.json"), temporary(cache / "commits", "u000003.json")]
+    (cache / "notes").mkdir()
+    foreign = [temporary(cache / "notes", "draft"),              # in a directory the tool does not write
+               temporary(cache / "notes", "c.0"),
+               temporary(cache / "input_ids", "my_data"),        # not a name the tool writes there
+               cache / "input_ids" / ".c.0.abc.tmp",             # not mkstemp's 8 random characters
+               cache / ".manifest.json.backup.tmp"]
+    for f in foreign[3:]:
+        f.write_text("the user's")
+    result = run(compose(overrides))
+    assert result.complete
+    assert not [f for f in own if f.exists()]
+    assert [f for f in foreign if f.exists()] == foreign, "a resume removed files it did not write"
+    shutil.rmtree(cache / "notes")
+    for f in foreign[2:]:
+        f.unlink()
     assert_same_cache(reference, str(cache))
