@@ -319,6 +319,13 @@ CRAFTED = {
     "shard shape 2**27 rows": (lambda p: edit_meta(p, "hidden_states/layer_1", lambda m: m["chunk_grid"][
         "configuration"].update(chunk_shape=[2 ** 27, 64])),
         r"has shard shape \[134217728, 64\], the manifest implies"),
+    "inner chunk rows a float": (lambda p: edit_meta(p, "hidden_states/layer_1", lambda m: m["codecs"][0][
+        "configuration"].update(chunk_shape=[256.0, 64])),
+        r"has inner chunk shape \[256.0, 64\], the manifest implies \[256, 64\]"),
+    "shard index of no stated endianness": (lambda p: edit_meta(p, "input_ids", lambda m: m["codecs"][0][
+        "configuration"]["index_codecs"][0].pop("configuration")),
+        r"array 'input_ids' .* has shard index codecs \[\{'name': 'bytes'\}, \{'name': 'crc32c'\}\]; this tool "
+        r"writes bytes \(little-endian\)"),
     "inner chunk 2**27 rows": (lambda p: edit_meta(p, "hidden_states/layer_1", lambda m: m["codecs"][0][
         "configuration"].update(chunk_shape=[2 ** 27, 64])),
         r"has inner chunk shape \[134217728, 64\], the manifest implies"),
