@@ -29,6 +29,7 @@ from dspark_precompute.contract.arrays import ArrayMeta, array_meta_problems, co
 from dspark_precompute.contract.fp8 import scale_problem
 from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.shards import ShardIndexProblem, index_nbytes, parse_index
+from dspark_precompute.contract.spec import FORMAT_NAME, GROUPS, MANIFEST, SCALE_GROUP
 from dspark_precompute.contract.store import CacheStore, open_regular
 from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, NotRegularFileError
 
@@ -383,6 +384,33 @@ def read_array_metas(store: CacheStore, m: Manifest, zstore: Any = None
         if parsed is not None:
             metas[name] = parsed
     return metas, problems
+
+
+def group_problems(store: CacheStore, m: Manifest, zstore: Any = None) -> list[str]:
+    """The cache's zarr groups against the manifest: the root group's attributes name the format, the manifest's
+    ``format_version`` and the manifest file; ``samples``, ``units``, ``hidden_states`` (and ``hidden_scales``
+    with an fp8 array) are groups. A reader of this package goes by the manifest; plain zarr starts here."""
+    names = ["", *(g for g in GROUPS if g != SCALE_GROUP or m.scale_arrays)]
+    keys = [f"{g}/zarr.json" if g else "zarr.json" for g in names]
+    problems = []
+    for g, key, blob in zip(names, keys, get_many(store, zstore, keys, [MAX_JSON_BYTES] * len(keys))):
+        where = f"the group {g or 'at the root'} ({key})"
+        if blob is None:
+            problems.append(f"{where} is missing: zarr cannot open the cache without it")
+            continue
+        try:
+            meta: Any = json.loads(blob) if len(blob) <= MAX_JSON_BYTES else None
+        except ValueError:
+            meta = None
+        if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "group":
+            problems.append(f"{where} is not zarr v3 group metadata")
+            continue
+        if not g:
+            attrs = meta["attributes"] if isinstance(meta.get("attributes"), dict) else {}
+            want = {"format": FORMAT_NAME, "format_version": m.format_version, "manifest": MANIFEST}
+            problems += [f"{where} has attribute {k}={attrs.get(k)!r:.60}, the manifest implies {v!r}"
+                         for k, v in want.items() if attrs.get(k) != v or type(attrs.get(k)) is not type(v)]
+    return problems
 
 
 def read_slots(source: ChunkSource, names: list[str], a: int, b: int) -> dict[str, np.ndarray]:

@@ -759,3 +759,31 @@ def test_a_fifo_in_place_of_a_cache_file_is_named_by_verify_and_never_blocks_a_r
             open_cache(cache_copy).target_weights()
     else:
         assert len(open_cache(cache_copy)[:]) == 14  # the reader does not read them in a complete cache
+
+
+def _edit_group(attrs: dict):
+    def go(p):
+        f = Path(p) / "zarr.json"
+        meta = json.loads(f.read_text())
+        meta["attributes"].update(attrs)
+        f.write_text(json.dumps(meta))
+    return go
+
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda p: (Path(p) / "zarr.json").unlink(), r"the group at the root \(zarr.json\) is missing"),
+    (lambda p: (Path(p) / "hidden_states" / "zarr.json").unlink(),
+     r"the group hidden_states \(hidden_states/zarr.json\) is missing"),
+    (lambda p: (Path(p) / "samples" / "zarr.json").write_text("[]"),
+     r"the group samples \(samples/zarr.json\) is not zarr v3 group metadata"),
+    (_edit_group({"format_version": 3}), r"has attribute format_version=3, the manifest implies 2"),
+    (_edit_group({"format_version": "2"}), r"has attribute format_version='2', the manifest implies 2"),
+    (_edit_group({"format": "something-else"}), r"has attribute format='something-else'"),
+])
+def test_verify_names_a_group_that_is_missing_or_disagrees_with_the_manifest(cache_copy, capsys, damage, words):
+    damage(cache_copy)
+    assert main(["verify", str(cache_copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [p["check"] for p in report["problems"]] == ["structure"]
+    assert re.search(words, report["problems"][0]["message"]), report
+    assert len(open_cache(cache_copy)) == 14  # the reader goes by the manifest; plain zarr starts at the groups

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dspark_precompute.contract.arrays import ArrayMeta
-from dspark_precompute.contract.chunks import ChunkSource, decode_chunk, read_array_metas
+from dspark_precompute.contract.chunks import ChunkSource, decode_chunk, group_problems, read_array_metas
 from dspark_precompute.contract.commits import CommitRecord, commit_key, parse_commit_key
 from dspark_precompute.contract.fp8 import is_nan_bits
 from dspark_precompute.contract.layout import SampleIndex, build_layout, table_problems
@@ -106,8 +106,11 @@ def check_manifest(ctx: Context) -> bool:
 
 
 def check_structure(ctx: Context) -> bool:
-    """Every array's zarr.json matches the manifest; every table chunk reads. False when a table is unreadable."""
+    """The groups and every array's zarr.json match the manifest; every table chunk reads. False when a table is
+    unreadable."""
     assert ctx.m is not None
+    for p in group_problems(ctx.store, ctx.m, ctx.zstore):
+        ctx.bad.add(Check.structure, p)
     metas, problems = read_array_metas(ctx.store, ctx.m, ctx.zstore)
     for name, p in problems:
         ctx.bad.add(Check.structure, p, array=name)
