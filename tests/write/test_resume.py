@@ -165,3 +165,16 @@ def test_a_resume_removes_only_its_own_temporaries_never_a_file_merely_named_lik
     for f in foreign[2:]:
         f.unlink()
     assert_same_cache(reference, str(cache))
+
+
+def test_a_run_on_a_cache_whose_lock_is_a_symlink_writes_nothing_through_it(default_run, tmp_path):
+    from dspark_precompute.errors import ForeignDirectoryError
+
+    _, result = default_run
+    shutil.copytree(result.path, tmp_path / "cache")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the user's data")
+    (tmp_path / "cache" / ".writer.lock").symlink_to(precious)
+    with pytest.raises(ForeignDirectoryError, match="is a symlink"):  # even a run that would have nothing to do
+        run(compose(small(tmp_path, "storage.chunk_tokens=256", "storage.unit_tokens=1024")))
+    assert precious.read_text() == "the user's data"
