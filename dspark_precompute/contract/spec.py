@@ -103,6 +103,24 @@ def foreign_entries(names: list[str] | set[str]) -> list[str]:
     return sorted(n for n in names if n not in OWN_ENTRIES and not is_own_temporary(n))
 
 
+# file names the tool (or zarr, for metadata) writes below its top-level entries, format 1's ``c/3/0`` chunks
+# and zarr's interrupted metadata writes (``zarr.<hex>.partial``) included
+_OWN_NESTED = re.compile(r"^(zarr\.json|c(\.\d+)*|\d+|u\d{6,}\.json|failed-\d+\.json|[a-z]+\.yaml"
+                         r"|zarr\.[0-9a-f]{32}\.partial)$")
+
+
+def foreign_nested(keys: list[str]) -> list[str]:
+    """Files (keys, relative to the cache) under the tool's own top-level entries that it never writes, sorted:
+    a user's ``hidden_states/README.md`` that deleting ``hidden_states`` would take along."""
+    out = []
+    for key in keys:
+        parts = key.split("/")
+        if len(parts) > 1 and parts[0] in OWN_ENTRIES and not (
+                _OWN_NESTED.match(parts[-1]) or is_own_temporary_key(key)):
+            out.append(key)
+    return sorted(out)
+
+
 def layer_array(layer_id: int) -> str:
     return f"{HIDDEN_GROUP}/embeddings" if layer_id == -1 else f"{HIDDEN_GROUP}/layer_{layer_id}"
 

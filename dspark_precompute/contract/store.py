@@ -306,6 +306,26 @@ class CacheStore:
             return
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def file_keys(self, prefixes: Iterable[str]) -> list[str]:
+        """Keys of every file (object) below each of ``prefixes`` (directories of the cache), recursively."""
+        out: list[str] = []
+        for prefix in prefixes:
+            if self.url:
+                base = self._remote(prefix)
+                try:
+                    found = self.fs.find(base)
+                except FileNotFoundError:
+                    continue
+                out += [f"{prefix}/{str(p)[len(base):].lstrip('/')}" for p in found if str(p).rstrip("/") != base]
+                continue
+            top = self._local(prefix)
+            if top.is_symlink() or not top.is_dir():
+                continue
+            for root, _dirs, files in os.walk(top):
+                rel = Path(root).relative_to(self.root).as_posix()
+                out += [f"{rel}/{f}" for f in files]
+        return sorted(out)
+
     def top_level_names(self) -> list[str]:
         """Every entry directly under the cache (dotfiles included), sorted; [] when it does not exist."""
         if self.url:

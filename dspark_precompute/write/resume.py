@@ -31,6 +31,7 @@ from dspark_precompute.contract.spec import (
     SAMPLE_ARRAYS,
     WEIGHTS,
     foreign_entries,
+    foreign_nested,
     is_own_temporary,
     is_own_temporary_key,
 )
@@ -71,6 +72,8 @@ def directory_problem(store: CacheStore, path: str, deleting: bool) -> str | Non
         shown = ", ".join(foreign[:5] or names[:5]) + (" ..." if len(foreign or names) > 5 else "")
         return (f"storage.path={path} is not empty and is not a dspark-precompute cache (it holds {shown}); "
                 "nothing was written or deleted there. Choose an empty or new directory for the cache.")
+    if deleting:  # deleting one of our directories takes everything in it along: it must hold only our files
+        foreign += foreign_nested(store.file_keys(n for n in names if n in OWN_ENTRIES))
     if foreign and deleting:
         shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
         return (f"storage.path={path} is a cache but also holds files this tool did not write ({shown}); "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -178,3 +179,17 @@ def test_a_run_on_a_cache_whose_lock_is_a_symlink_writes_nothing_through_it(defa
     with pytest.raises(ForeignDirectoryError, match="is a symlink"):  # even a run that would have nothing to do
         run(compose(small(tmp_path, "storage.chunk_tokens=256", "storage.unit_tokens=1024")))
     assert precious.read_text() == "the user's data"
+
+
+@pytest.mark.parametrize("nested", ["hidden_states/README.md", "input_ids/notes/todo.txt", "commits/mine.json.bak"])
+def test_overwrite_refuses_a_cache_with_a_foreign_file_inside_one_of_its_directories(default_run, tmp_path, nested):
+    from dspark_precompute.errors import ForeignDirectoryError
+
+    _, result = default_run
+    shutil.copytree(result.path, tmp_path / "cache")
+    f = tmp_path / "cache" / nested
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text("the user's")
+    with pytest.raises(ForeignDirectoryError, match=rf"also holds files this tool did not write \({re.escape(nested)}"):
+        run(compose([*small(tmp_path, "storage.chunk_tokens=256", "storage.unit_tokens=1024"), "overwrite=true"]))
+    assert f.read_text() == "the user's" and (tmp_path / "cache" / "manifest.json").exists()
