@@ -36,6 +36,18 @@ class CacheFormatError(DsparkError):
     """A cache on disk is missing pieces, has the wrong version, or is malformed."""
 
 
+class NotRegularFileError(CacheFormatError, OSError):
+    """An entry of a cache that must be a file is something else (a directory, a FIFO, a device, a socket).
+
+    It is never read: a FIFO would block the reader forever. An ``OSError`` too, so code that
+    treats an unreadable file as absent keeps doing so. ``kind`` says what it is ("a FIFO (named pipe)").
+    """
+
+    def __init__(self, message: str, *, kind: str = "not a regular file"):
+        self.kind = kind
+        super().__init__(message)
+
+
 class ForeignDirectoryError(CacheFormatError):
     """storage.path holds files this tool did not write: it is neither used nor cleared."""
 

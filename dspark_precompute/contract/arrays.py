@@ -241,7 +241,8 @@ def _sharding(codecs: Any, want: ExpectedArray) -> tuple[Any, int | None, str | 
     conf = codecs[0]["configuration"]
     inner = conf.get("chunk_shape")
     assert want.chunks is not None and want.shard_rows is not None
-    if not isinstance(inner, list) or [int(x) if is_int(x) else x for x in inner] != list(want.chunks):
+    if not isinstance(inner, list) or not all(is_int(x) for x in inner) or [int(x) for x in inner] != list(
+            want.chunks):
         return None, None, (f"has inner chunk shape {inner!r:.80}, the manifest implies {list(want.chunks)} "
                             "(layout.chunk_tokens[, hidden_size])")
     if want.shard_rows % want.chunks[0] or not 1 <= want.shard_rows // want.chunks[0] <= MAX_SHARD_CHUNKS:
@@ -251,7 +252,7 @@ def _sharding(codecs: Any, want: ExpectedArray) -> tuple[Any, int | None, str | 
     names = [c.get("name") for c in index] if isinstance(index, list) and all(isinstance(c, dict) for c in index) \
         else None
     endian = (index[0].get("configuration") or {}).get("endian") if names and isinstance(index[0], dict) else None
-    if names != ["bytes", "crc32c"] or endian not in ("little", None):
+    if names != ["bytes", "crc32c"] or endian != "little":  # uint64 entries: no endianness would be the reader's
         return None, None, (f"has shard index codecs {index!r:.120}; this tool writes bytes (little-endian) -> "
                             "crc32c, so every index is checksummed")
     if conf.get("index_location", "end") != "end":

@@ -13,6 +13,7 @@ file handles, remote ones with range requests, many at once.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import threading
@@ -28,19 +29,31 @@ from dspark_precompute.contract.arrays import ArrayMeta, array_meta_problems, co
 from dspark_precompute.contract.fp8 import scale_problem
 from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.shards import ShardIndexProblem, index_nbytes, parse_index
-from dspark_precompute.contract.store import CacheStore
-from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError
+from dspark_precompute.contract.spec import FORMAT_NAME, GROUPS, MANIFEST, SCALE_GROUP
+from dspark_precompute.contract.store import CacheStore, open_regular
+from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, NotRegularFileError
 
 MAX_JSON_BYTES = 1 << 20  # an array's zarr.json is a few hundred bytes
 
 
+_NOT_A_FILE = (FileNotFoundError, NotADirectoryError, IsADirectoryError, NotRegularFileError)
+
+
+def _absent_or_raise(exc: OSError) -> None:
+    """Return (the entry counts as absent) for a missing entry, a dangling or looping symlink, or something
+    that is not a file (a directory, a FIFO that would block a read forever); re-raise anything else."""
+    if not (isinstance(exc, _NOT_A_FILE) or exc.errno == errno.ELOOP):
+        raise exc
+
+
 def read_file(path: Path, limit: int) -> bytes | None:
-    """A file's bytes, at most ``limit + 1`` of them (more means it is too large); None if absent."""
+    """A file's bytes, at most ``limit + 1`` of them (more means it is too large); None if absent or not a file."""
     try:
-        with open(path, "rb", buffering=0) as fh:  # unbuffered: one read straight into the bytes object
+        with open_regular(path) as fh:  # unbuffered: one read straight into the bytes object
             size = os.fstat(fh.fileno()).st_size
             return fh.read(min(size, limit + 1))
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+    except OSError as exc:
+        _absent_or_raise(exc)
         return None
 
 
@@ -73,9 +86,10 @@ def get_ranges(store: CacheStore, zstore: Any, ranges: Sequence[tuple[str, int, 
 
 def _read_range(path: Path, a: int, b: int) -> bytes | None:
     try:
-        with open(path, "rb", buffering=0) as fh:
+        with open_regular(path) as fh:
             return os.pread(fh.fileno(), max(0, b - a), a)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+    except OSError as exc:
+        _absent_or_raise(exc)
         return None
 
 
@@ -116,7 +130,7 @@ class _Handles:
             if fh is not None:
                 self._open.move_to_end(key)
                 return fh
-        fh = open(self.root / key, "rb", buffering=0)  # FileNotFoundError: the caller's to report
+        fh = open_regular(self.root / key)  # FileNotFoundError, NotRegularFileError: the caller's to report
         with self._lock:
             self._open[key] = fh
             while len(self._open) > self.limit:
@@ -225,6 +239,8 @@ class ChunkSource:
         return meta.object_key(shard * int(meta.shard_chunks or 1))
 
     def _object_size(self, name: str, shard: int) -> int | None:
+        """The shard object's size; None when it does not exist (a dangling symlink included). Something else
+        in its place (a directory, a FIFO, a device, a symlink loop, an unreadable file) is a damaged shard."""
         key = self._shard_key(name, shard)
         if self._files is None:
             return self.store.size(key)
@@ -232,6 +248,12 @@ class ChunkSource:
             return os.fstat(self._files.get(key).fileno()).st_size
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as exc:
+            meta = self.metas[name]
+            where = meta.object_index(shard * int(meta.shard_chunks or 1))
+            raise DamagedShardError(f"array {name!r} shard {where} (object {key}) cannot be read as a shard: "
+                                    + (f"it is {exc.kind}, not a file" if isinstance(exc, NotRegularFileError)
+                                       else str(exc.strerror or exc)), array=name, shard=where) from None
 
     # -- fetching ---------------------------------------------------------------------------
     def fetch(self, refs: Sequence[ChunkRef | None]) -> list[bytes | None]:
@@ -257,7 +279,8 @@ class ChunkSource:
             return read_file(self._files.root / ref.key, ref.stop - 1)
         try:
             fh = self._files.get(ref.key)
-        except (FileNotFoundError, NotADirectoryError):
+        except OSError as exc:  # replaced since its index was read: fetch() reports the shard cut short
+            _absent_or_raise(exc)
             return None
         return os.pread(fh.fileno(), ref.nbytes, ref.start)
 
@@ -361,6 +384,33 @@ def read_array_metas(store: CacheStore, m: Manifest, zstore: Any = None
         if parsed is not None:
             metas[name] = parsed
     return metas, problems
+
+
+def group_problems(store: CacheStore, m: Manifest, zstore: Any = None) -> list[str]:
+    """The cache's zarr groups against the manifest: the root group's attributes name the format, the manifest's
+    ``format_version`` and the manifest file; ``samples``, ``units``, ``hidden_states`` (and ``hidden_scales``
+    with an fp8 array) are groups. A reader of this package goes by the manifest; plain zarr starts here."""
+    names = ["", *(g for g in GROUPS if g != SCALE_GROUP or m.scale_arrays)]
+    keys = [f"{g}/zarr.json" if g else "zarr.json" for g in names]
+    problems = []
+    for g, key, blob in zip(names, keys, get_many(store, zstore, keys, [MAX_JSON_BYTES] * len(keys))):
+        where = f"the group {g or 'at the root'} ({key})"
+        if blob is None:
+            problems.append(f"{where} is missing: zarr cannot open the cache without it")
+            continue
+        try:
+            meta: Any = json.loads(blob) if len(blob) <= MAX_JSON_BYTES else None
+        except ValueError:
+            meta = None
+        if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "group":
+            problems.append(f"{where} is not zarr v3 group metadata")
+            continue
+        if not g:
+            attrs = meta["attributes"] if isinstance(meta.get("attributes"), dict) else {}
+            want = {"format": FORMAT_NAME, "format_version": m.format_version, "manifest": MANIFEST}
+            problems += [f"{where} has attribute {k}={attrs.get(k)!r:.60}, the manifest implies {v!r}"
+                         for k, v in want.items() if attrs.get(k) != v or type(attrs.get(k)) is not type(v)]
+    return problems
 
 
 def read_slots(source: ChunkSource, names: list[str], a: int, b: int) -> dict[str, np.ndarray]:

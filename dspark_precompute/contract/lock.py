@@ -12,15 +12,17 @@ so a refused run leaves nothing behind.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
 from dspark_precompute.contract.spec import LOCK
-from dspark_precompute.errors import LockedError
+from dspark_precompute.errors import ForeignDirectoryError, LockedError
 
 LOCK_NAME = LOCK
 
@@ -45,7 +47,7 @@ class WriterLock:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._made_dirs = missing  # deepest first
         while True:
-            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -62,7 +64,7 @@ class WriterLock:
             # A refused run may have unlinked the file between our open and our flock: then we
             # hold a lock on a name nobody else can see. Retry on the file the path names now.
             try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                same = os.fstat(fd).st_ino == os.lstat(self.path).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -73,6 +75,32 @@ class WriterLock:
         os.pwrite(fd, json.dumps(me).encode(), 0)
         self._fd = fd
         return self
+
+    def _open(self) -> int:
+        """The lock file, created if absent; never through a symlink, and only when it is a file of its own.
+
+        The lock is written (truncated, then the owner recorded), so a ``.writer.lock`` someone made
+        a symlink or hard link to another file would have that file overwritten: refused instead,
+        touching nothing.
+        """
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise self._foreign("a symlink") from None
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            os.set_blocking(fd, True)
+            return fd
+        os.close(fd)
+        raise self._foreign("not a regular file" if not stat.S_ISREG(st.st_mode) else
+                            f"a file with {st.st_nlink} hard links")
+
+    def _foreign(self, what: str) -> ForeignDirectoryError:
+        return ForeignDirectoryError(
+            f"{self.path} is {what}, not a lock file of this tool: taking the lock would overwrite what it points "
+            "at, so nothing was written. Remove it if it is yours to remove, or choose another storage.path.")
 
     def release(self) -> None:
         """Remove the lock file (while still holding it) and, when nothing else is left, the directories

@@ -14,8 +14,8 @@ so an absent chunk that holds samples is damage.
 :func:`encode_shard` builds the exact bytes zarr-python writes for the same chunks (they lie
 in C order, which for a shard one chunk wide is also zarr's Morton order), and
 :func:`parse_index` checks an index before any offset in it is trusted: its size, its
-crc32c, and that every present chunk lies inside the data region and is no larger than a
-chunk of the array can be.
+crc32c, that every present chunk lies inside the data region and is no larger than a chunk
+of the array can be, and that the present chunks lie in token order without overlapping.
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ def parse_index(raw: bytes | memoryview, n_chunks: int, object_size: int, max_ch
 
     ``raw`` is the object's last :func:`index_nbytes` bytes and ``object_size`` its size.
     Raises :class:`ShardIndexProblem` when the index is not that long, fails its crc32c, or
-    names a chunk outside ``[0, object_size - index)``, an empty one, or one larger than
-    ``max_chunk_bytes``; a reader then decodes nothing from the shard.
+    names a chunk outside ``[0, object_size - index)``, an empty one, one larger than
+    ``max_chunk_bytes``, or chunks that overlap or lie out of token order (each would pass its
+    own crc32c and decode as another); a reader then decodes nothing from the shard.
     """
     want = index_nbytes(n_chunks)
     raw = bytes(raw)
@@ -108,6 +109,16 @@ def parse_index(raw: bytes | memoryview, n_chunks: int, object_size: int, max_ch
         raise ShardIndexProblem(f"has an index entry for inner chunk {k} (offset {int(offset[k]):,}, "
                                 f"{int(nbytes[k]):,} bytes) that points outside its {data_end:,} data bytes or "
                                 f"exceeds a chunk's {max_chunk_bytes:,}")
+    # chunks lie back to back in token order: two entries naming the same bytes (or a later chunk before an
+    # earlier one) would each pass their own crc32c and decode one chunk's values as another's
+    present = np.flatnonzero(~absent)
+    wrong = np.flatnonzero(offset[present][1:] < end[present][:-1])
+    if len(wrong):
+        j, k = int(present[wrong[0]]), int(present[wrong[0] + 1])
+        raise ShardIndexProblem(f"has index entries for inner chunks {j} and {k} that overlap or are out of order "
+                                f"(chunk {k} at offset {int(offset[k]):,} starts before chunk {j} ends at "
+                                f"{int(end[j]):,}); a shard holds its chunks back to back in token order, so one "
+                                "chunk's bytes would be read as another's")
     out = table.astype(np.int64)
     out[absent] = -1
     return out

@@ -29,6 +29,8 @@ back to back on the token axis; readers still read and verify it.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from dspark_precompute.contract.vocab import StorageDtype
@@ -72,15 +74,51 @@ OWN_ENTRIES = frozenset({
 })
 
 
+# what CacheStore.write_parts names a temporary: a dot, the target's name, mkstemp's 8 random characters, .tmp
+TEMPORARY = re.compile(r"^\.(?P<target>[^/]+)\.[a-z0-9_]{8}\.tmp$")
+# what the tool writes inside its own directories: zarr.json, chunks and shards, commit records, the Hydra
+# record, a multi-rank job's failure markers
+_OWN_INNER = re.compile(r"^(zarr\.json|c(\.\d+)+|u\d{6,}\.json|failed-\d+\.json|(config|hydra|overrides)\.yaml)$")
+
+
 def is_own_temporary(name: str) -> bool:
-    """A temporary of an atomic write of one of our files (``.manifest.json.<random>.tmp``)."""
-    return name.startswith(".") and name.endswith(".tmp") and any(
-        name.startswith(f".{own}.") for own in OWN_ENTRIES)
+    """A temporary of an atomic write of one of our top-level files (``.manifest.json.<8 random>.tmp``)."""
+    m = TEMPORARY.match(name)
+    return m is not None and m["target"] in OWN_ENTRIES
+
+
+def is_own_temporary_key(key: str) -> bool:
+    """A temporary (its key in the cache) an interrupted write of this tool can have left: named for a file the
+    tool writes (``input_ids/.c.3.<8 random>.tmp``), under one of the tool's own top-level entries. A file
+    named otherwise, or in a directory the tool does not write, is someone else's and is never removed."""
+    parts = key.split("/")
+    if len(parts) == 1:
+        return is_own_temporary(key)
+    m = TEMPORARY.match(parts[-1])
+    return m is not None and parts[0] in OWN_ENTRIES and _OWN_INNER.match(m["target"]) is not None
 
 
 def foreign_entries(names: list[str] | set[str]) -> list[str]:
     """The entries of a directory listing that this tool did not write, sorted."""
     return sorted(n for n in names if n not in OWN_ENTRIES and not is_own_temporary(n))
+
+
+# file names the tool (or zarr, for metadata) writes below its top-level entries, format 1's ``c/3/0`` chunks
+# and zarr's interrupted metadata writes (``zarr.<hex>.partial``) included
+_OWN_NESTED = re.compile(r"^(zarr\.json|c(\.\d+)*|\d+|u\d{6,}\.json|failed-\d+\.json|[a-z]+\.yaml"
+                         r"|zarr\.[0-9a-f]{32}\.partial)$")
+
+
+def foreign_nested(keys: list[str]) -> list[str]:
+    """Files (keys, relative to the cache) under the tool's own top-level entries that it never writes, sorted:
+    a user's ``hidden_states/README.md`` that deleting ``hidden_states`` would take along."""
+    out = []
+    for key in keys:
+        parts = key.split("/")
+        if len(parts) > 1 and parts[0] in OWN_ENTRIES and not (
+                _OWN_NESTED.match(parts[-1]) or is_own_temporary_key(key)):
+            out.append(key)
+    return sorted(out)
 
 
 def layer_array(layer_id: int) -> str:

@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import os
-import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from dspark_precompute.contract.spec import TEMPORARY
+from dspark_precompute.errors import NotRegularFileError
 from dspark_precompute.faults import fault_point
 
 STORAGE_OPTIONS_ENV = "DSPARK_STORAGE_OPTIONS"
-# what write_parts names its temporaries: a dot, the target's name, mkstemp's random part, .tmp
-TEMPORARY = re.compile(r"^\.[^/]+\.[A-Za-z0-9_]{6,}\.tmp$")
 _S3_PROTOCOLS = ("s3", "s3a")
 
 
@@ -50,6 +51,33 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path: str | Path) -> io.FileIO:
+    """``path`` opened for unbuffered binary reading, only when it is a regular file (or a symlink to one).
+
+    Opened non-blocking first, so a FIFO put where a file belongs cannot hang the reader (a plain
+    ``open`` waits forever for a writer); a directory, FIFO, device or socket raises
+    :class:`~dspark_precompute.errors.NotRegularFileError` (a CacheFormatError and an OSError)
+    naming what it is. Missing files raise FileNotFoundError as usual.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+            raise NotRegularFileError(f"{path} is {kind}, not a file: the cache was altered (this tool writes only "
+                                      "regular files); it is not read. Put the file back or re-create the cache",
+                                      kind=kind)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def is_url(path: str) -> bool:
@@ -120,7 +148,8 @@ class CacheStore:
     def read_bytes(self, key: str) -> bytes:
         if self.url:
             return bytes(self.fs.cat_file(self._remote(key)))
-        return self._local(key).read_bytes()
+        with open_regular(self._local(key)) as fh:
+            return bytes(fh.read())
 
     def write_bytes(self, key: str, data: bytes, fsync: bool = True) -> None:
         """Atomic: readers see the old file or the whole new one, never a part."""
@@ -183,7 +212,8 @@ class CacheStore:
         return written
 
     def temporaries(self) -> list[str]:
-        """Keys of the temporaries an interrupted atomic write left (``.c.3.0.<random>.tmp``); none on object stores."""
+        """Keys of the files named like a temporary of an atomic write (``.c.3.0.<8 random>.tmp``); none on object
+        stores. Which of them this tool left is for the caller to judge (``spec.is_own_temporary_key``)."""
         if self.url:
             return []
         root = Path(self.root)
@@ -198,9 +228,9 @@ class CacheStore:
             except FileNotFoundError:
                 return None
         try:
-            with open(self._local(key), "rb", buffering=0) as fh:
+            with open_regular(self._local(key)) as fh:
                 return os.pread(fh.fileno(), max(0, end - start), start)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, NotRegularFileError):
             return None
 
     def size(self, key: str) -> int | None:
@@ -276,6 +306,26 @@ class CacheStore:
             return
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def file_keys(self, prefixes: Iterable[str]) -> list[str]:
+        """Keys of every file (object) below each of ``prefixes`` (directories of the cache), recursively."""
+        out: list[str] = []
+        for prefix in prefixes:
+            if self.url:
+                base = self._remote(prefix)
+                try:
+                    found = self.fs.find(base)
+                except FileNotFoundError:
+                    continue
+                out += [f"{prefix}/{str(p)[len(base):].lstrip('/')}" for p in found if str(p).rstrip("/") != base]
+                continue
+            top = self._local(prefix)
+            if top.is_symlink() or not top.is_dir():
+                continue
+            for root, _dirs, files in os.walk(top):
+                rel = Path(root).relative_to(self.root).as_posix()
+                out += [f"{rel}/{f}" for f in files]
+        return sorted(out)
+
     def top_level_names(self) -> list[str]:
         """Every entry directly under the cache (dotfiles included), sorted; [] when it does not exist."""
         if self.url:
@@ -306,7 +356,7 @@ class CacheStore:
         if self.url:
             h.update(self.read_bytes(key))
         else:
-            with open(self._local(key), "rb") as fh:
+            with open_regular(self._local(key)) as fh:
                 for block in iter(lambda: fh.read(1 << 22), b""):
                     h.update(block)
         return h.hexdigest()

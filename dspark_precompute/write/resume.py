@@ -31,7 +31,9 @@ from dspark_precompute.contract.spec import (
     SAMPLE_ARRAYS,
     WEIGHTS,
     foreign_entries,
+    foreign_nested,
     is_own_temporary,
+    is_own_temporary_key,
 )
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, IncompatibleCacheError
@@ -70,6 +72,8 @@ def directory_problem(store: CacheStore, path: str, deleting: bool) -> str | Non
         shown = ", ".join(foreign[:5] or names[:5]) + (" ..." if len(foreign or names) > 5 else "")
         return (f"storage.path={path} is not empty and is not a dspark-precompute cache (it holds {shown}); "
                 "nothing was written or deleted there. Choose an empty or new directory for the cache.")
+    if deleting:  # deleting one of our directories takes everything in it along: it must hold only our files
+        foreign += foreign_nested(store.file_keys(n for n in names if n in OWN_ENTRIES))
     if foreign and deleting:
         shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
         return (f"storage.path={path} is a cache but also holds files this tool did not write ({shown}); "
@@ -124,8 +128,11 @@ def version_problem(path: str, m: Manifest) -> str:
 
 
 def clear_temporaries(store: CacheStore) -> list[str]:
-    """Remove what writes a kill interrupted left behind (temporaries never renamed into place); their keys."""
-    found = store.temporaries()
+    """Remove what writes a kill interrupted left behind (temporaries never renamed into place); their keys.
+
+    Only this tool's own: named for a file it writes, in a directory it writes (a user's
+    ``notes/.draft.abcdefgh.tmp`` or ``input_ids/.c.0.abc.tmp`` stays)."""
+    found = [key for key in store.temporaries() if is_own_temporary_key(key)]
     for key in found:
         store.delete(key)
     return found
@@ -194,6 +201,34 @@ class Stored:
 
     def close(self) -> None:
         self.opened.close()
+
+
+def stored_token_problems(store: CacheStore, manifest: Manifest) -> list[str]:
+    """Why the stored ``input_ids``/``loss_mask`` of the units still to write cannot be read back (empty: they can).
+
+    A resume forwards the ids it reads back and never writes those arrays again, so a shard
+    deleted or damaged since the first run wrote it would otherwise end in a "complete" cache
+    missing it (or stop the run with no way forward). Every chunk of those units is read and
+    checked (crc32c, index), about 5 bytes a token. A cache whose metadata or tables do not
+    open is left to :func:`load_stored` to refuse.
+    """
+    try:
+        opened = open_stored(store, allow_incomplete=True)
+    except CacheFormatError:
+        return []
+    problems: list[str] = []
+    try:
+        t = opened.tables
+        for u in sorted(set(range(manifest.layout.num_units)) - opened.committed):
+            a, b = int(t["units/token_start"][u]), int(t["units/token_stop"][u])
+            for name in (INPUT_IDS, LOSS_MASK):
+                try:
+                    read_slots(opened.source, [name], a, b)
+                except CacheFormatError as exc:
+                    problems.append(f"unit {u}: {exc}")
+    finally:
+        opened.close()
+    return problems
 
 
 def load_stored(plan: Plan, manifest: Manifest) -> Stored:

@@ -165,7 +165,17 @@ class _Run:
             except OSError as exc:
                 raise StorageWriteError(f"cannot create the writer lock in {self.plan.path}: {exc}. Check the "
                                         "path's permissions and free space.") from exc
-        return resume.existing_manifest(self.plan) if self.ranks.main else None
+        if not self.ranks.main:
+            return None
+        manifest = resume.existing_manifest(self.plan)
+        if manifest is not None and manifest.tokens_stored and not manifest.complete:
+            damaged = resume.stored_token_problems(self.store, manifest)
+            if damaged:  # tokenize again (the data's hash is unchanged) and rewrite every unit's ids and masks
+                log.warning("%s: the stored token ids or masks of %d unit(s) cannot be read back (%s%s); tokenizing "
+                            "again and rewriting every unit's input_ids and loss_mask", self.plan.path, len(damaged),
+                            damaged[0], f"; +{len(damaged) - 1} more" if len(damaged) > 1 else "")
+                manifest.tokens_stored = False
+        return manifest
 
     def _samples(self, manifest: Manifest | None) -> _Samples:
         """Read the samples back (a resume whose tokens are stored) or tokenize every row."""

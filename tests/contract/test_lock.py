@@ -50,3 +50,21 @@ def test_an_existing_empty_directory_is_kept_and_only_the_lock_file_goes(tmp_pat
     with WriterLock(tmp_path / "c"):
         pass
     assert (tmp_path / "c").is_dir() and list((tmp_path / "c").iterdir()) == []
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_lock_file_linked_to_someone_elses_file_is_refused_and_that_file_is_never_written(tmp_path, link):
+    import os
+
+    from dspark_precompute.errors import ForeignDirectoryError
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the user's data")
+    (tmp_path / "c").mkdir()
+    lock = tmp_path / "c" / ".writer.lock"
+    lock.symlink_to(precious) if link == "symlink" else os.link(precious, lock)
+    words = "is a symlink" if link == "symlink" else "is a file with 2 hard links"
+    with pytest.raises(ForeignDirectoryError, match=rf"\.writer\.lock {words}, not a lock file of this tool"):
+        WriterLock(tmp_path / "c").acquire()
+    assert precious.read_text() == "the user's data" and os.path.lexists(lock)  # neither written nor removed
+

@@ -48,6 +48,8 @@ def test_any_bytes_are_a_parsed_index_or_a_named_problem_never_a_crash(garbage, 
         return
     present = table[:, 0] >= 0
     assert ((table[present, 0] + table[present, 1]) <= size - index_nbytes(n)).all()
+    ends = table[present, 0] + table[present, 1]
+    assert (table[present, 0][1:] >= ends[:-1]).all()  # no two chunks share a byte, in token order
 
 
 def _index(entries: list[tuple[int, int]]) -> bytes:
@@ -75,3 +77,20 @@ def test_a_flipped_index_byte_and_a_truncated_object_are_checksum_problems():
     with pytest.raises(ShardIndexProblem, match="too short to hold its index") as info:
         parse_index(encode_index([10], 4)[:-1], 4, 60, 4096)
     assert info.value.checksum
+
+
+@pytest.mark.parametrize("entries", [
+    [(0, 100), (0, 100), (200, 50)],             # two entries naming the same bytes
+    [(0, 100), (50, 100), (ABSENT, ABSENT)],     # a chunk starting inside the one before
+    [(100, 100), (0, 100), (ABSENT, ABSENT)],    # two chunks' entries swapped
+    [(0, 100), (ABSENT, ABSENT), (40, 60)],      # out of order across an absent chunk
+])
+def test_an_index_with_a_valid_checksum_whose_chunks_overlap_or_are_out_of_order_is_refused(entries):
+    with pytest.raises(ShardIndexProblem, match="overlap or are out of order") as info:
+        parse_index(_index(entries), len(entries), 10_000, max_chunk_bytes=4096)
+    assert not info.value.checksum
+
+
+def test_an_index_with_a_gap_where_a_chunk_was_marked_absent_still_parses():
+    table = parse_index(_index([(0, 100), (ABSENT, ABSENT), (250, 50)]), 3, 1000, max_chunk_bytes=4096)
+    assert table.tolist() == [[0, 100], [-1, -1], [250, 50]]

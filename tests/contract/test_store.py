@@ -58,3 +58,25 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.parametrize("key,own", [
+    (".manifest.json.k3x_9q0a.tmp", True),
+    (".target_weights.safetensors.abcdefgh.tmp", True),
+    ("input_ids/.c.3.abcdefgh.tmp", True),
+    ("hidden_states/layer_1/.c.3.0.abcdefgh.tmp", True),
+    ("samples/start/.zarr.json.abcdefgh.tmp", True),
+    ("commits/.u000003.json.abcdefgh.tmp", True),
+    (".hydra/.config.yaml.abcdefgh.tmp", True),
+    (".manifest.json.backup.tmp", False),          # not mkstemp's 8 random characters
+    (".manifest.json.ABCDEFGH.tmp", False),        # mkstemp draws lower case only
+    ("input_ids/.c.0.abc.tmp", False),
+    (".notes.txt.abcdefgh.tmp", False),            # not a file the tool writes
+    ("input_ids/.my_data.abcdefgh.tmp", False),
+    ("notes/.c.0.abcdefgh.tmp", False),            # not a directory the tool writes
+    ("notes/.manifest.json.abcdefgh.tmp", False),
+])
+def test_only_temporaries_named_for_a_file_the_tool_writes_in_a_directory_it_writes_are_its_own(key, own):
+    from dspark_precompute.contract.spec import is_own_temporary_key
+
+    assert is_own_temporary_key(key) is own

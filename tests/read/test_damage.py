@@ -317,6 +317,13 @@ CRAFTED = {
     "shard shape 2**27 rows": (lambda p: edit_meta(p, "hidden_states/layer_1", lambda m: m["chunk_grid"][
         "configuration"].update(chunk_shape=[2 ** 27, 64])),
         r"has shard shape \[134217728, 64\], the manifest implies"),
+    "inner chunk rows a float": (lambda p: edit_meta(p, "hidden_states/layer_1", lambda m: m["codecs"][0][
+        "configuration"].update(chunk_shape=[256.0, 64])),
+        r"has inner chunk shape \[256.0, 64\], the manifest implies \[256, 64\]"),
+    "shard index of no stated endianness": (lambda p: edit_meta(p, "input_ids", lambda m: m["codecs"][0][
+        "configuration"]["index_codecs"][0].pop("configuration")),
+        r"array 'input_ids' .* has shard index codecs \[\{'name': 'bytes'\}, \{'name': 'crc32c'\}\]; this tool "
+        r"writes bytes \(little-endian\)"),
     "inner chunk 2**27 rows": (lambda p: edit_meta(p, "hidden_states/layer_1", lambda m: m["codecs"][0][
         "configuration"].update(chunk_shape=[2 ** 27, 64])),
         r"has inner chunk shape \[134217728, 64\], the manifest implies"),
@@ -562,10 +569,24 @@ def _index_past_end(f: Path) -> None:
     write_shard_index(f, index)
 
 
+def _index_aliased(f: Path) -> None:
+    index = shard_index(f, 4)
+    index[1] = index[0]  # valid crc32c, chunk 1 names chunk 0's bytes (each passes its own crc32c)
+    write_shard_index(f, index)
+
+
+def _index_swapped(f: Path) -> None:
+    index = shard_index(f, 4)
+    index[[0, 1]] = index[[1, 0]]  # valid crc32c: chunks 0 and 1 would read each other's values
+    write_shard_index(f, index)
+
+
 @pytest.mark.parametrize("damage,words,checksum", [
     (_truncate, r"has an index that fails its crc32c checksum \(the shard was truncated", True),
     (_flip_index_byte, r"has an index that fails its crc32c checksum", True),
     (_index_past_end, r"has an index entry for inner chunk 0 .* points outside its", False),
+    (_index_aliased, r"has index entries for inner chunks 0 and 1 that overlap or are out of order", False),
+    (_index_swapped, r"has index entries for inner chunks 0 and 1 that overlap or are out of order", False),
 ])
 def test_a_damaged_shard_is_a_typed_error_naming_array_shard_and_samples_everywhere(cache_copy, tmp_path, capsys,
                                                                                       damage, words, checksum):
@@ -604,3 +625,109 @@ def test_a_shard_object_cut_short_after_its_index_was_read_is_refused_not_zero_f
     c._source._indexes[("hidden_states/layer_1", 1)] = np.asarray([[off, n], [-1, -1], [-1, -1], [-1, -1]])
     with pytest.raises(DamagedShardError, match=r"is cut short"):
         c._read_tokens(["hidden_states/layer_1"], 4 * CT, 4 * CT + 1)
+
+
+@pytest.fixture
+def no_hang():
+    """Turn a read that blocks (a FIFO opened like a file waits for a writer forever) into a failure."""
+    import signal
+
+    def hang(*_):
+        raise TimeoutError("a read blocked: something in the cache was opened that never answers")
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _not_a_file(f: Path, kind: str) -> None:
+    f.unlink()
+    if kind == "directory":
+        f.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "device":
+        f.symlink_to("/dev/zero")
+    else:
+        f.symlink_to(f.name)  # a symlink to itself: ELOOP
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("directory", "it is a directory, not a file"),
+    ("fifo", r"it is a FIFO \(named pipe\), not a file"),
+    ("device", "it is a character device, not a file"),
+    ("loop", "Too many levels of symbolic links"),
+])
+def test_a_shard_that_is_not_a_file_is_a_damaged_shard_everywhere_never_a_hang_or_an_os_error(
+        cache_copy, tmp_path, capsys, no_hang, kind, words):
+    _not_a_file(shard_file(cache_copy, "hidden_states/layer_2", 4), kind)  # unit 1's shard
+    victims = _unit_samples(cache_copy, 1)
+    named = r"array 'hidden_states/layer_2' shard \(1, 0\) \(object hidden_states/layer_2/c.1.0\) cannot be read as " \
+            r"a shard: " + words
+    with pytest.raises(DamagedShardError, match=named) as info:
+        open_cache(cache_copy)[victims[0]]
+    assert list(info.value.samples) == victims
+    with pytest.raises(DamagedShardError, match=named):
+        for _ in build_dataloader(cache_copy, batch_size=4, shuffle=False):
+            pass
+    assert main(["export-nemo", str(cache_copy), str(tmp_path / "nemo")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(named, err) and "Traceback" not in err
+    assert main(["verify", str(cache_copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [(p["check"], p["array"], p["unit"]) for p in report["problems"]] == [
+        ("structure", "hidden_states/layer_2", 1)]
+
+
+@pytest.mark.parametrize("rel,check", [
+    ("manifest.json", "manifest"),
+    ("commits/u000001.json", "commits"),
+    ("target_weights.safetensors", "weights"),
+    ("rejects.jsonl", "structure"),
+    ("samples/start/c.0", "missing-chunk"),
+    ("input_ids/zarr.json", "structure"),
+])
+def test_a_fifo_in_place_of_a_cache_file_is_named_by_verify_and_never_blocks_a_reader(cache_copy, capsys, no_hang,
+                                                                                     rel, check):
+    _not_a_file(cache_copy / rel, "fifo")
+    assert main(["verify", str(cache_copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert check in {p["check"] for p in report["problems"]} and "verify" not in {p["check"] for p in
+                                                                                   report["problems"]}, report
+    if rel in ("manifest.json", "samples/start/c.0", "input_ids/zarr.json"):
+        with pytest.raises(CacheFormatError):
+            open_cache(cache_copy)
+    elif rel == "target_weights.safetensors":
+        with pytest.raises(CacheFormatError, match=r"is a FIFO \(named pipe\), not a file"):
+            open_cache(cache_copy).target_weights()
+    else:
+        assert len(open_cache(cache_copy)[:]) == 14  # the reader does not read them in a complete cache
+
+
+def _edit_group(attrs: dict):
+    def go(p):
+        f = Path(p) / "zarr.json"
+        meta = json.loads(f.read_text())
+        meta["attributes"].update(attrs)
+        f.write_text(json.dumps(meta))
+    return go
+
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda p: (Path(p) / "zarr.json").unlink(), r"the group at the root \(zarr.json\) is missing"),
+    (lambda p: (Path(p) / "hidden_states" / "zarr.json").unlink(),
+     r"the group hidden_states \(hidden_states/zarr.json\) is missing"),
+    (lambda p: (Path(p) / "samples" / "zarr.json").write_text("[]"),
+     r"the group samples \(samples/zarr.json\) is not zarr v3 group metadata"),
+    (_edit_group({"format_version": 3}), r"has attribute format_version=3, the manifest implies 2"),
+    (_edit_group({"format_version": "2"}), r"has attribute format_version='2', the manifest implies 2"),
+    (_edit_group({"format": "something-else"}), r"has attribute format='something-else'"),
+])
+def test_verify_names_a_group_that_is_missing_or_disagrees_with_the_manifest(cache_copy, capsys, damage, words):
+    damage(cache_copy)
+    assert main(["verify", str(cache_copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [p["check"] for p in report["problems"]] == ["structure"]
+    assert re.search(words, report["problems"][0]["message"]), report
+    assert len(open_cache(cache_copy)) == 14  # the reader goes by the manifest; plain zarr starts at the groups

@@ -4,6 +4,8 @@ tokenizing again, still refuses changed inputs, and says what to do with a cache
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -103,3 +105,91 @@ def test_resuming_a_format_1_cache_is_refused_saying_which_version_wrote_it_and_
                                                r"with the version that wrote it .*or pass overwrite=true"):
         run(compose(overrides))
     shutil.rmtree(tmp_path / "fp8_e4m3")
+
+
+def _delete(f: Path) -> None:
+    f.unlink()
+
+
+def _flip(f: Path) -> None:
+    blob = bytearray(f.read_bytes())
+    blob[10] ^= 0x01  # inside the first inner chunk: its crc32c fails
+    f.write_bytes(bytes(blob))
+
+
+@pytest.mark.parametrize("array", ["input_ids", "loss_mask"])
+@pytest.mark.parametrize("damage", [_delete, _flip])
+def test_a_resume_whose_stored_tokens_were_damaged_tokenizes_again_and_ends_as_the_uninterrupted_run(
+        tmp_path, monkeypatch, reference, caplog, array, damage):
+    overrides = interrupted(tmp_path, monkeypatch)
+    cache = tmp_path / "c"
+    m = json.loads((cache / "manifest.json").read_text())
+    todo = sorted(set(range(m["layout"]["num_units"])) - committed_units(CacheStore(cache)))
+    assert m["tokens_stored"] and todo
+    damage(cache / array / f"c.{todo[-1]}")  # a unit the resume still has to forward
+    with caplog.at_level("WARNING"):
+        result = run(compose(overrides))
+    assert result.complete and "tokenize_s" in result.timing  # never a "complete" cache missing what it forwarded
+    assert f"the stored token ids or masks of 1 unit(s) cannot be read back (unit {todo[-1]}: " in caplog.text
+    assert array in caplog.text
+    assert_same_cache(reference, str(cache))
+
+
+def test_a_resume_removes_only_its_own_temporaries_never_a_file_merely_named_like_one(tmp_path, monkeypatch,
+                                                                                      reference):
+    import tempfile
+
+    overrides = interrupted(tmp_path, monkeypatch)
+    cache = tmp_path / "c"
+
+    def temporary(d: Path, target: str) -> Path:  # named exactly as write_parts names its temporaries
+        fd, name = tempfile.mkstemp(dir=d, prefix=f".{target}.", suffix=".tmp")
+        os.write(fd, b"half a write")
+        os.close(fd)
+        return Path(name)
+
+    own = [temporary(cache / "input_ids", "c.3"), temporary(cache / "hidden_states" / "layer_1", "c.3.0"),
+           temporary(cache, "manifest.json"), temporary(cache / "commits", "u000003.json")]
+    (cache / "notes").mkdir()
+    foreign = [temporary(cache / "notes", "draft"),              # in a directory the tool does not write
+               temporary(cache / "notes", "c.0"),
+               temporary(cache / "input_ids", "my_data"),        # not a name the tool writes there
+               cache / "input_ids" / ".c.0.abc.tmp",             # not mkstemp's 8 random characters
+               cache / ".manifest.json.backup.tmp"]
+    for f in foreign[3:]:
+        f.write_text("the user's")
+    result = run(compose(overrides))
+    assert result.complete
+    assert not [f for f in own if f.exists()]
+    assert [f for f in foreign if f.exists()] == foreign, "a resume removed files it did not write"
+    shutil.rmtree(cache / "notes")
+    for f in foreign[2:]:
+        f.unlink()
+    assert_same_cache(reference, str(cache))
+
+
+def test_a_run_on_a_cache_whose_lock_is_a_symlink_writes_nothing_through_it(default_run, tmp_path):
+    from dspark_precompute.errors import ForeignDirectoryError
+
+    _, result = default_run
+    shutil.copytree(result.path, tmp_path / "cache")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the user's data")
+    (tmp_path / "cache" / ".writer.lock").symlink_to(precious)
+    with pytest.raises(ForeignDirectoryError, match="is a symlink"):  # even a run that would have nothing to do
+        run(compose(small(tmp_path, "storage.chunk_tokens=256", "storage.unit_tokens=1024")))
+    assert precious.read_text() == "the user's data"
+
+
+@pytest.mark.parametrize("nested", ["hidden_states/README.md", "input_ids/notes/todo.txt", "commits/mine.json.bak"])
+def test_overwrite_refuses_a_cache_with_a_foreign_file_inside_one_of_its_directories(default_run, tmp_path, nested):
+    from dspark_precompute.errors import ForeignDirectoryError
+
+    _, result = default_run
+    shutil.copytree(result.path, tmp_path / "cache")
+    f = tmp_path / "cache" / nested
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text("the user's")
+    with pytest.raises(ForeignDirectoryError, match=rf"also holds files this tool did not write \({re.escape(nested)}"):
+        run(compose([*small(tmp_path, "storage.chunk_tokens=256", "storage.unit_tokens=1024"), "overwrite=true"]))
+    assert f.read_text() == "the user's" and (tmp_path / "cache" / "manifest.json").exists()

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dspark_precompute.contract.arrays import ArrayMeta
-from dspark_precompute.contract.chunks import ChunkSource, decode_chunk, read_array_metas
+from dspark_precompute.contract.chunks import ChunkSource, decode_chunk, group_problems, read_array_metas
 from dspark_precompute.contract.commits import CommitRecord, commit_key, parse_commit_key
 from dspark_precompute.contract.fp8 import is_nan_bits
 from dspark_precompute.contract.layout import SampleIndex, build_layout, table_problems
@@ -33,7 +33,7 @@ from dspark_precompute.contract.spec import (
 )
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import Check
-from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError
+from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, NotRegularFileError
 from dspark_precompute.read.verify.report import Collector, VerifyReport
 
 TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS)
@@ -85,6 +85,9 @@ def check_manifest(ctx: Context) -> bool:
         return False
     try:
         data = json.loads(store.read_bytes(MANIFEST))
+    except NotRegularFileError as exc:
+        bad.add(Check.manifest, str(exc))
+        return False
     except (ValueError, UnicodeDecodeError) as exc:
         bad.add(Check.manifest, f"{path}/{MANIFEST} is not valid JSON ({exc}); re-create the cache "
                             "(re-run the precompute command with overwrite=true)")
@@ -103,8 +106,11 @@ def check_manifest(ctx: Context) -> bool:
 
 
 def check_structure(ctx: Context) -> bool:
-    """Every array's zarr.json matches the manifest; every table chunk reads. False when a table is unreadable."""
+    """The groups and every array's zarr.json match the manifest; every table chunk reads. False when a table is
+    unreadable."""
     assert ctx.m is not None
+    for p in group_problems(ctx.store, ctx.m, ctx.zstore):
+        ctx.bad.add(Check.structure, p)
     metas, problems = read_array_metas(ctx.store, ctx.m, ctx.zstore)
     for name, p in problems:
         ctx.bad.add(Check.structure, p, array=name)
@@ -196,6 +202,9 @@ def check_commits(ctx: Context) -> None:
             continue
         try:
             data = json.loads(store.read_bytes(key))
+        except NotRegularFileError as exc:
+            bad.add(Check.commits, f"commit record {key} is {exc.kind}, not a file", unit=u)
+            continue
         except (ValueError, UnicodeDecodeError) as exc:
             bad.add(Check.commits, f"commit record {key} is not valid JSON ({exc})", unit=u)
             continue
@@ -349,8 +358,13 @@ def check_counts(ctx: Context) -> None:
         if getattr(counts, k) != v:
             bad.add(Check.counts, f"manifest counts.{k} = {getattr(counts, k)!r}, the cache holds {v}")
     if store.exists(REJECTS):
-        lines = [ln for ln in store.read_bytes(REJECTS).decode("utf-8", "replace").splitlines() if ln.strip()]
-        if counts.rejected != len(lines):
+        try:
+            blob = store.read_bytes(REJECTS)
+        except NotRegularFileError as exc:
+            bad.add(Check.structure, f"{REJECTS} is {exc.kind}, not a file")
+            blob = None
+        lines = [ln for ln in blob.decode("utf-8", "replace").splitlines() if ln.strip()] if blob is not None else []
+        if blob is not None and counts.rejected != len(lines):
             bad.add(Check.counts, f"manifest counts.rejected = {counts.rejected!r}, {REJECTS} has {len(lines)} lines")
     else:
         bad.add(Check.structure, f"{REJECTS} is missing")
@@ -372,7 +386,12 @@ def check_weights(ctx: Context) -> None:
                                 f"incomplete); the bytes of {WEIGHTS} were not checked, only its tensors' names "
                                 "and shapes")
     else:
-        got = store.sha256(WEIGHTS)
+        try:
+            got = store.sha256(WEIGHTS)
+        except NotRegularFileError as exc:
+            bad.add(Check.weights, f"{WEIGHTS} is {exc.kind}, not a file: training cannot initialise the draft's "
+                                   "embedding and head. Re-run the precompute command to rewrite it")
+            return
         if got != m.weights_sha256:
             bad.add(Check.weights, f"{WEIGHTS} has sha256 {got}, the manifest records {m.weights_sha256}: the file is "
                                "corrupt or was replaced. Re-run the precompute command to rewrite it, or re-create "
