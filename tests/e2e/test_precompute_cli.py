@@ -104,7 +104,8 @@ def test_the_cli_runs_and_reports_bad_values_with_exit_code_2(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2
     out = bad.stdout + bad.stderr
-    assert "seq_length=-1" in out and "storage.dtype='int4'" in out
+    assert "seq_length=-1 must be a positive number of tokens" in out
+    assert "storage.dtype=int4: it must be one of [bf16, fp16, fp32, fp8_e4m3]" in out  # as typed, with the choices
 
 
 def test_a_multirun_over_two_sequence_lengths_writes_two_caches(tmp_path):
