@@ -30,6 +30,7 @@ Usage (from anywhere; paths default to the repository's ``../shared`` fixtures):
     python scripts/bench.py --json bench.json --markdown bench.md
     python scripts/bench.py write-path --json write.json     # the writer alone: GB/s per writer count and codec
     python scripts/bench.py tokenize --json tok.json         # tokenization: one process vs data.num_workers
+    python scripts/bench.py scale --json scale.json          # 10,000 vs 100,000 rows: every cost grows linearly
 
 ``--rows NAME=N`` limits the rows of the data file used for target NAME (0 = all); all
 three methods always see the same rows.
@@ -290,7 +291,8 @@ def limit_inputs(case: Case) -> list[tuple[Any, Any]]:
     from dspark_precompute.write.batching import batch_inputs
 
     device = case.plan.device
-    return [(batch_inputs(case.samples, batch, case.lengths, case.pad_id, device)[0], None) for batch in case.batches]
+    ids_of = {i: s.input_ids for i, s in enumerate(case.samples)}
+    return [(batch_inputs(ids_of, batch, case.lengths, case.pad_id, device)[0], None) for batch in case.batches]
 
 
 def run_limit(model: Any, inputs: list[tuple[Any, Any]], device: Any) -> dict[str, Any]:
@@ -1034,10 +1036,12 @@ def select_specs(args: argparse.Namespace) -> list[Spec]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["write-path"], ["tokenize"]):  # scripts/bench_write.py, scripts/bench_tokenize.py
+    if argv[:1] in (["write-path"], ["tokenize"], ["scale"]):  # scripts/bench_{write,tokenize,scale}.py
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         if argv[0] == "tokenize":
             from bench_tokenize import main as sub
+        elif argv[0] == "scale":
+            from bench_scale import main as sub
         else:
             from bench_write import main as sub
 

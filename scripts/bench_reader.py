@@ -67,6 +67,78 @@ def build_cache(path: Path, target: str, data: str, seq_length: int, rows: int |
     run(bench.compose(overrides))
 
 
+def v1_checkout() -> Path:
+    """A git worktree of the last commit before format 2 (the parent of the first commit whose contract writes
+    format 2), made once under the temp directory; SystemExit when this is not a git checkout with its history."""
+    import shutil
+    import tempfile
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *a], check=True, capture_output=True, text=True).stdout.strip()
+
+    try:
+        git("rev-parse", "--show-toplevel")
+        first = git("log", "--reverse", "--format=%H", "-S", "FORMAT_VERSION = 2", "--",
+                    "dspark_precompute/contract/spec.py").splitlines()
+        if not first:
+            raise SystemExit("--v1: no commit introducing format 2 is in this checkout's history; pass --v1-cache PATH")
+        parent = git("rev-parse", f"{first[0]}^")
+    except (FileNotFoundError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"--v1 builds a format 1 cache with the commit before format 2, which needs a git checkout "
+                         f"of this repository with its history ({REPO} is not one: {exc}); pass --v1-cache PATH (a "
+                         "format 1 cache of the same data) instead") from None
+    tree = Path(tempfile.gettempdir()) / f"dspark-precompute-v1-{parent[:12]}"
+    if not (tree / "dspark_precompute" / "__init__.py").exists():
+        shutil.rmtree(tree, ignore_errors=True)
+        git("worktree", "add", "--detach", str(tree), parent)
+    return tree
+
+
+def build_v1_cache(path: Path, target: str, data: str, seq_length: int, rows: int | None) -> None:
+    """The same run with the release before format 2 (its own code on PYTHONPATH, its own command line)."""
+    from bench_scale import model_overrides
+
+    tree = v1_checkout()
+    overrides = [*model_overrides(target), f"seq_length={seq_length}", f"storage.path={path}", "progress=false",
+                 f"hydra.run.dir={path.parent / (path.name + '_hydra')}"]
+    overrides += ["data=embedded"] if data == "embedded" else ["data=jsonl", f"data.path={data}"]
+    if rows:
+        overrides.append(f"data.max_samples={rows}")
+    log(f"building the format 1 cache with {tree}: {' '.join(overrides)}")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([sys.executable, "-m", "dspark_precompute", *overrides], cwd=tree, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"building the format 1 cache failed:\n{proc.stderr[-3000:]}")
+
+
+def random_reads(caches: dict[str, Path], reads: int, repeats: int) -> dict[str, Any]:
+    """``reads`` random single-sample reads (``open_cache(path)[i]``, a fresh reader each time) of each cache,
+    the caches alternating repeat by repeat (which goes first rotates), the same indices for each."""
+    import numpy as np
+
+    from dspark_precompute import open_cache
+
+    names = list(caches)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for rep in range(repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            c = open_cache(caches[name])
+            idx = np.random.default_rng(rep).integers(0, len(c), size=reads)
+            t0 = time.perf_counter()
+            for i in idx:
+                c[int(i)]
+            times[name].append(time.perf_counter() - t0)
+            c.close()
+            log(f"  random reads, {name}: {reads / times[name][-1]:,.0f} samples/s")
+    first, other = names[0], names[1:]
+    out: dict[str, Any] = {"reads": reads, "repeats": repeats, "seconds": times,
+                           "samples_per_s": {k: reads / statistics.median(v) for k, v in times.items()}}
+    for name in other:  # >1: the first cache is slower than this one
+        out[f"{first}_time_over_{name}_paired"] = statistics.median(a / b for a, b in zip(times[first], times[name]))
+    return out
+
+
 def warm(*dirs: Path) -> int:
     """Read every file once (page cache); returns the bytes read."""
     total = 0
@@ -158,24 +230,39 @@ def time_epoch(loader: Any, epoch: int, set_epoch: Any = None) -> dict[str, floa
     return out
 
 
+def stored_chunks(cache: Any) -> list[int]:
+    """The chunk numbers (along the token axis) that hold tokens: each unit's, up to its last token (format 2
+    leaves the chunks past a unit's last token out of its shard; format 1 packs units back to back)."""
+    ct = cache.chunk_tokens
+    out: set[int] = set()
+    for a, b in zip(cache._unit_start, cache._unit_stop):
+        if b > a:
+            out.update(range(int(a) // ct, (int(b) - 1) // ct + 1))
+    return sorted(out)
+
+
 def decode_limit(cache: Any) -> dict[str, float]:
-    """One core: read, crc32c-check and decode every chunk of every token array once."""
-    from dspark_precompute.contract.chunks import decode_chunk, read_file
+    """One core: read (as the reader does: ``pread`` of a shard's byte range, or the chunk's file in format 1),
+    crc32c-check and decode every stored chunk of every token array once."""
+    from dspark_precompute.contract.chunks import ChunkSource, decode_chunk
 
     names = list(dict.fromkeys(["input_ids", "loss_mask", *cache.array_names.values()]))
+    chunks = stored_chunks(cache)
+    source = ChunkSource(cache.store, cache._metas, cache._zstore)  # its own handles and indexes: none in hand
     t0, c0 = time.perf_counter(), time.thread_time()
     nbytes = 0
     for name in names:
         m = cache._metas[name]
-        root = Path(cache.store.root) / name
-        for k in range(m.num_chunks):
-            idx = m.chunk_index(k)
-            raw = read_file(root / m.chunk_key(idx), m.max_stored_bytes())
-            nbytes += decode_chunk(m, idx, raw).nbytes
+        per = int(m.shard_chunks or 1)
+        for k in range(0, len(chunks), per):  # one shard's worth (or one chunk) at a time
+            jobs = [(name, c) for c in chunks[k:k + per]]
+            for (_, c), raw in zip(jobs, source.read(jobs)):
+                nbytes += decode_chunk(m, m.chunk_index(c), raw).nbytes
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-    slots = cache.manifest.layout.total_token_slots
+    source.close()
+    slots = len(chunks) * cache.chunk_tokens
     return {"wall_s": wall, "tokens_per_s": slots / wall, "cpu_us_per_token": cpu / slots * 1e6,
-            "decoded_bytes": nbytes}
+            "decoded_bytes": nbytes, "slots": slots}
 
 
 # -- object storage ------------------------------------------------------------------------------
@@ -186,17 +273,44 @@ def free_port() -> int:
 
 
 MOTO = r"""
-import sys, time
+import re, sys, time
+from urllib.parse import unquote
 from werkzeug.serving import run_simple
+from moto.core import DEFAULT_ACCOUNT_ID
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+from moto.s3.models import s3_backends
 host, port, control = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 app = DomainDispatcherApplication(create_backend_app)
+RANGE = re.compile(r"bytes=(\d+)-(\d+)$")
+def ranged(environ, start_response):
+    # moto answers a range GET by reading (and copying) the whole object first (FakeKey.value), which a real store
+    # does not: O(object) per request, 268 MB per 1 MiB chunk of a format 2 shard. Read only the range, as S3 does.
+    m = RANGE.match(environ.get("HTTP_RANGE", ""))
+    parts = environ.get("PATH_INFO", "").lstrip("/").split("/", 1)
+    if environ["REQUEST_METHOD"] != "GET" or not m or len(parts) != 2 or environ.get("QUERY_STRING"):
+        return None
+    acct = s3_backends.bucket_accounts.get(parts[0], ("aws", DEFAULT_ACCOUNT_ID))[1]
+    key = s3_backends[acct]["global"].get_object(parts[0], unquote(parts[1]))
+    if key is None or key.size == 0:
+        return None
+    a, b = int(m.group(1)), min(int(m.group(2)), key.size - 1)
+    if a > b:
+        return None
+    with key.lock:
+        etag = key.etag  # computed once (it reads the object), then kept
+        key._value_buffer.seek(a)
+        body = key._value_buffer.read(b - a + 1)
+    start_response("206 Partial Content", [("Content-Type", "binary/octet-stream"), ("Content-Length", str(len(body))),
+                                           ("Content-Range", f"bytes {a}-{b}/{key.size}"), ("ETag", etag),
+                                           ("Accept-Ranges", "bytes"),
+                                           ("Last-Modified", key.last_modified_RFC1123)])
+    return [body]
 def delayed(environ, start_response):  # a remote store's first-byte latency (ms in the control file), no CPU used
     with open(control) as f:
         delay = float(f.read() or 0) / 1000
     if delay:
         time.sleep(delay)
-    return app(environ, start_response)
+    return ranged(environ, start_response) or app(environ, start_response)
 run_simple(host, port, delayed, threaded=True, request_handler=MotoRequestHandler)
 """
 
@@ -248,6 +362,12 @@ def main() -> None:
     ap.add_argument("--s3-batches", type=int, default=60, help="batches timed per S3 case")
     ap.add_argument("--s3-latency-ms", default="0,25", help="delays added to every S3 request (a remote store's)")
     ap.add_argument("--s3-only", action="store_true", help="only the S3 cases")
+    ap.add_argument("--v1-cache", type=Path, default=None,
+                    help="a format 1 cache of the same data: random single-sample reads side by side with --cache")
+    ap.add_argument("--v1", action="store_true",
+                    help="build that format 1 cache (next to --cache) with a git worktree of the last commit before "
+                         "format 2")
+    ap.add_argument("--reads", type=int, default=2000, help="random single-sample reads per repeat and cache")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     args = ap.parse_args()
@@ -264,10 +384,15 @@ def main() -> None:
         t0 = time.perf_counter()
         r = export_nemo(args.cache, nemo_dir, overwrite=True)
         log(f"exported {r.num_samples} samples ({r.bytes_written / 1e9:.1f} GB) in {time.perf_counter() - t0:.0f}s")
+    if args.v1 and args.v1_cache is None:
+        args.v1_cache = args.cache.with_name(args.cache.name + "_format1")
+        if not (args.v1_cache / "manifest.json").exists():
+            build_v1_cache(args.v1_cache, args.target, args.data, args.seq_length, args.rows)
     cache = open_cache(args.cache)
-    log(f"warming the page cache: {warm(args.cache, nemo_dir) / 1e9:.1f} GB read")
+    log(f"warming the page cache: {warm(args.cache, nemo_dir, *([args.v1_cache] if args.v1_cache else [])) / 1e9:.1f}"
+        " GB read")
     lengths = cache.lengths()
-    token_bytes = cache.token_bytes
+    token_bytes = cache._token_bytes()
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     if args.s3_only:
         s3 = run_s3(args, build_dataloader, token_bytes)
@@ -336,6 +461,18 @@ def main() -> None:
         row["vs_nemo_paired"] = statistics.median(a / b for a, b in zip(row["repeats"], nemo_reps))
         row["of_decode_limit_paired"] = statistics.median(a / (b * max(1, row["workers"]))
                                                           for a, b in zip(row["repeats"], limit_reps))
+    reads = None
+    if args.v1_cache is not None:
+        v1 = open_cache(args.v1_cache)
+        log(f"random single-sample reads: {args.cache} against the format 1 cache {args.v1_cache}")
+        reads = random_reads({"format 2": args.cache, "format 1": args.v1_cache}, args.reads, args.repeats)
+        reads["format 1 cache"] = {"path": str(args.v1_cache), "format_version": v1.manifest.format_version,
+                                   "samples": len(v1), "tokens": int(v1.lengths().sum()),
+                                   "chunk_tokens": v1.chunk_tokens, "files": sum(1 for f in args.v1_cache.rglob("*"))}
+        reads["format 2 cache"] = {"format_version": cache.manifest.format_version, "samples": len(cache),
+                                   "tokens": int(lengths.sum()), "chunk_tokens": cache.chunk_tokens,
+                                   "files": sum(1 for f in args.cache.rglob("*"))}
+        v1.close()
     s3 = run_s3(args, build_dataloader, token_bytes) if args.s3 else None
     out = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
            "cache": {"path": str(args.cache), "samples": len(cache), "tokens": int(lengths.sum()),
@@ -347,7 +484,7 @@ def main() -> None:
            "decode_limit_tokens_per_s": limit, "decode_limit_cpu_us_per_token": limit_cpu,
            "decode_limit_bytes": [int(x["decoded_bytes"]) for x in limits],
            "decode_limit_repeats": limit_reps, "cases": table,
-           "s3": s3, "repeats": args.repeats}
+           "s3": s3, "random_reads": reads, "repeats": args.repeats}
     md = markdown(out, args)
     sys.stdout.write(md)
     if args.json:
@@ -435,6 +572,16 @@ def markdown(out: dict[str, Any], args: argparse.Namespace) -> str:
                      f"({row['vs_nemo_paired']:.2f}x) | {row['of_decode_limit']:.0%} "
                      f"({row['of_decode_limit_paired']:.0%}) | {row['cpu_us_per_token']:.1f} | "
                      f"{row['decode_share_of_cpu']:.0%} | {row['contention']:.0%} |")
+    rr = out.get("random_reads")
+    if rr:
+        f1, f2 = rr["format 1 cache"], rr["format 2 cache"]
+        lines += ["", f"Random single-sample reads ({rr['reads']:,} per repeat, a fresh `open_cache` each, medians of "
+                      f"{rr['repeats']} alternating repeats): format 2 {rr['samples_per_s']['format 2']:,.0f} "
+                      "samples/s "
+                      f"({f2['files']:,} files and directories), format 1 {rr['samples_per_s']['format 1']:,.0f} "
+                      f"samples/s ({f1['files']:,}; {f1['samples']:,} samples, {f1['tokens']:,} tokens, chunks of "
+                      f"{f1['chunk_tokens']}); **format 2 time / format 1 time: "
+                      f"{rr['format 2_time_over_format 1_paired']:.2f}x** (paired)."]
     if out.get("s3"):
         lines += ["", *s3_markdown(out["s3"], args).splitlines()]
     return "\n".join(lines) + "\n"

@@ -37,9 +37,11 @@ from dspark_precompute.contract.commits import CommitRecord  # noqa: E402
 from dspark_precompute.contract.layout import build_layout  # noqa: E402
 from dspark_precompute.contract.spec import HIDDEN_GROUP  # noqa: E402
 from dspark_precompute.contract.store import CacheStore  # noqa: E402
+from dspark_precompute.write.allocate import allocate  # noqa: E402
 from dspark_precompute.write.config import StorageConfig  # noqa: E402
 from dspark_precompute.write.processes import available_cores  # noqa: E402
-from dspark_precompute.write.writer import UnitWriter, allocate, token_array_specs  # noqa: E402
+from dspark_precompute.write.specs import token_array_specs  # noqa: E402
+from dspark_precompute.write.writer import UnitWriter  # noqa: E402
 
 CODECS = {  # name -> (compressor, level, shuffle)
     "blosc_zstd-1": ("blosc_zstd", 1, "byte"),
@@ -85,7 +87,7 @@ def codec_limit(codec: str, chunk: np.ndarray, seconds: float) -> tuple[float, f
 
 
 def write_once(workdir: Path, codec: str, writers: int, data: np.ndarray, units: int, chunk: int,
-               unit_tokens: int, slots: int) -> dict[str, float]:
+               unit_tokens: int, slots: int, fsync: bool = True) -> dict[str, float]:
     """One fresh cache of ``units`` full units written by ``writers`` processes; GB/s of hidden states."""
     compressor, level, shuffle = CODECS[codec]
     hidden = data.shape[1]
@@ -95,17 +97,15 @@ def write_once(workdir: Path, codec: str, writers: int, data: np.ndarray, units:
     path = workdir / f"{codec}-w{writers}"
     shutil.rmtree(path, ignore_errors=True)
     store = CacheStore(str(path))
-    storage = StorageConfig(path=str(path), compressor=compressor, compression_level=level, shuffle=shuffle)
+    storage = StorageConfig(path=str(path), compressor=compressor, compression_level=level, shuffle=shuffle,
+                            writer_slots=slots, fsync=fsync)
     allocate(store, specs, layout, storage, {"samples/start": layout.start, "samples/length": layout.length}, {})
-    w = UnitWriter(store, specs, layout, n_slots=slots, writers=writers, storage=storage)
+    w = UnitWriter(store, specs, layout, storage, writers=writers)
     try:
         for s in range(len(w.slots)):  # fill every buffer once: the clock times the writer, not the feeding
-            bufs = w.buffers(s)
-            for spec in specs:
-                if spec.width:
-                    bufs[spec.name][:] = data[:len(bufs[spec.name])]
-                else:
-                    bufs[spec.name][:] = 1
+            bufs = w.buffers(s)  # the hidden arrays only: ids and masks are written before the first forward
+            for buf in bufs.values():
+                buf[:] = data[:len(buf)]
         hidden_row = sum(s.row_bytes for s in specs if s.width)
         t0 = time.perf_counter()
         for u in range(layout.num_units):
@@ -147,6 +147,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limit-seconds", type=float, default=2.0)
     p.add_argument("--workdir", type=Path, default=None,
                    help="where the caches go (default: a temp dir on /dev/shm, else /tmp); a disk's path to include it")
+    p.add_argument("--fsync", choices=("on", "off", "both"), default="on",
+                   help="storage.fsync of the writers; 'both' alternates on and off in the same run and reports what "
+                        "fsync costs (give --workdir on a disk: fsync does nothing on tmpfs)")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -169,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     base = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
     workdir = Path(tempfile.mkdtemp(prefix="dspark-write-bench-", dir=base)) if own else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, dict[int, list[dict[str, float]]]] = {c: {w: [] for w in writers} for c in codecs}
+    fsyncs = {"on": [True], "off": [False], "both": [True, False]}[args.fsync]
+    if args.fsync == "both" and own and base is not None:
+        sys.stderr.write("[write-path] --fsync both on tmpfs measures nothing (fsync is a no-op there): pass "
+                         "--workdir on a disk\n")
+    runs: dict[bool, dict[str, dict[int, list[dict[str, float]]]]] = {
+        f: {c: {w: [] for w in writers} for c in codecs} for f in fsyncs}
     limits: dict[str, list[float]] = {c: [] for c in codecs}
     limits_cpu: dict[str, list[float]] = {c: [] for c in codecs}
     chunk = data[:args.chunk_tokens]
@@ -180,18 +188,34 @@ def main(argv: list[str] | None = None) -> int:
                 limits[c].append(wall_limit)
                 limits_cpu[c].append(cpu_limit)
                 for w in (writers if r % 2 == 0 else writers[::-1]):
-                    res = write_once(workdir, c, w, data, units, args.chunk_tokens, args.unit_tokens, args.slots)
-                    runs[c][w].append(res)
-                    sys.stderr.write(f"[write-path] repeat {r} {c} writers={w}: {res['gb_per_s']:.3f} GB/s, "
-                                     f"{res['gb_per_cpu_s']:.3f} GB per writer CPU-s (ratio {res['ratio']:.2f}); "
-                                     f"codec limit {limits[c][-1]:.3f} GB/s\n")
+                    for f in (fsyncs if (r + w) % 2 == 0 else fsyncs[::-1]):  # alternate which goes first
+                        res = write_once(workdir, c, w, data, units, args.chunk_tokens, args.unit_tokens, args.slots,
+                                         fsync=f)
+                        runs[f][c][w].append(res)
+                        sys.stderr.write(f"[write-path] repeat {r} {c} writers={w} fsync={f}: {res['gb_per_s']:.3f} "
+                                         f"GB/s, {res['gb_per_cpu_s']:.3f} GB per writer CPU-s (ratio "
+                                         f"{res['ratio']:.2f}); codec limit {limits[c][-1]:.3f} GB/s\n")
     finally:
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
-    results = {c: {str(w): {"gb_per_s": statistics.median(x["gb_per_s"] for x in runs[c][w]),
-                            "all_gb_per_s": [x["gb_per_s"] for x in runs[c][w]],
-                            "gb_per_cpu_s": statistics.median(x["gb_per_cpu_s"] for x in runs[c][w]),
-                            "compression_ratio": runs[c][w][0]["ratio"]} for w in writers} for c in codecs}
+    def summarise(rs: dict[str, dict[int, list[dict[str, float]]]]) -> dict[str, dict[str, dict[str, Any]]]:
+        return {c: {str(w): {"gb_per_s": statistics.median(x["gb_per_s"] for x in rs[c][w]),
+                             "all_gb_per_s": [x["gb_per_s"] for x in rs[c][w]],
+                             "gb_per_cpu_s": statistics.median(x["gb_per_cpu_s"] for x in rs[c][w]),
+                             "compression_ratio": rs[c][w][0]["ratio"]} for w in writers} for c in codecs}
+
+    results = summarise(runs[fsyncs[0]])  # fsync on unless --fsync off
+    fsync_cost: dict[str, dict[str, Any]] = {}
+    if len(fsyncs) == 2:  # each repeat's pair (same repeat, back to back), then the median
+        for c in codecs:
+            fsync_cost[c] = {}
+            for w in writers:
+                on, off = runs[True][c][w], runs[False][c][w]
+                pairs = [b["gb_per_s"] / a["gb_per_s"] for a, b in zip(on, off)]
+                fsync_cost[c][str(w)] = {
+                    "fsync_on_gb_per_s": statistics.median(x["gb_per_s"] for x in on),
+                    "fsync_off_gb_per_s": statistics.median(x["gb_per_s"] for x in off),
+                    "off_over_on_paired": statistics.median(pairs), "off_over_on_per_repeat": pairs}
     limit = {c: statistics.median(limits[c]) for c in codecs}
     limit_cpu = {c: statistics.median(limits_cpu[c]) for c in codecs}
     ratios: dict[str, dict[str, float]] = {}
@@ -217,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         "codec_limit_gb_per_s": {c: (v if np.isfinite(v) else None) for c, v in limit.items()},
         "codec_limit_gb_per_cpu_s": {c: (v if np.isfinite(v) else None) for c, v in limit_cpu.items()},
         "ratios": ratios,
+        "fsync": args.fsync,
+        "fsync_cost": fsync_cost,
     }
     text = json.dumps(out, indent=2)
     if args.json:

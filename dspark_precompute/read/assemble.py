@@ -111,6 +111,11 @@ class BatchAssembler:
         self.ct = int(reader.chunk_tokens)
         self._starts = reader.starts().astype(np.int64)
         self._lengths = reader.lengths().astype(np.int64)
+        # a batch's buffer layout depends on its row count and width alone: worked out once per shape
+        self._layouts: dict[tuple[int, int], tuple[list[_Field], int, tuple[tuple[str, str, tuple[int, ...], int, int],
+                                                                          ...]]] = {}
+        self._itemsize = {dt: torch.empty(0, dtype=dt).element_size()
+                          for dt in (torch.int64, *(torch_dtype(d) for d in self.out.values()))}
 
     # -- what a batch needs ------------------------------------------------------------------
     def width(self, batch: Sequence[int]) -> int:
@@ -144,6 +149,16 @@ class BatchAssembler:
         return out
 
     def layout(self, b: int, width: int) -> tuple[list[_Field], int]:
+        fields, total, _ = self._layout(b, width)
+        return fields, total
+
+    def _layout(self, b: int, width: int) -> tuple[list[_Field], int, tuple[tuple[str, str, tuple[int, ...], int, int],
+                                                                            ...]]:
+        """The fields of a ``b`` x ``width`` batch in its buffer, the buffer's size, and the fields as described to
+        :func:`~dspark_precompute.read.arena.views` (kept per shape: every batch of a shape is laid out alike)."""
+        known = self._layouts.get((b, width))
+        if known is not None:
+            return known
         h, nl = self.hidden, len(self.layer_names)
         fields: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
             (k, torch.int64, (b, width)) for k in ("input_ids", "attention_mask", "loss_mask")]
@@ -151,15 +166,19 @@ class BatchAssembler:
                    ("target_last_hidden_states", torch_dtype(self.out["target_last_hidden_states"]), (b, width, h))]
         out, off = [], 0
         for key, dtype, shape in fields:
-            nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+            nbytes = int(np.prod(shape)) * self._itemsize[dtype]
             out.append(_Field(key, dtype, shape, off, nbytes))
             off += -(-nbytes // _ALIGN) * _ALIGN
-        return out, off
+        described = tuple((f.key, str(f.dtype), f.shape, f.offset, f.nbytes) for f in out)
+        if len(self._layouts) >= 4096:
+            self._layouts.clear()
+        self._layouts[(b, width)] = (out, off, described)
+        return out, off, described
 
     # -- building ----------------------------------------------------------------------------
     def nbytes(self, batch: Sequence[int]) -> int:
         """The size of ``batch``'s buffer."""
-        return self.layout(len(batch), self.width(batch))[1]
+        return self._layout(len(batch), self.width(batch))[1]
 
     def build(self, batches: Sequence[Sequence[int]], memory: str = "plain", raws: RawSource | None = None,
               threads: bool = True, arena: BatchArena | None = None,
@@ -207,8 +226,7 @@ class BatchAssembler:
     def _one(self, batch: Sequence[int], decoded: dict[tuple[str, int], np.ndarray], memory: str,
              arena: BatchArena | None = None, offset: int | None = None) -> dict[str, torch.Tensor] | SharedBatch:
         b, width = len(batch), self.width(batch)
-        fields, total = self.layout(b, width)
-        described = tuple((f.key, str(f.dtype), f.shape, f.offset, f.nbytes) for f in fields)
+        fields, total, described = self._layout(b, width)
         if arena is not None and offset is not None:
             flat, zeroed = arena.array(offset, total), False
         else:

@@ -12,7 +12,9 @@ Speed ratios depend on the machine and are only reported by the full bench
 - the numbers agree with what was written and read: the bytes a read sample takes follow from
   the run's tokens and the target's shape, the padded layout from seq_length, the cache's
   compression ratio from the compressor sweep over its own hidden states, the timings add up,
-  and every loader epoch of the reader bench delivers the run's tokens once.
+  and every loader epoch of the reader bench delivers the run's tokens once;
+- ``bench.py scale`` counts exactly the files and directories the contract's inventory says a cache holds,
+  and its growth table is what its measurements give.
 """
 
 from __future__ import annotations
@@ -113,13 +115,17 @@ def test_the_reader_bench_reports_every_loader_nemo_and_the_decode_limit(default
     """``scripts/bench_reader.py`` end to end on the small shared cache (its speeds mean nothing at this size;
     what each loader delivered, and the bytes, must match the run)."""
     import shutil
+    import tarfile
 
     cfg, result = default_run
     cache = tmp_path / "cache"
     shutil.copytree(result.path, cache)
+    with tarfile.open(REPO / "tests" / "data" / "format1_caches.tgz") as tar:  # a format 1 cache (other samples)
+        tar.extractall(tmp_path / "format1", filter="data")
     out = tmp_path / "reader.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_reader.py"), "--cache", str(cache),
-                           "--repeats", "1", "--batch-size", "4", "--max-tokens", "1024", "--json", str(out)],
+                           "--repeats", "2", "--batch-size", "4", "--max-tokens", "1024", "--workers", "0,2",
+                           "--v1-cache", str(tmp_path / "format1" / "bf16"), "--reads", "30", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -127,17 +133,99 @@ def test_the_reader_bench_reports_every_loader_nemo_and_the_decode_limit(default
     assert (c["samples"], c["tokens"], c["seq_length"]) == (result.samples, result.tokens, cfg.seq_length)
     assert (c["layers"], c["hidden"]) == (reader.layer_ids, reader.hidden_size)
     assert c["bytes_on_disk"] == sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
-    # the decode limit decoded every chunk of every token array once: each token slot's bytes
-    assert res["decode_limit_bytes"] == [reader.manifest.layout.total_token_slots * c["token_bytes"]]
+    # the decode limit decoded every stored chunk of every token array once: each unit's tokens up to its last
+    # chunk's end (format 2 leaves the chunks past a unit's last token out of its shard)
+    ct = reader.chunk_tokens
+    stored = sum(-(-int(b - a) // ct) * ct for a, b in zip(reader._unit_start, reader._unit_stop))
+    assert stored <= reader.manifest.layout.total_token_slots  # a unit's chunks past its last token are not read
+    assert res["decode_limit_bytes"] == [stored * c["token_bytes"]] * 2
+    # random single-sample reads, format 2 against format 1, the same count each, the ratio from the same repeats
+    rr = res["random_reads"]
+    assert (rr["format 2 cache"]["format_version"], rr["format 1 cache"]["format_version"]) == (2, 1)
+    for name in ("format 2", "format 1"):
+        assert rr["samples_per_s"][name] == pytest.approx(30 / (sum(rr["seconds"][name]) / 2))  # median of 2
+    ratios = [a / b for a, b in zip(rr["seconds"]["format 2"], rr["seconds"]["format 1"])]
+    assert rr["format 2_time_over_format 1_paired"] == pytest.approx(sum(ratios) / 2)
+    assert "Random single-sample reads" in proc.stdout
     cases = {k["case"]: k for k in res["cases"]}
-    assert len(cases) == 9 and any(k.startswith("NeMo CachedDSparkDataset") for k in cases)
+    assert len(cases) == 7 and any(k.startswith("NeMo CachedDSparkDataset") for k in cases)
     nemo = next(k for name, k in cases.items() if name.startswith("NeMo"))["tokens_per_s"]
     for name, k in cases.items():
-        assert k["epoch_tokens"] == [result.tokens], name  # every real token, once per epoch
+        assert k["epoch_tokens"] == [result.tokens] * 2, name  # every real token, once per epoch
         if "batch 4" in name:
-            assert k["epoch_batches"] == [-(-result.samples // 4)], name
+            assert k["epoch_batches"] == [-(-result.samples // 4)] * 2, name
         assert k["GBps"] == pytest.approx(k["tokens_per_s"] * c["token_bytes"] / 1e9)
         assert k["of_decode_limit"] == pytest.approx(k["tokens_per_s"] / (res["decode_limit_tokens_per_s"]
                                                                           * max(1, k["workers"])))
         assert k["vs_nemo"] == pytest.approx(k["tokens_per_s"] / nemo) and k["cpu_us_per_token"] >= 0
     assert "| loader | real tokens/s |" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def scale_run(tmp_path_factory):
+    """``bench.py scale`` at 20 and 40 rows of the byte-level tiny target (units of 1,024 tokens, so several each),
+    without the kill-and-resume runs (they take two more runs per size), the caches kept."""
+    tmp = tmp_path_factory.mktemp("scale")
+    out = tmp / "scale.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "scale", "--rows", "20,40", "--target", "tiny", "--data",
+                           "embedded", "--seq", "256", "--set", "storage.chunk_tokens=256", "--set",
+                           "storage.unit_tokens=1024", "--reads", "20", "--repeats", "1", "--no-resume", "--workdir",
+                           str(tmp / "work"), "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout, tmp / "work"
+
+
+def test_the_scale_bench_counts_the_files_the_contract_says_each_cache_holds(scale_run):
+    import os
+
+    import numpy as np
+
+    res, md, work = scale_run
+    for size in res["sizes"]:
+        facts, path = size["cache"], work / f"fresh-{size['rows']}"
+        files = dirs = 0
+        for _, ds, fs in os.walk(path):
+            files, dirs = files + len(fs), dirs + len(ds)
+        assert (facts["files"], facts["directories"]) == (files, dirs) == (facts["inventory_files"],
+                                                                           facts["inventory_directories"])
+        c = open_cache(path)
+        assert (len(c), int(c.lengths().sum()), c.num_units) == (facts["samples"], facts["tokens"], facts["units"])
+        assert c.manifest.counts.rows_in == size["rows"]  # every synthetic row read, each its own
+        ct, hidden_arrays = c.chunk_tokens, facts["token_arrays"] - 2
+        slots = sum(-(-int(b - a) // ct) * ct for a, b in zip(c._unit_start, c._unit_stop))
+        assert facts["raw_hidden_bytes"] == slots * hidden_arrays * c.hidden_size * 2  # bf16
+        assert facts["entries_per_tb"] == pytest.approx((files + dirs) * 1e12 / facts["raw_hidden_bytes"])
+        assert facts["units"] >= -(-facts["tokens"] // facts["unit_tokens"]) > 1
+        c.close()
+        # the run's own phases lie within what was watched from outside
+        timing, fresh = facts["timing"], size["fresh"]
+        assert timing["tokenize_s"] < fresh["first_commit_s"] < fresh["wall_s"]
+        assert timing["wall_s"] < fresh["wall_s"]
+    assert np.all(np.diff([s["cache"]["entries"] for s in res["sizes"]]) > 0)  # more rows, more units, more files
+    assert "| files + directories |" in md
+
+
+def test_the_scale_bench_growth_table_is_the_largest_size_over_the_smallest(scale_run):
+    res, md, _ = scale_run
+    a, b = res["sizes"][0], res["sizes"][-1]
+    rows = {g["metric"]: g for g in res["growth"]}
+    for g in rows.values():
+        assert g["limit"] == pytest.approx(1.1 * b["rows"] / a["rows"])
+        assert g["ratio"] == pytest.approx(g["values"][-1] / g["values"][0])
+        assert g["met"] == (g["ratio"] <= g["limit"])
+    assert rows["files + directories"]["values"] == [a["cache"]["entries"], b["cache"]["entries"]]
+    assert rows["dspark-cache verify"]["values"][0] == pytest.approx(a["read_costs_median"]["verify_s"])
+    assert "**ratio**" in md
+
+
+def test_the_readme_capacity_example_holds_at_most_5000_entries_per_tb_of_hidden_states(scale_run):
+    """1M samples of Qwen3-8B (330M tokens, 5 bf16 arrays of hidden 4096), by the dry run's own arithmetic."""
+    from dspark_precompute.contract.inventory import inventory
+
+    cap = scale_run[0]["capacity"]
+    for case in cap["cases"].values():
+        assert case["units"] >= case["tokens"] / cap["unit_tokens"]
+        assert case["entries"] == inventory(7, case["units"], cap["samples"], fp8=False).entries
+        assert case["raw_hidden_bytes"] >= case["tokens"] * 5 * 4096 * 2
+        assert case["entries_per_tb"] <= 5000 and case["entries"] < 70_000
+        assert case["format1_chunk_files"] > 50 * case["entries"]  # one file per chunk before format 2
