@@ -12,10 +12,9 @@ machine is shared and noisy: compare the ratios, not the absolute numbers. *Writ
 the bytes the export put on disk over its wall time; *read GB/s* is the cache's decoded bytes
 per token (ids, mask, the exported states) times the tokens exported, over the same time.
 
-speculators needs the pre-norm last state (``capture.last_state=pre_norm``), which the cache
-format does not store yet: its export here reads a stand-in (another stored layer, the same
-bytes per token) through the announced ``read_raw(..., pre_norm=True)`` API, so its cost is
-the real one. Nothing here asserts a time; tests never do.
+The cache is written with ``capture.last_state=both`` (the post-norm and the pre-norm last
+state), so every export reads what it would from a user's cache: speculators the pre-norm one.
+Nothing here asserts a time; tests never do.
 """
 
 from __future__ import annotations
@@ -40,17 +39,7 @@ TARGETS = ("nemo", "deepspec", "specforge", "speculators")
 # run in a child process: one export, its result as JSON on stdout
 CHILD = r"""
 import json, sys
-from dspark_precompute.read.reader import CacheReader
 cache, out, to = sys.argv[1], sys.argv[2], sys.argv[3]
-if to == "speculators":  # stand-in pre-norm state: the first captured layer's stored states (same bytes)
-    real_raw, real_names = CacheReader.read_raw, CacheReader.array_names
-    def read_raw(self, i, layers=None, last=True, pre_norm=False):
-        out = real_raw(self, i, layers, last)
-        if pre_norm:
-            out["target_pre_norm_hidden_states"] = real_raw(self, i, [self.layer_ids[0]], False)["target_hidden_states"]
-        return out
-    CacheReader.read_raw = read_raw
-    CacheReader.array_names = property(lambda self: {**real_names.fget(self), "pre_norm": "stand-in"})
 from dspark_precompute.read.export import export
 r = export(cache, out, to=to, progress=False)
 # VmHWM: this process's own peak (ru_maxrss would carry the forking parent's over exec)
@@ -71,6 +60,7 @@ def build_cache(path: Path, target: str, data: str, seq_length: int, rows: int) 
     from dspark_precompute.write.run import run
 
     overrides = bench.tool_overrides(target, None if data == "embedded" else Path(data), seq_length, rows, path)
+    overrides.append("capture.last_state=both")  # speculators trains on the pre-norm state, the others the post-norm
     log(f"building the benchmark cache: {' '.join(overrides)}")
     run(bench.compose(overrides))
 

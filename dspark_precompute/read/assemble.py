@@ -43,7 +43,8 @@ def _shared_storage(nbytes: int) -> tuple[torch.UntypedStorage, bool]:
     """Anonymous shared memory of ``nbytes`` (zero-filled): a memfd where the platform has one."""
     make = getattr(torch.UntypedStorage, "_new_shared_fd_cpu", None)
     memfd = getattr(os, "memfd_create", None)
-    if make is not None and memfd is not None and torch.multiprocessing.get_sharing_strategy() == "file_descriptor":
+    strategy = torch.multiprocessing.get_sharing_strategy()  # type: ignore[no-untyped-call]  # unannotated in torch
+    if make is not None and memfd is not None and strategy == "file_descriptor":
         fd = memfd("dspark-batch", getattr(os, "MFD_CLOEXEC", 0))
         try:
             os.ftruncate(fd, max(1, nbytes))
@@ -51,7 +52,7 @@ def _shared_storage(nbytes: int) -> tuple[torch.UntypedStorage, bool]:
         except BaseException:
             os.close(fd)
             raise
-    return torch.UntypedStorage._new_shared(max(1, nbytes)), True  # torch's own (named, unlinked at once)
+    return torch.UntypedStorage._new_shared(max(1, nbytes)), True  # type: ignore[no-untyped-call]  # torch's own (named, unlinked at once)
 
 
 def _buffer(nbytes: int, memory: str) -> tuple[torch.Tensor, bool]:

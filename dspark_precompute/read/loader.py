@@ -51,7 +51,7 @@ def _keep(x: Any) -> Any:
     return x
 
 
-class _TaskRunner(Dataset):
+class _TaskRunner(Dataset[Any]):
     """Builds a task's batches in whichever process runs it (a DataLoader worker or the training process)."""
 
     def __init__(self, dataset: CacheDataset, sampler: CacheBatchSampler, pad_to: int | None,
@@ -215,7 +215,7 @@ class CacheLoader:
         self.runner = _TaskRunner(dataset, sampler, pad_to, pad_to_multiple_of, self.pin_memory and num_workers == 0,
                                   prefetch_bytes, prefetch_requests, decode_threads)
         self._index = _TaskIndex(sampler, self.runner)
-        self.dataloader: DataLoader | None = None
+        self.dataloader: DataLoader[Any] | None = None
         kwargs: dict[str, Any] = {"persistent_workers": True, "pin_memory": self.pin_memory}
         if num_workers > 0 and sampler.mode == "block":
             kwargs["prefetch_factor"] = 1  # a task is a window of batches: one queued per worker keeps them busy

@@ -205,12 +205,12 @@ def to_device(batches: Iterable[dict[str, torch.Tensor]], device: str | torch.de
         for b in batches:
             yield {k: v.to(dev) for k, v in b.items()}
         return
-    stream = torch.cuda.Stream(dev)
+    stream = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
     def send(b: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any, dict[str, torch.Tensor]]:
         with torch.cuda.stream(stream):
             out = {k: v.to(dev, non_blocking=True) for k, v in b.items()}
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
             ev.record(stream)
         return out, ev, b  # the host batch stays referenced until its copy is waited for
 

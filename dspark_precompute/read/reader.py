@@ -182,7 +182,7 @@ class CacheReader:
     @property
     def source_row(self) -> np.ndarray:
         """Row of the input selection each readable sample came from."""
-        return self._source_row[self.indices]
+        return np.asarray(self._source_row[self.indices])
 
     @property
     def array_names(self) -> dict[str, str]:
@@ -221,7 +221,7 @@ class CacheReader:
         if pool is None:
             pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="dspark-read")
             self._owned["pool"] = pool
-        return pool  # type: ignore[no-any-return]
+        return pool
 
     def _samples_in(self, lo: int, hi: int) -> np.ndarray:
         if self._where is None:
@@ -526,18 +526,18 @@ class CacheReader:
     # -- description -----------------------------------------------------------------------
     def lengths(self) -> np.ndarray:
         """Tokens per readable sample (int32; at most ``max_length``)."""
-        return self._cut[self.indices].astype(np.int32)
+        return np.asarray(self._cut[self.indices].astype(np.int32))
 
     def stored_lengths(self) -> np.ndarray:
         """Tokens the cache stores for the samples this view could read, uncut and dropped ones included (int32)."""
-        return self._length[self._stored].astype(np.int32)
+        return np.asarray(self._length[self._stored].astype(np.int32))
 
     def starts(self) -> np.ndarray:
         """First token slot of each readable sample (int64): sort by it to read in disk order."""
-        return self._start[self.indices]
+        return np.asarray(self._start[self.indices])
 
     def untruncated_lengths(self) -> np.ndarray:
-        return self._untruncated[self.indices]
+        return np.asarray(self._untruncated[self.indices])
 
     def _supervised_within(self, ids: np.ndarray) -> np.ndarray:
         """Supervised tokens of samples ``ids`` within their (cut) lengths, from the stored masks (one pass per
@@ -555,7 +555,7 @@ class CacheReader:
                 csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
                 lo, hi = np.clip(s0 - w0, 0, w1 - w0), np.clip(s1 - w0, 0, w1 - w0)
                 counts[mine] += csum[hi] - csum[lo]
-        return counts[ids]
+        return np.asarray(counts[ids])
 
     def supervised_counts(self) -> np.ndarray:
         """Supervised (loss_mask=1) tokens per readable sample, from the stored masks."""
