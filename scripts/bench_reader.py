@@ -90,7 +90,12 @@ def v1_checkout() -> Path:
     tree = Path(tempfile.gettempdir()) / f"dspark-precompute-v1-{parent[:12]}"
     if not (tree / "dspark_precompute" / "__init__.py").exists():
         shutil.rmtree(tree, ignore_errors=True)
-        git("worktree", "add", "--detach", str(tree), parent)
+        try:
+            git("worktree", "prune")  # a worktree of an emptied temp directory is still registered
+            git("worktree", "add", "--detach", str(tree), parent)
+        except subprocess.CalledProcessError as exc:
+            raise SystemExit(f"--v1: could not check out {parent[:12]} into {tree}: {exc.stderr or exc}; pass "
+                             "--v1-cache PATH instead") from None
     return tree
 
 
@@ -113,7 +118,7 @@ def build_v1_cache(path: Path, target: str, data: str, seq_length: int, rows: in
 
 
 def random_reads(caches: dict[str, Path], reads: int, repeats: int) -> dict[str, Any]:
-    """``reads`` random single-sample reads (``open_cache(path)[i]``, a fresh reader each time) of each cache,
+    """``reads`` random single-sample reads (``c[i]`` of one ``open_cache`` per cache and repeat) of each cache,
     the caches alternating repeat by repeat (which goes first rotates), the same indices for each."""
     import numpy as np
 
@@ -575,7 +580,8 @@ def markdown(out: dict[str, Any], args: argparse.Namespace) -> str:
     rr = out.get("random_reads")
     if rr:
         f1, f2 = rr["format 1 cache"], rr["format 2 cache"]
-        lines += ["", f"Random single-sample reads ({rr['reads']:,} per repeat, a fresh `open_cache` each, medians of "
+        lines += ["", f"Random single-sample reads ({rr['reads']:,} per repeat, one `open_cache` per cache and repeat, "
+                      "medians of "
                       f"{rr['repeats']} alternating repeats): format 2 {rr['samples_per_s']['format 2']:,.0f} "
                       "samples/s "
                       f"({f2['files']:,} files and directories), format 1 {rr['samples_per_s']['format 1']:,.0f} "

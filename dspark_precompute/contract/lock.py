@@ -83,17 +83,21 @@ class WriterLock:
         a symlink or hard link to another file would have that file overwritten: refused instead,
         touching nothing.
         """
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:
-                raise
-            raise self._foreign("a symlink") from None
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-            os.set_blocking(fd, True)
-            return fd
-        os.close(fd)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                raise self._foreign("a symlink") from None
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                os.set_blocking(fd, True)
+                return fd
+            os.close(fd)
+            if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 0):
+                break
+            # no links: the holder released (unlinked) it between our open and fstat; open the path again
         raise self._foreign("not a regular file" if not stat.S_ISREG(st.st_mode) else
                             f"a file with {st.st_nlink} hard links")
 

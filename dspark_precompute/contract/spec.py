@@ -103,20 +103,31 @@ def foreign_entries(names: list[str] | set[str]) -> list[str]:
     return sorted(n for n in names if n not in OWN_ENTRIES and not is_own_temporary(n))
 
 
-# file names the tool (or zarr, for metadata) writes below its top-level entries, format 1's ``c/3/0`` chunks
-# and zarr's interrupted metadata writes (``zarr.<hex>.partial``) included
-_OWN_NESTED = re.compile(r"^(zarr\.json|c(\.\d+)*|\d+|u\d{6,}\.json|failed-\d+\.json|[a-z]+\.yaml"
-                         r"|zarr\.[0-9a-f]{32}\.partial)$")
+# what the tool (or zarr, for metadata) writes below each of its top-level entries, as paths relative to that entry:
+# format 2's shards (c.<u>, c.<u>.0), format 1's chunks (c/3/0), zarr's interrupted metadata writes
+_ARRAY_FILES = r"(zarr\.json|zarr\.[0-9a-f]{32}\.partial|c(\.\d+)+|c(/\d+)+)"
+_GROUP_FILES = rf"(zarr\.json|zarr\.[0-9a-f]{{32}}\.partial|[a-z_]+/{_ARRAY_FILES})"
+_STATE_NAMES = rf"(layer_\d+|embeddings|{FINAL_NORM}|{PRE_NORM})"  # what layer_array and array_names give
+_STATE_FILES = rf"(zarr\.json|zarr\.[0-9a-f]{{32}}\.partial|{_STATE_NAMES}/{_ARRAY_FILES})"
+_OWN_NESTED = {
+    INPUT_IDS: re.compile(rf"^{_ARRAY_FILES}$"), LOSS_MASK: re.compile(rf"^{_ARRAY_FILES}$"),
+    HIDDEN_GROUP: re.compile(rf"^{_STATE_FILES}$"), SCALE_GROUP: re.compile(rf"^{_STATE_FILES}$"),
+    "samples": re.compile(rf"^{_GROUP_FILES}$"), "units": re.compile(rf"^{_GROUP_FILES}$"),
+    COMMITS: re.compile(r"^u\d{6,}\.json$"), COORD: re.compile(r"^[^/]+/failed-\d+\.json$"),
+    HYDRA_RECORD: re.compile(r"^(config|hydra|overrides)\.yaml$"),
+}
 
 
 def foreign_nested(keys: list[str]) -> list[str]:
-    """Files (keys, relative to the cache) under the tool's own top-level entries that it never writes, sorted:
-    a user's ``hidden_states/README.md`` that deleting ``hidden_states`` would take along."""
+    """Files (keys, relative to the cache) under the tool's own top-level entries that it never writes there,
+    sorted: a user's ``hidden_states/README.md`` or ``input_ids/notes/zarr.json`` that deleting the entry would
+    take along. Each file is matched by its whole path below the entry, not by its name alone."""
     out = []
     for key in keys:
-        parts = key.split("/")
-        if len(parts) > 1 and parts[0] in OWN_ENTRIES and not (
-                _OWN_NESTED.match(parts[-1]) or is_own_temporary_key(key)):
+        top, _, rest = key.partition("/")
+        rule = _OWN_NESTED.get(top)
+        if rest and top in OWN_ENTRIES and not ((rule is not None and rule.match(rest))
+                                                 or is_own_temporary_key(key)):
             out.append(key)
     return sorted(out)
 

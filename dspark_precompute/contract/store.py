@@ -16,6 +16,7 @@ option is ever logged or put in a ``repr``.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import io
@@ -63,9 +64,16 @@ def open_regular(path: str | Path) -> io.FileIO:
     Opened non-blocking first, so a FIFO put where a file belongs cannot hang the reader (a plain
     ``open`` waits forever for a writer); a directory, FIFO, device or socket raises
     :class:`~dspark_precompute.errors.NotRegularFileError` (a CacheFormatError and an OSError)
-    naming what it is. Missing files raise FileNotFoundError as usual.
+    naming what it is, and so does a symlink loop. Missing files raise FileNotFoundError as usual.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise NotRegularFileError(f"{path} is a symlink loop, not a file: the cache was altered (this tool writes "
+                                  "only regular files); it is not read. Put the file back or re-create the cache",
+                                  kind="a symlink loop") from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

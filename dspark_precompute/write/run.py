@@ -245,7 +245,11 @@ class _Run:
                      f"; {len(left)} unfinished write(s) of the interrupted run removed" if left else "")
             return manifest.created_at, done
         if set(store.top_level_names()) - {LOCK}:
-            # ours (checked before): an overwrite, or an allocation a kill interrupted
+            # ours (checked before): an overwrite, or an allocation a kill interrupted; either way it is deleted,
+            # so nothing of a user's may sit inside its directories
+            problem = resume.directory_problem(self.store, plan.path, deleting=True)
+            if problem:
+                raise ForeignDirectoryError(problem)
             log.warning("%s: deleting the existing cache in %s", "overwrite=true" if self.cfg.overwrite
                         else "restarting an allocation that was interrupted", plan.path)
             resume.clear(store)

@@ -45,6 +45,26 @@ def test_a_starter_that_opened_the_lock_file_before_it_was_removed_takes_the_new
         os.close(stale)
 
 
+def test_a_starter_whose_open_lands_just_before_the_holder_unlinks_retries_instead_of_refusing(tmp_path, monkeypatch):
+    """Opened, then the holder released (unlinked) it before the starter's fstat: no links is a file being removed,
+    not a foreign one; the starter opens the path again."""
+    import os
+
+    import dspark_precompute.contract.lock as lock_mod
+
+    real, calls = os.fstat, []
+
+    def fstat(fd):
+        st = real(fd)
+        calls.append(fd)
+        if len(calls) == 1:  # the first look sees the file as the holder's release left it
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, 0, *tuple(st)[4:10]))
+        return st
+    monkeypatch.setattr(lock_mod.os, "fstat", fstat)
+    with WriterLock(tmp_path / "c") as lock:
+        assert lock.held and len(calls) >= 2
+
+
 def test_an_existing_empty_directory_is_kept_and_only_the_lock_file_goes(tmp_path):
     (tmp_path / "c").mkdir()
     with WriterLock(tmp_path / "c"):

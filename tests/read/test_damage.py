@@ -657,7 +657,7 @@ def _not_a_file(f: Path, kind: str) -> None:
     ("directory", "it is a directory, not a file"),
     ("fifo", r"it is a FIFO \(named pipe\), not a file"),
     ("device", "it is a character device, not a file"),
-    ("loop", "Too many levels of symbolic links"),
+    ("loop", "it is a symlink loop, not a file"),
 ])
 def test_a_shard_that_is_not_a_file_is_a_damaged_shard_everywhere_never_a_hang_or_an_os_error(
         cache_copy, tmp_path, capsys, no_hang, kind, words):
@@ -703,6 +703,32 @@ def test_a_fifo_in_place_of_a_cache_file_is_named_by_verify_and_never_blocks_a_r
             open_cache(cache_copy).target_weights()
     else:
         assert len(open_cache(cache_copy)[:]) == 14  # the reader does not read them in a complete cache
+
+
+@pytest.mark.parametrize("rel,check", [
+    ("commits/u000001.json", "commits"),
+    ("target_weights.safetensors", "weights"),
+    ("rejects.jsonl", "structure"),
+])
+def test_a_symlink_loop_in_place_of_a_cache_file_is_a_named_problem_not_a_stopped_verify(cache_copy, capsys, no_hang,
+                                                                                        rel, check):
+    _not_a_file(cache_copy / rel, "loop")
+    assert main(["verify", str(cache_copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    checks = {p["check"] for p in report["problems"]}
+    assert check in checks and "verify" not in checks, report
+    assert any(rel in p["message"] for p in report["problems"] if p["check"] == check), report
+
+
+def test_a_fifo_for_the_weights_of_a_cache_without_their_checksum_does_not_block_verify(cache_copy, capsys, no_hang):
+    """Without a recorded sha256 (an older or unfinished cache) verify opens the weights with safetensors: never a
+    FIFO, which would wait for a writer for ever."""
+    edit_manifest(cache_copy, lambda m: m.pop("weights_sha256") and None)
+    _not_a_file(cache_copy / "target_weights.safetensors", "fifo")
+    assert main(["verify", str(cache_copy), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [p["check"] for p in report["problems"]] == ["weights"], report
+    assert "FIFO" in report["problems"][0]["message"]
 
 
 def _edit_group(attrs: dict):

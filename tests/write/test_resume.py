@@ -181,7 +181,10 @@ def test_a_run_on_a_cache_whose_lock_is_a_symlink_writes_nothing_through_it(defa
     assert precious.read_text() == "the user's data"
 
 
-@pytest.mark.parametrize("nested", ["hidden_states/README.md", "input_ids/notes/todo.txt", "commits/mine.json.bak"])
+@pytest.mark.parametrize("nested", ["hidden_states/README.md", "input_ids/notes/todo.txt", "commits/mine.json.bak",
+                                    # the tool's own file names in places it never puts them
+                                    "input_ids/notes/zarr.json", "hidden_states/exp/c.0", "samples/start/notes.yaml",
+                                    "commits/old/u000001.json", ".hydra/mine/config.yaml"])
 def test_overwrite_refuses_a_cache_with_a_foreign_file_inside_one_of_its_directories(default_run, tmp_path, nested):
     from dspark_precompute.errors import ForeignDirectoryError
 
@@ -193,3 +196,21 @@ def test_overwrite_refuses_a_cache_with_a_foreign_file_inside_one_of_its_directo
     with pytest.raises(ForeignDirectoryError, match=rf"also holds files this tool did not write \({re.escape(nested)}"):
         run(compose([*small(tmp_path, "storage.chunk_tokens=256", "storage.unit_tokens=1024"), "overwrite=true"]))
     assert f.read_text() == "the user's" and (tmp_path / "cache" / "manifest.json").exists()
+
+
+def test_restarting_an_interrupted_allocation_refuses_a_foreign_file_inside_the_cache(default_run, tmp_path):
+    """A kill before the manifest leaves a group this tool began to allocate; the next run deletes and allocates
+    again, but never takes a user's file inside one of its directories along."""
+    from dspark_precompute.errors import ForeignDirectoryError
+
+    _, result = default_run
+    cache = tmp_path / "cache"
+    shutil.copytree(result.path, cache)
+    for name in ("manifest.json", "target_weights.safetensors"):
+        (cache / name).unlink()
+    shutil.rmtree(cache / "commits")
+    f = cache / "hidden_states" / "README.md"
+    f.write_text("the user's")
+    with pytest.raises(ForeignDirectoryError, match=r"also holds files this tool did not write \(hidden_states/README"):
+        run(compose(small(tmp_path, "storage.chunk_tokens=256", "storage.unit_tokens=1024")))
+    assert f.read_text() == "the user's"

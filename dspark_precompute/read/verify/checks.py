@@ -31,7 +31,7 @@ from dspark_precompute.contract.spec import (
     UNIT_ARRAYS,
     WEIGHTS,
 )
-from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.contract.store import CacheStore, open_regular
 from dspark_precompute.contract.vocab import Check
 from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, NotRegularFileError
 from dspark_precompute.read.verify.report import Collector, VerifyReport
@@ -204,6 +204,9 @@ def check_commits(ctx: Context) -> None:
             data = json.loads(store.read_bytes(key))
         except NotRegularFileError as exc:
             bad.add(Check.commits, f"commit record {key} is {exc.kind}, not a file", unit=u)
+            continue
+        except OSError as exc:  # listed, yet unreadable: a dangling symlink, a permission
+            bad.add(Check.commits, f"commit record {key} cannot be read ({exc})", unit=u)
             continue
         except (ValueError, UnicodeDecodeError) as exc:
             bad.add(Check.commits, f"commit record {key} is not valid JSON ({exc})", unit=u)
@@ -407,6 +410,8 @@ def check_weights(ctx: Context) -> None:
             shapes = {k: tuple(v.shape) for k, v in tensors.items()}
             meta: dict[str, str] = {}
         else:
+            with open_regular(Path(store.root) / WEIGHTS):  # a FIFO would block safe_open for ever
+                pass
             with safe_open(str(Path(store.root) / WEIGHTS), framework="pt") as f:
                 shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
                 meta = f.metadata() or {}
