@@ -156,9 +156,10 @@ def main() -> None:
         _preflight(argv[1:])
         if _rank() > 0 and "-m" not in argv and "--multirun" not in argv:
             # torchrun: every rank composes the same config, only rank 0 writes Hydra's output dir and log.
-            # Hydra reads sys.argv: it gets its own list for the call.
-            sys.argv = [*argv, "hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=disabled",
-                        "hydra/hydra_logging=disabled"]
+            # Hydra reads sys.argv: it gets its own list for the call. Logging left unconfigured ("none", not
+            # "disabled": that one disables every logger that exists, so a rank's warnings and errors vanished).
+            sys.argv = [*argv, "hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none",
+                        "hydra/hydra_logging=none"]
         _app()
     except StoppedBySignal as exc:  # a signal outside the run (while composing, importing)
         sys.stderr.write(f"dspark-precompute: {exc}\n")

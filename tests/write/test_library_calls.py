@@ -83,3 +83,6 @@ def test_the_command_gives_hydra_its_extra_overrides_without_changing_the_caller
             signal.signal(s, h)
         logging.getLogger("dspark_precompute").setLevel(level)
     assert sys.argv is mine and mine == argv
+    # a rank > 0 still reports its warnings and errors: none of the package's loggers was disabled
+    assert not [n for n, lg in logging.Logger.manager.loggerDict.items()
+                if n.startswith("dspark_precompute") and isinstance(lg, logging.Logger) and lg.disabled]
