@@ -173,16 +173,18 @@ FIELDS: tuple[Field, ...] = (
     Field("capture.final_norm_class", Kind.STR, "class of the target's final norm", required=False, null=True),
     Field("capture.layer_preset", Kind.STR, "nemo | servable | explicit", required=False, null=True),
     Field("capture.mask", Kind.OBJECT, "which rule made the loss masks", required=False, null=True),
-    Field("capture.mask.rule", Kind.STR, "generation_template | nemo_prefix | deepspec", required=False, null=True),
+    Field("capture.mask.rule", Kind.STR, "generation_template | nemo_prefix | deepspec | specforge", required=False,
+          null=True),
     Field("capture.mask.fallback", Kind.STR, "full_render_alignment (nemo_prefix: turns a template rewrites)",
           required=False, null=True),
     Field("capture.mask.mask_reasoning_content", Kind.BOOL, "reasoning tokens unsupervised", required=False,
           null=True),
     Field("capture.mask.mask_generation_prompt", Kind.BOOL, "assistant headers unsupervised", required=False,
           null=True),
-    Field("capture.mask.default_system_prompt", Kind.STR, "deepspec: the system prompt added to conversations "
-          "without one", required=False, null=True),
-    Field("capture.mask.min_supervised_tokens", Kind.INT, "deepspec: fewer supervised tokens make a reject",
+    Field("capture.mask.default_system_prompt", Kind.STR, "deepspec, specforge: the system prompt added to "
+          "conversations without one", required=False, null=True),
+    Field("capture.mask.min_supervised_tokens", Kind.INT, "deepspec, specforge: fewer supervised tokens make a "
+          "reject",
           required=False, null=True, lo=0, hi=MAX_SEQ_LENGTH),
     Field("capture.target_weights_dtype", Kind.STR, "the checkpoint's floating dtype", required=False, null=True),
     Field("capture.weights_fingerprint", Kind.STR, "the identity's fingerprint of every weight file",
@@ -282,15 +284,16 @@ class MaskPolicy:
     turn is located where the template rewrites earlier turns and the prefix rule breaks.
     ``deepspec`` (``data.mask_rule=deepspec``): DeepSpec's rule, each assistant turn's content
     and end-of-turn marker without its header, ``default_system_prompt`` added to conversations
-    without one, samples under ``min_supervised_tokens`` rejected.
+    without one, samples under ``min_supervised_tokens`` rejected. ``specforge``
+    (``data.mask_rule=specforge``): the same spans after SpecForge's message reduction.
     """
 
     rule: str | None = None
     fallback: str | None = None
     mask_reasoning_content: bool | None = None
     mask_generation_prompt: bool | None = None
-    default_system_prompt: str | None = None  # deepspec: the system prompt added where a conversation has none
-    min_supervised_tokens: int | None = None  # deepspec: fewer supervised tokens make a reject
+    default_system_prompt: str | None = None  # deepspec/specforge: the system prompt added where there is none
+    min_supervised_tokens: int | None = None  # deepspec/specforge: fewer supervised tokens make a reject
 
 
 @dataclass(frozen=True)

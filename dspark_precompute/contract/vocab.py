@@ -117,6 +117,7 @@ class MaskRule(StrEnum):
 
     nemo = "nemo"  # NeMo AutoModel's: each assistant turn from its role header to its end-of-turn token
     deepspec = "deepspec"  # DeepSpec's: assistant content and end-of-turn token, no header
+    specforge = "specforge"  # SpecForge's qwen template: DeepSpec's spans after its parser's message reduction
 
 
 class Fingerprint(StrEnum):
@@ -153,7 +154,8 @@ class RejectReason(StrEnum):
     NO_SUPERVISED_TOKENS = "no_supervised_tokens"
     """No supervised token left after truncation to seq_length (not counted as invalid)."""
     TOO_FEW_SUPERVISED_TOKENS = "too_few_supervised_tokens"
-    """data.mask_rule=deepspec: fewer supervised tokens than DeepSpec's minimum (14), which it drops as well."""
+    """data.mask_rule=deepspec or specforge: fewer supervised tokens than that trainer's minimum (DeepSpec 14,
+    SpecForge 2), which it drops as well."""
     MASK_OPTION_ERROR = "mask_option_error"
     """data.mask_generation_prompt or mask_reasoning_content could not be applied to this row (rendering a part of
     the conversation failed), so its header or reasoning would have stayed supervised."""

@@ -79,7 +79,9 @@ def provenance_lines(c: CacheReader) -> list[str]:
     if mask:
         rule = {"generation_template": "the template's {% generation %} mask",
                 "nemo_prefix": "NeMo's prefix rule",
-                "deepspec": "DeepSpec's rule (content and end of turn, no header)"}.get(mask["rule"], str(mask["rule"]))
+                "deepspec": "DeepSpec's rule (content and end of turn, no header)",
+                "specforge": "SpecForge's qwen-template rule (content and end of turn, no header)",
+                }.get(mask["rule"], str(mask["rule"]))
         if mask.get("fallback") == "full_render_alignment":
             rule += " (turns a template rewrites are aligned in the full render)"
         masks = (f"{rule}; reasoning masked {'yes' if mask['mask_reasoning_content'] else 'no'}, generation "

@@ -26,6 +26,16 @@ tokens from ``len(tok(text[:start]))`` to ``len(tok(text[:end]))``, i.e. the tur
 content, its ``<|im_end|>`` and the newline after it, never the header; a sample with
 fewer than 14 supervised tokens (its ``--min-loss-tokens`` default) is a
 ``too_few_supervised_tokens`` reject.
+
+``mask_rule="specforge"`` is SpecForge 0.2.0's preparation for its ``qwen`` template
+(``specforge/data/parse.py`` ``GeneralParser``, ``specforge/data/template.py``): the same spans
+and default system prompt, but each message first reduced as its parser reduces it (roles
+``human``/``gpt`` renamed, only ``role``, ``content`` and ``tool_calls`` kept, so reasoning is
+not rendered; leading messages before the first user turn dropped; the conversation cut at a
+tool turn not after an assistant or tool turn, or an assistant turn not after a user or tool
+turn) and fewer than 2 supervised tokens a ``too_few_supervised_tokens`` reject (its DSpark
+minimum; a sample with two supervised tokens under this rule always has two adjacent ones, the
+other filter its DSpark strategy applies).
 """
 
 from __future__ import annotations
@@ -44,7 +54,8 @@ from dspark_precompute.write.data import Conversation, Reason, Reject
 
 GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
-# DeepSpec's "qwen" chat template entry (deepspec/data/parser.py, TEMPLATE_REGISTRY) and its minimum
+# DeepSpec's "qwen" chat template entry (deepspec/data/parser.py, TEMPLATE_REGISTRY) and its minimum; SpecForge's
+# "qwen" entry (specforge/data/template.py) is the same header, end of turn and system prompt
 DEEPSPEC_ASSISTANT_HEADER = "<|im_start|>assistant\n"
 DEEPSPEC_END_OF_TURN = "<|im_end|>\n"
 DEEPSPEC_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -53,11 +64,28 @@ _DEEPSPEC_TURN = re.compile(re.escape(DEEPSPEC_ASSISTANT_HEADER) + r"([\s\S]*?(?
                             + re.escape(DEEPSPEC_END_OF_TURN) + r"|$))")
 
 
+@dataclass(frozen=True)
+class SpanRule:
+    """A trainer's own ChatML preparation: assistant content spans, a default system prompt, a minimum."""
+
+    trainer: str  # whose preparation (named in rejects and errors)
+    system_prompt: str
+    min_supervised: int
+    reduce_messages: bool  # SpecForge's parser: its message reduction and turn-order cut first
+
+
+SPAN_RULES: dict[str, SpanRule] = {
+    "deepspec": SpanRule("DeepSpec", DEEPSPEC_SYSTEM_PROMPT, DEEPSPEC_MIN_SUPERVISED, reduce_messages=False),
+    "specforge": SpanRule("SpecForge", DEEPSPEC_SYSTEM_PROMPT, 2, reduce_messages=True),
+}
+
+
 def mask_rule_problem(template: str, rule: str) -> str | None:
     """Why ``data.mask_rule=rule`` cannot work with this template (None when it can)."""
-    if rule == "deepspec" and DEEPSPEC_ASSISTANT_HEADER.rstrip("\n") not in template:
-        return ("data.mask_rule=deepspec needs a ChatML template (<|im_start|>assistant ... <|im_end|>, DeepSpec's "
-                "'qwen' entry, the only one this tool reproduces); this template has no <|im_start|>assistant "
+    if rule in SPAN_RULES and DEEPSPEC_ASSISTANT_HEADER.rstrip("\n") not in template:
+        return (f"data.mask_rule={rule} needs a ChatML template (<|im_start|>assistant ... <|im_end|>, "
+                f"{SPAN_RULES[rule].trainer}'s 'qwen' entry, the only one this tool reproduces); this template has no "
+                "<|im_start|>assistant "
                 "header. Use data.mask_rule=nemo or a Qwen-style data.chat_template")
     return None
 
@@ -110,15 +138,76 @@ class _MaskOptionFailed(Exception):
     """A mask option (generation prompt, reasoning) could not be applied to the row."""
 
 
-def deepspec_conversation(conv: Conversation) -> Conversation:
+def deepspec_conversation(conv: Conversation, system_prompt: str = DEEPSPEC_SYSTEM_PROMPT) -> Conversation:
     """DeepSpec's system handling: a leading system message is kept (role and content only), else its default added."""
     msgs = conv.messages
     if msgs and msgs[0].get("role") == "system":
         head = [{"role": "system", "content": msgs[0].get("content")}]
         msgs = msgs[1:]
     else:
-        head = [{"role": "system", "content": DEEPSPEC_SYSTEM_PROMPT}]
+        head = [{"role": "system", "content": system_prompt}]
     return Conversation(head + list(msgs), conv.tools)
+
+
+_SPECFORGE_ROLES = {"human": "user", "gpt": "assistant"}
+_SPECFORGE_AFTER = {"tool": ("assistant", "tool"), "assistant": ("user", "tool")}  # a turn -> the turns it may follow
+
+
+def _specforge_tool_calls(calls: Any) -> Any:
+    """SpecForge's ``_sanitize_message`` for ``tool_calls``: a JSON string parsed, each call reduced to id, type and
+    function name and arguments (arguments parsed from a string, ``{}`` where that fails); None drops the key."""
+    if isinstance(calls, str):
+        try:
+            calls = json.loads(calls)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(calls, list):
+        return calls  # kept as it is, as SpecForge keeps it
+    out = []
+    for tc in calls:
+        if not isinstance(tc, dict):
+            continue
+        clean: dict[str, Any] = {"id": tc.get("id", ""), "type": tc.get("type", "function")}
+        func = tc.get("function", {})
+        if isinstance(func, dict):
+            args = func.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    args = {}
+            clean["function"] = {"name": func.get("name", ""), "arguments": args}
+        out.append(clean)
+    return out
+
+
+def _specforge_message(msg: dict[str, Any]) -> dict[str, Any]:
+    """One message as SpecForge's parser renders it: role renamed, content never None, only role/content/tool_calls."""
+    role = msg.get("role", msg.get("from", ""))
+    out = {"role": _SPECFORGE_ROLES.get(role, role), "content": msg.get("content") or msg.get("value") or ""}
+    if "tool_calls" in msg:
+        calls = _specforge_tool_calls(msg["tool_calls"])
+        if calls is not None:
+            out["tool_calls"] = calls
+    return out
+
+
+def specforge_conversation(conv: Conversation, system_prompt: str = DEEPSPEC_SYSTEM_PROMPT) -> Conversation:
+    """SpecForge 0.2.0's ``GeneralParser.parse`` before it renders: the leading system message (else its default),
+    then from the first user turn on, cut at the first turn in an order its parser refuses."""
+    msgs = [_specforge_message(m) for m in conv.messages]
+    if msgs and msgs[0]["role"] == "system":
+        head, msgs = [{"role": "system", "content": msgs[0]["content"]}], msgs[1:]
+    else:
+        head = [{"role": "system", "content": system_prompt}]
+    while msgs and msgs[0]["role"] != "user":
+        msgs = msgs[1:]
+    kept = msgs[:1]
+    for prev, m in zip(msgs, msgs[1:]):
+        if m["role"] in _SPECFORGE_AFTER and prev["role"] not in _SPECFORGE_AFTER[m["role"]]:
+            break
+        kept.append(m)
+    return Conversation(head + kept, conv.tools or None)
 
 
 class _TurnBoundaries:
@@ -181,12 +270,13 @@ class ChatEncoder:
         *,
         mask_rule: str = "nemo",
     ):
-        if mask_rule not in ("nemo", "deepspec"):
-            raise ValueError(f"mask_rule={mask_rule!r} must be 'nemo' or 'deepspec'")
+        if mask_rule != "nemo" and mask_rule not in SPAN_RULES:
+            raise ValueError(f"mask_rule={mask_rule!r} must be one of {['nemo', *SPAN_RULES]}")
         problem = mask_rule_problem(chat_template, mask_rule)
         if problem:
             raise ValueError(problem)
         self.mask_rule = mask_rule
+        self.span_rule = SPAN_RULES.get(mask_rule)
         self.tokenizer = tokenizer
         self.template = chat_template
         self.seq_length = int(seq_length)
@@ -211,8 +301,10 @@ class ChatEncoder:
 
     # -- public -----------------------------------------------------------------------
     def encode(self, conv: Conversation, row: int = -1) -> Encoded | Reject:
-        if self.mask_rule == "deepspec":
-            conv = deepspec_conversation(conv)
+        rule = self.span_rule
+        if rule is not None:
+            reduce = specforge_conversation if rule.reduce_messages else deepspec_conversation
+            conv = reduce(conv, rule.system_prompt)
         try:
             full = self.render(conv.messages, conv.tools)
         except Exception as exc:  # jinja raises many types; the row is what is wrong
@@ -222,13 +314,13 @@ class ChatEncoder:
         try:
             ids, offsets = self.tokenize(full)
             turn_starts: dict[int, int] = {}  # assistant message -> where its turn starts in the full render
-            if self.mask_rule == "deepspec":
-                mask = self._deepspec_mask(full, len(ids))
+            if rule is not None:
+                mask = self._span_mask(full, len(ids))
             elif self.has_generation:
                 mask = self._generation_mask(conv, ids)
             else:
                 mask = self._assistant_mask(conv, full, ids, offsets, turn_starts)
-            if self.mask_generation_prompt and self.mask_rule != "deepspec":  # deepspec never supervises a header
+            if self.mask_generation_prompt and rule is None:  # a span rule never supervises a header
                 self._remove_generation_prompts(conv, full, offsets, mask, turn_starts)
             if self.mask_reasoning_content:
                 self._remove_reasoning(conv, full, ids, mask)
@@ -246,17 +338,18 @@ class ChatEncoder:
                 row, Reason.NO_SUPERVISED_TOKENS,
                 f"no supervised token within the first {self.seq_length} of {n} tokens",
             )
-        if self.mask_rule == "deepspec" and int(mask_arr.sum()) < DEEPSPEC_MIN_SUPERVISED:
+        if rule is not None and int(mask_arr.sum()) < rule.min_supervised:
             return Reject(
                 row, Reason.TOO_FEW_SUPERVISED_TOKENS,
                 f"{int(mask_arr.sum())} supervised tokens within the first {self.seq_length} of {n}, fewer than "
-                f"DeepSpec's minimum of {DEEPSPEC_MIN_SUPERVISED} (data.mask_rule=deepspec)",
+                f"{rule.trainer}'s minimum of {rule.min_supervised} (data.mask_rule={self.mask_rule})",
             )
         return Encoded(ids_arr, mask_arr, n)
 
     # -- masks ------------------------------------------------------------------------
-    def _deepspec_mask(self, full: str, n: int) -> list[int]:
-        """DeepSpec's spans: each turn's content to its end of turn, as token counts of the text before each end."""
+    def _span_mask(self, full: str, n: int) -> list[int]:
+        """DeepSpec's and SpecForge's spans: each turn's content to its end of turn, as token counts of the text
+        before each end."""
         mask = [0] * n
         for m in _DEEPSPEC_TURN.finditer(full):
             s = len(self.tokenizer.encode(full[: m.start(1)], add_special_tokens=False))

@@ -262,7 +262,10 @@ class DataConfig:
     mask_rule: MaskRule = MaskRule.nemo
     """nemo: NeMo AutoModel's rule (each assistant turn from its header to its end of turn); deepspec: DeepSpec's
     (content, end of turn and newline, no header; its default Qwen system prompt where a conversation has none;
-    under 14 supervised tokens rejected; ChatML templates only). Part of the identity when not nemo."""
+    under 14 supervised tokens rejected; ChatML templates only); specforge: SpecForge 0.2.0's preparation for its
+    qwen template (DeepSpec's spans and system prompt after its parser's message reduction: no reasoning rendered,
+    turns before the first user turn dropped, cut at a turn out of order; under 2 supervised tokens rejected).
+    Part of the identity when not nemo."""
     max_samples: int | None = None
     """Keep at most this many rows of the selection; null: all."""
     on_invalid: OnInvalid = OnInvalid.skip
@@ -295,7 +298,7 @@ class DataConfig:
             out.append(f"data.on_invalid={self.on_invalid!r} must be 'skip' or 'error'")
         if self.mask_rule not in MASK_RULES:
             out.append(f"data.mask_rule={self.mask_rule!r} must be one of {list(MASK_RULES)} (nemo: NeMo AutoModel's "
-                       "supervision; deepspec: DeepSpec's)")
+                       "supervision; deepspec: DeepSpec's; specforge: SpecForge's)")
         if not 0.0 <= float(self.max_invalid_fraction) <= 1.0:
             out.append(f"data.max_invalid_fraction={self.max_invalid_fraction} must be in [0, 1]")
         if isinstance(self.max_row_bytes, bool) or not isinstance(self.max_row_bytes, int) or self.max_row_bytes < 1:

@@ -20,7 +20,7 @@ from dspark_precompute.contract.manifest import Capture, MaskPolicy, RunProvenan
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import LastState
 from dspark_precompute.write.capture import decoder_of
-from dspark_precompute.write.chat import DEEPSPEC_MIN_SUPERVISED, DEEPSPEC_SYSTEM_PROMPT, GENERATION_RE
+from dspark_precompute.write.chat import GENERATION_RE, SPAN_RULES
 from dspark_precompute.write.config import TINY, DataConfig, ModelConfig
 from dspark_precompute.write.target import TargetInfo, safetensors_numel_by_dtype
 
@@ -33,12 +33,11 @@ _NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 
 def mask_policy(template: str, data: DataConfig) -> MaskPolicy:
     """The rule :class:`~dspark_precompute.write.chat.ChatEncoder` applies with this template, and the options."""
-    if data.mask_rule == "deepspec":
-        return MaskPolicy(rule="deepspec", fallback=None,
+    if (span := SPAN_RULES.get(str(data.mask_rule))) is not None:
+        return MaskPolicy(rule=str(data.mask_rule), fallback=None,
                           mask_reasoning_content=bool(data.mask_reasoning_content),
                           mask_generation_prompt=bool(data.mask_generation_prompt),
-                          default_system_prompt=DEEPSPEC_SYSTEM_PROMPT,
-                          min_supervised_tokens=DEEPSPEC_MIN_SUPERVISED)
+                          default_system_prompt=span.system_prompt, min_supervised_tokens=span.min_supervised)
     generation = bool(GENERATION_RE.search(template))
     return MaskPolicy(rule="generation_template" if generation else "nemo_prefix",
                       fallback=None if generation else "full_render_alignment",

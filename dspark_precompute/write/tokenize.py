@@ -33,8 +33,8 @@ FILTERED_REASONS = {Reason.NO_SUPERVISED_TOKENS, Reason.TOO_FEW_SUPERVISED_TOKEN
 REJECT_WARN_FRACTION = 0.10  # above this share of rejected rows the run warns, with the likely fixes
 REJECT_FIXES = {
     Reason.NO_SUPERVISED_TOKENS: "raise seq_length (the assistant turns start after the first seq_length tokens)",
-    Reason.TOO_FEW_SUPERVISED_TOKENS: "expected under data.mask_rule=deepspec for short answers (DeepSpec drops "
-                                      "them too); raise seq_length if the answers are cut off",
+    Reason.TOO_FEW_SUPERVISED_TOKENS: "expected under data.mask_rule=deepspec or specforge for short answers (that "
+                                      "trainer drops them too); raise seq_length if the answers are cut off",
     Reason.MASK_OPTION_ERROR: "check data.chat_template against these rows, or turn off data.mask_generation_prompt"
                               " / data.mask_reasoning_content",
     Reason.MALFORMED_JSON: "fix the listed lines of the data file (each must be one JSON object)",

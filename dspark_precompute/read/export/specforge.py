@@ -65,6 +65,10 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
         raise ExportError(f"{n} samples: file names hold {_WIDTH} digits; export at most {10**_WIDTH - 1} samples "
                           "at a time (split the cache's data)")
     notes = ["fp8 states exported dequantized to bf16"] if c.manifest.storage_dtype == "fp8_e4m3" else []
+    mask = c.manifest.capture.mask if c.manifest.capture is not None else None
+    if mask is None or mask.rule != "specforge":
+        notes.append(f"loss masks follow the cache's rule ({mask.rule if mask and mask.rule else 'not recorded'}), "
+                     "not SpecForge's own preparation; precompute with data.mask_rule=specforge for that")
     for note in notes:
         log.info("export specforge: %s", note)
     stage = StagedExport(Path(out), c.path, overwrite, "SpecForge offline features")
