@@ -153,16 +153,19 @@ _SPECFORGE_ROLES = {"human": "user", "gpt": "assistant"}
 _SPECFORGE_AFTER = {"tool": ("assistant", "tool"), "assistant": ("user", "tool")}  # a turn -> the turns it may follow
 
 
+_DROP = object()  # a tool_calls string that is not JSON: SpecForge drops the key
+
+
 def _specforge_tool_calls(calls: Any) -> Any:
     """SpecForge's ``_sanitize_message`` for ``tool_calls``: a JSON string parsed, each call reduced to id, type and
-    function name and arguments (arguments parsed from a string, ``{}`` where that fails); None drops the key."""
+    function name and arguments (arguments parsed from a string, ``{}`` where that fails)."""
     if isinstance(calls, str):
         try:
             calls = json.loads(calls)
         except json.JSONDecodeError:
-            return None
+            return _DROP
     if not isinstance(calls, list):
-        return calls  # kept as it is, as SpecForge keeps it
+        return calls  # kept as it is (None included), as SpecForge keeps it
     out = []
     for tc in calls:
         if not isinstance(tc, dict):
@@ -187,7 +190,7 @@ def _specforge_message(msg: dict[str, Any]) -> dict[str, Any]:
     out = {"role": _SPECFORGE_ROLES.get(role, role), "content": msg.get("content") or msg.get("value") or ""}
     if "tool_calls" in msg:
         calls = _specforge_tool_calls(msg["tool_calls"])
-        if calls is not None:
+        if calls is not _DROP:
             out["tool_calls"] = calls
     return out
 

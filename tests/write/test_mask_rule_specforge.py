@@ -127,6 +127,9 @@ def test_the_reduction_keeps_what_specforges_parser_renders_and_nothing_else():
                                                {"role": "assistant", "content": "a", "tool_calls": "{not json"}],
                                               [{"type": "function"}]))
     assert bad.messages[-1] == {"role": "assistant", "content": "a"} and bad.tools == [{"type": "function"}]
+    none = specforge_conversation(Conversation([{"role": "user", "content": "q"},
+                                                {"role": "assistant", "content": "a", "tool_calls": None}], None))
+    assert none.messages[-1] == {"role": "assistant", "content": "a", "tool_calls": None}  # kept, as SpecForge does
 
 
 def test_specforge_rejects_below_two_supervised_tokens_naming_its_minimum(qwen3_tokenizer):
