@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -19,8 +21,10 @@ SHARED = REPO.parent / "shared" / "data"
 QWEN3_TOKENIZER = SHARED / "tokenizers" / "qwen3"
 CHAT = SHARED / "chat"
 
-# weight hashes are remembered per user: keep the suite's out of the real ~/.cache
-os.environ.setdefault("DSPARK_CACHE_DIR", tempfile.mkdtemp(prefix="dspark-test-hashes-"))
+# weight hashes are remembered per user: keep the suite's out of the real ~/.cache, and remove them when it ends
+if "DSPARK_CACHE_DIR" not in os.environ:
+    os.environ["DSPARK_CACHE_DIR"] = tempfile.mkdtemp(prefix="dspark-test-hashes-")
+    atexit.register(shutil.rmtree, os.environ["DSPARK_CACHE_DIR"], ignore_errors=True)
 
 
 def compose(overrides: list[str] | None = None):
