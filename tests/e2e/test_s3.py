@@ -8,6 +8,7 @@ the environment exactly as on a real cluster.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -331,3 +332,31 @@ def test_a_shard_larger_than_a_part_goes_up_in_parts_and_a_kill_mid_upload_leave
     assert again.returncode == 0, again.stderr[-3000:]
     assert store.fs.size(f"{store.root}/{layer}/c.0.0") > 5 << 20  # more than one part
     assert_same_through_the_reader(url, str(local))
+
+
+def _asyncio_errors_to_stderr(_: int) -> None:
+    """In a worker, asyncio's error log (where aiohttp reports unclosed sessions) goes to stderr, not to the pytest
+    capture handler the fork copied."""
+    logging.getLogger("asyncio").addHandler(logging.StreamHandler(sys.__stderr__))
+    gc.set_threshold(1, 1, 1)  # what a worker drops is collected at once, as a long-running worker's would be
+
+
+def test_workers_stopped_mid_epoch_leave_the_parents_bucket_sessions_alone(bucket, local_reference, capfd):
+    """A forked worker re-opens the cache; the handle it inherited is never collected there (collecting it dropped
+    the parent's aiohttp sessions: "Unclosed client session" on stderr each time a worker stopped)."""
+    from dspark_precompute.read.training import build_dataloader
+
+    local = Path(local_reference)
+    url = f"s3://{bucket}/copy"
+    remote = CacheStore(url)
+    for f in local.rglob("*"):
+        if f.is_file() and not f.name.startswith("."):
+            remote.write_bytes(f.relative_to(local).as_posix(), f.read_bytes())
+    capfd.readouterr()
+    loader = build_dataloader(url, batch_size=1, shuffle="block", seed=3, num_workers=2,
+                              worker_init_fn=_asyncio_errors_to_stderr)
+    it = iter(loader)
+    assert all(next(it)["input_ids"].shape[0] == 1 for _ in range(3))
+    del it, loader  # a training loop that breaks out: the workers stop mid-epoch
+    gc.collect()
+    assert "Unclosed client session" not in capfd.readouterr().err
