@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 from helpers import QWEN3_TOKENIZER, compose, small
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _subprocess_tmpdir(tmp_path_factory):
+    """Commands the tests start (and SIGKILL) keep their temporaries (multiprocessing's pymp-*, torchrun's
+    torchelastic_*) under pytest's own rotated base directory, not in /tmp; this process's tempdir is unchanged."""
+    tempfile.gettempdir()  # fixed for this process before TMPDIR changes
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("subprocess_tmp")))
+    yield
+    mp.undo()
 
 
 @pytest.fixture
