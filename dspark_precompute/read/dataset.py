@@ -61,7 +61,7 @@ class CacheDataset(Dataset[dict[str, torch.Tensor]]):
         self.manifest = opened.manifest
         self._state = {**opened._handle_state(), "chunk_cache_bytes": chunk_cache_bytes}
         self._cache: CacheReader | None = opened
-        self._inherited: CacheReader | None = None
+        self._inherited: list[CacheReader] = []  # handles of the processes above this one (see cache)
         self._pid = os.getpid()
 
     @property
@@ -69,10 +69,10 @@ class CacheDataset(Dataset[dict[str, torch.Tensor]]):
         """This process's handle (re-opened after a fork or unpickling: no zarr state is shared)."""
         if self._cache is None or self._pid != os.getpid():
             if self._cache is not None:
-                # the parent's handle, inherited through fork: kept (never used) for this process's life, since
-                # collecting it here would drop the parent's object-store sessions, each reported by aiohttp as
-                # "Unclosed client session" when a worker stops
-                self._inherited = self._cache
+                # the parent's handle, inherited through fork: kept (never used) for this process's life, as are
+                # those it inherited itself, since collecting one here would drop another process's object-store
+                # sessions, each reported by aiohttp as "Unclosed client session" when a worker stops
+                self._inherited.append(self._cache)
             self._cache = CacheReader._reopen(self._state)
             self._pid = os.getpid()
         return self._cache
@@ -91,7 +91,7 @@ class CacheDataset(Dataset[dict[str, torch.Tensor]]):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_cache"] = None
-        state["_inherited"] = None
+        state["_inherited"] = []
         return state
 
     def collator(self, pad_to: int | None = None, pad_to_multiple_of: int | None = None) -> PadCollator:

@@ -30,8 +30,9 @@ fewer than 14 supervised tokens (its ``--min-loss-tokens`` default) is a
 ``mask_rule="specforge"`` is SpecForge 0.2.0's preparation for its ``qwen`` template
 (``specforge/data/parse.py`` ``GeneralParser``, ``specforge/data/template.py``): the same spans
 and default system prompt, but each message first reduced as its parser reduces it (roles
-``human``/``gpt`` renamed, only ``role``, ``content`` and ``tool_calls`` kept, so reasoning is
-not rendered; leading messages before the first user turn dropped; the conversation cut at a
+``human``/``gpt`` renamed, only ``role``, ``content`` and ``tool_calls`` kept, so a message's
+``reasoning_content`` is not rendered (reasoning written inline in the content is); leading
+messages before the first user turn dropped; the conversation cut at a
 tool turn not after an assistant or tool turn, or an assistant turn not after a user or tool
 turn) and fewer than 2 supervised tokens a ``too_few_supervised_tokens`` reject (its DSpark
 minimum; a sample with two supervised tokens under this rule always has two adjacent ones, the

@@ -263,7 +263,7 @@ class DataConfig:
     """nemo: NeMo AutoModel's rule (each assistant turn from its header to its end of turn); deepspec: DeepSpec's
     (content, end of turn and newline, no header; its default Qwen system prompt where a conversation has none;
     under 14 supervised tokens rejected; ChatML templates only); specforge: SpecForge 0.2.0's preparation for its
-    qwen template (DeepSpec's spans and system prompt after its parser's message reduction: no reasoning rendered,
+    qwen template (DeepSpec's spans and system prompt after its parser's message reduction: no reasoning_content,
     turns before the first user turn dropped, cut at a turn out of order; under 2 supervised tokens rejected).
     Part of the identity when not nemo."""
     max_samples: int | None = None
@@ -299,6 +299,10 @@ class DataConfig:
         if self.mask_rule not in MASK_RULES:
             out.append(f"data.mask_rule={self.mask_rule!r} must be one of {list(MASK_RULES)} (nemo: NeMo AutoModel's "
                        "supervision; deepspec: DeepSpec's; specforge: SpecForge's)")
+        elif self.mask_rule == MaskRule.specforge and self.mask_reasoning_content:
+            out.append("data.mask_reasoning_content=true does nothing under data.mask_rule=specforge: SpecForge's "
+                       "parser drops every message's reasoning_content before it renders (reasoning written inline "
+                       "in the content stays supervised, as there); leave it false")
         if not 0.0 <= float(self.max_invalid_fraction) <= 1.0:
             out.append(f"data.max_invalid_fraction={self.max_invalid_fraction} must be in [0, 1]")
         if isinstance(self.max_row_bytes, bool) or not isinstance(self.max_row_bytes, int) or self.max_row_bytes < 1:

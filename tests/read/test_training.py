@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from collections import Counter
 from pathlib import Path
@@ -129,6 +130,35 @@ def test_the_dataset_pickles_without_open_handles_and_reads_the_same_after(defau
     assert back[3]["target_hidden_states"].shape[1] == 64  # one layer of 64
     with pytest.raises(ValueError, match="were not captured"):
         CacheDataset(result.path, layers=[7])
+
+
+def test_a_forked_process_reads_through_its_own_handle_and_keeps_every_inherited_one(default_run):
+    """Each process re-opens the cache; the handles of the processes above it stay referenced there (collecting one
+    would close another process's object-store sessions), the parent's and the grandparent's alike."""
+    _, result = default_run
+    ds = CacheDataset(result.path, layers=[2])
+    first = ds[3]
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child, then grandchild: each reads, then reports what it holds
+        code = 1
+        try:
+            same = all(torch.equal(ds[3][k], first[k]) for k in first)
+            if os.fork() == 0:
+                same = same and all(torch.equal(ds[3][k], first[k]) for k in first)
+                held = [id(h) for h in ds._inherited]
+                os.write(write_fd, json.dumps({"same": same, "held": held, "own": id(ds._cache)}).encode())
+            else:
+                os.wait()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    report = json.loads(os.read(read_fd, 4096))
+    os.waitpid(pid, 0)
+    assert report["same"] and len(report["held"]) == 2 and report["held"][0] == id(ds._cache)
+    assert report["own"] not in report["held"] and ds._inherited == []  # the parent itself holds nothing extra
+    assert pickle.loads(pickle.dumps(ds))._inherited == []
 
 
 def test_the_token_budget_sampler_keeps_every_batch_within_budget_and_every_sample_once():

@@ -162,3 +162,11 @@ def test_the_specforge_rule_is_recorded_and_its_export_says_whose_masks_it_holds
     other = export(nemo.path, tmp_path / "other", to="specforge", progress=False)
     assert any("rule (nemo_prefix), not SpecForge's own preparation; precompute with data.mask_rule=specforge" in n
                for n in other.notes)
+
+
+def test_masking_reasoning_under_the_specforge_rule_is_refused_before_anything_loads(tmp_path):
+    from dspark_precompute.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.mask_reasoning_content=true does nothing under "
+                                          r"data.mask_rule=specforge"):
+        compose(small(tmp_path, "data.mask_rule=specforge", "data.mask_reasoning_content=true"))
