@@ -45,6 +45,7 @@ import bisect
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,30 +66,6 @@ _DEEPSPEC_TURN = re.compile(re.escape(DEEPSPEC_ASSISTANT_HEADER) + r"([\s\S]*?(?
                             + re.escape(DEEPSPEC_END_OF_TURN) + r"|$))")
 
 
-@dataclass(frozen=True)
-class SpanRule:
-    """A trainer's own ChatML preparation: assistant content spans, a default system prompt, a minimum."""
-
-    trainer: str  # whose preparation (named in rejects and errors)
-    system_prompt: str
-    min_supervised: int
-    reduce_messages: bool  # SpecForge's parser: its message reduction and turn-order cut first
-
-
-SPAN_RULES: dict[str, SpanRule] = {
-    "deepspec": SpanRule("DeepSpec", DEEPSPEC_SYSTEM_PROMPT, DEEPSPEC_MIN_SUPERVISED, reduce_messages=False),
-    "specforge": SpanRule("SpecForge", DEEPSPEC_SYSTEM_PROMPT, 2, reduce_messages=True),
-}
-
-
-def mask_rule_problem(template: str, rule: str) -> str | None:
-    """Why ``data.mask_rule=rule`` cannot work with this template (None when it can)."""
-    if rule in SPAN_RULES and DEEPSPEC_ASSISTANT_HEADER.rstrip("\n") not in template:
-        return (f"data.mask_rule={rule} needs a ChatML template (<|im_start|>assistant ... <|im_end|>, "
-                f"{SPAN_RULES[rule].trainer}'s 'qwen' entry, the only one this tool reproduces); this template has no "
-                "<|im_start|>assistant "
-                "header. Use data.mask_rule=nemo or a Qwen-style data.chat_template")
-    return None
 
 
 def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str:
@@ -197,13 +174,10 @@ def _specforge_message(msg: dict[str, Any]) -> dict[str, Any]:
 
 
 def specforge_conversation(conv: Conversation, system_prompt: str = DEEPSPEC_SYSTEM_PROMPT) -> Conversation:
-    """SpecForge 0.2.0's ``GeneralParser.parse`` before it renders: the leading system message (else its default),
-    then from the first user turn on, cut at the first turn in an order its parser refuses."""
-    msgs = [_specforge_message(m) for m in conv.messages]
-    if msgs and msgs[0]["role"] == "system":
-        head, msgs = [{"role": "system", "content": msgs[0]["content"]}], msgs[1:]
-    else:
-        head = [{"role": "system", "content": system_prompt}]
+    """SpecForge 0.2.0's ``GeneralParser.parse`` before it renders: its messages, DeepSpec's system handling (the
+    same in both), then from the first user turn on, cut at the first turn in an order its parser refuses."""
+    reduced = Conversation([_specforge_message(m) for m in conv.messages], conv.tools or None)
+    head, *msgs = deepspec_conversation(reduced, system_prompt).messages
     while msgs and msgs[0]["role"] != "user":
         msgs = msgs[1:]
     kept = msgs[:1]
@@ -211,7 +185,33 @@ def specforge_conversation(conv: Conversation, system_prompt: str = DEEPSPEC_SYS
         if m["role"] in _SPECFORGE_AFTER and prev["role"] not in _SPECFORGE_AFTER[m["role"]]:
             break
         kept.append(m)
-    return Conversation(head + kept, conv.tools or None)
+    return Conversation([head, *kept], reduced.tools)
+
+
+@dataclass(frozen=True)
+class SpanRule:
+    """A trainer's own ChatML preparation: how it reduces a conversation, the assistant content spans, a default
+    system prompt, a minimum of supervised tokens."""
+
+    trainer: str  # whose preparation (named in rejects and errors)
+    reduce: Callable[[Conversation, str], Conversation]
+    system_prompt: str
+    min_supervised: int
+
+
+SPAN_RULES: dict[str, SpanRule] = {
+    "deepspec": SpanRule("DeepSpec", deepspec_conversation, DEEPSPEC_SYSTEM_PROMPT, DEEPSPEC_MIN_SUPERVISED),
+    "specforge": SpanRule("SpecForge", specforge_conversation, DEEPSPEC_SYSTEM_PROMPT, 2),
+}
+
+
+def mask_rule_problem(template: str, rule: str) -> str | None:
+    """Why ``data.mask_rule=rule`` cannot work with this template (None when it can)."""
+    if rule in SPAN_RULES and DEEPSPEC_ASSISTANT_HEADER.rstrip("\n") not in template:
+        return (f"data.mask_rule={rule} needs a ChatML template (<|im_start|>assistant ... <|im_end|>, "
+                f"{SPAN_RULES[rule].trainer}'s 'qwen' entry, the only one this tool reproduces); this template has no "
+                "<|im_start|>assistant header. Use data.mask_rule=nemo or a Qwen-style data.chat_template")
+    return None
 
 
 class _TurnBoundaries:
@@ -307,8 +307,7 @@ class ChatEncoder:
     def encode(self, conv: Conversation, row: int = -1) -> Encoded | Reject:
         rule = self.span_rule
         if rule is not None:
-            reduce = specforge_conversation if rule.reduce_messages else deepspec_conversation
-            conv = reduce(conv, rule.system_prompt)
+            conv = rule.reduce(conv, rule.system_prompt)
         try:
             full = self.render(conv.messages, conv.tools)
         except Exception as exc:  # jinja raises many types; the row is what is wrong

@@ -89,6 +89,16 @@ def local_reference(tmp_path_factory):
     return str(path)
 
 
+def copy_to_bucket(local: str, bucket: str) -> tuple[str, CacheStore]:
+    """A finished local cache copied file by file into ``s3://bucket/copy``: its URL and store."""
+    url = f"s3://{bucket}/copy"
+    remote = CacheStore(url)
+    for f in Path(local).rglob("*"):
+        if f.is_file() and not f.name.startswith("."):
+            remote.write_bytes(f.relative_to(local).as_posix(), f.read_bytes())
+    return url, remote
+
+
 def every_array(cache) -> dict[str, np.ndarray]:
     """Every zarr array of an open cache, through the reader's own group."""
     out: dict[str, np.ndarray] = {}
@@ -256,15 +266,10 @@ def test_the_s3_storage_group_composes_with_the_storage_keys(s3_endpoint, monkey
 
 
 def test_a_chunk_object_missing_from_a_bucket_is_a_missing_chunk_error_not_zeros(bucket, local_reference):
-    from pathlib import Path
 
     from dspark_precompute.errors import MissingChunkError
 
-    url = f"s3://{bucket}/copy"
-    remote = CacheStore(url)
-    for f in Path(local_reference).rglob("*"):
-        if f.is_file() and not f.name.startswith("."):
-            remote.write_bytes(f.relative_to(local_reference).as_posix(), f.read_bytes())
+    url, remote = copy_to_bucket(local_reference, bucket)
     ref = open_cache(local_reference)
     layer = ref.array_names[str(ref.layer_ids[0])]
     remote.delete(f"{layer}/c.0.0")  # unit 0's shard object
@@ -285,11 +290,7 @@ def test_the_loader_reads_a_bucket_ahead_into_the_same_batches_as_on_disk(bucket
     """Two workers, each fetching the chunks of its next batches ahead within a byte and request bound."""
     from dspark_precompute.read.training import build_dataloader
 
-    url = f"s3://{bucket}/copy"
-    remote = CacheStore(url)
-    for f in Path(local_reference).rglob("*"):
-        if f.is_file() and not f.name.startswith("."):
-            remote.write_bytes(f.relative_to(local_reference).as_posix(), f.read_bytes())
+    url, remote = copy_to_bucket(local_reference, bucket)
     kw = dict(batch_size=2, shuffle=shuffle, seed=3, block_chunks=1, window_blocks=2)
     local = list(build_dataloader(local_reference, **kw))
     for workers in (0, 2):
@@ -346,12 +347,7 @@ def test_workers_stopped_mid_epoch_leave_the_parents_bucket_sessions_alone(bucke
     the parent's aiohttp sessions: "Unclosed client session" on stderr each time a worker stopped)."""
     from dspark_precompute.read.training import build_dataloader
 
-    local = Path(local_reference)
-    url = f"s3://{bucket}/copy"
-    remote = CacheStore(url)
-    for f in local.rglob("*"):
-        if f.is_file() and not f.name.startswith("."):
-            remote.write_bytes(f.relative_to(local).as_posix(), f.read_bytes())
+    url, _ = copy_to_bucket(local_reference, bucket)
     capfd.readouterr()
     loader = build_dataloader(url, batch_size=1, shuffle="block", seed=3, num_workers=2,
                               worker_init_fn=_asyncio_errors_to_stderr)

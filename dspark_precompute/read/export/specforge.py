@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dspark_precompute.contract.vocab import MaskRule
 from dspark_precompute.errors import ExportError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.read.export.common import (
@@ -66,7 +67,7 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
                           "at a time (split the cache's data)")
     notes = ["fp8 states exported dequantized to bf16"] if c.manifest.storage_dtype == "fp8_e4m3" else []
     mask = c.manifest.capture.mask if c.manifest.capture is not None else None
-    if mask is None or mask.rule != "specforge":
+    if mask is None or mask.rule != MaskRule.specforge:
         notes.append(f"loss masks follow the cache's rule ({mask.rule if mask and mask.rule else 'not recorded'}), "
                      "not SpecForge's own preparation; precompute with data.mask_rule=specforge for that")
     for note in notes:
