@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.3.0"
+from dspark_precompute.version import __version__
 
 if TYPE_CHECKING:  # the real objects, for type checkers and IDEs; at run time __getattr__ imports them on use
     from dspark_precompute.read.plot import plot_cache
     from dspark_precompute.read.reader import Cache, CacheReader, open_cache
     from dspark_precompute.read.training import build_dataloader
-    from dspark_precompute.write.config import PrecomputeConfig, compose
+    from dspark_precompute.write.config.compose import compose
+    from dspark_precompute.write.config.schema import PrecomputeConfig
     from dspark_precompute.write.dryrun import DryRunPlan
     from dspark_precompute.write.run import RunResult
 
@@ -40,8 +41,8 @@ _LAZY = {
     "open_cache": "dspark_precompute.read.reader",
     "plot_cache": "dspark_precompute.read.plot",
     "build_dataloader": "dspark_precompute.read.training",
-    "compose": "dspark_precompute.write.config",
-    "PrecomputeConfig": "dspark_precompute.write.config",
+    "compose": "dspark_precompute.write.config.compose",
+    "PrecomputeConfig": "dspark_precompute.write.config.schema",
     "DryRunPlan": "dspark_precompute.write.dryrun",
     "RunResult": "dspark_precompute.write.run",
 }

@@ -88,7 +88,7 @@ BENCH_CONF = REPO / "scripts" / "conf"  # the benchmark targets (model=bench_tin
 
 def compose(overrides: list[str]):
     """The typed config for ``overrides``, composed by Hydra exactly as the CLI does (plus scripts/conf)."""
-    from dspark_precompute.write.config import compose as compose_config
+    from dspark_precompute.write.config.compose import compose as compose_config
 
     return compose_config([f"hydra.searchpath=[file://{BENCH_CONF}]", *overrides])
 
@@ -223,8 +223,8 @@ def make_case(target: str, seq: int, rows: int | None, data: Path | None, workdi
     import numpy as np
 
     from dspark_precompute.contract.layout import build_layout
-    from dspark_precompute.write.batching import make_batches
-    from dspark_precompute.write.plan import prepare
+    from dspark_precompute.write.plan.prepare import prepare
+    from dspark_precompute.write.store.batching import make_batches
 
     group = TARGETS.get(target, target)
     overrides = tool_overrides(group, data, seq, rows, workdir / "prep", device, dtype, extra)
@@ -250,14 +250,14 @@ def make_case(target: str, seq: int, rows: int | None, data: Path | None, workdi
 
 def tokenize_samples(plan: Any) -> tuple[list, int, int]:
     """The package's own tokenization of the selection: (samples in selection order, rows, rejects)."""
-    from dspark_precompute.write.tokenize import tokenize
+    from dspark_precompute.write.samples.tokenize import tokenize
 
-    tok = tokenize(plan)
+    tok = tokenize(plan.encoding, plan.cfg.data)
     return [tok.encoded[i] for i in range(len(tok.lengths))], int(tok.rows_in), len(tok.rejects)
 
 
 def load_model(case: Case) -> Any:
-    from dspark_precompute.write.target import load_target
+    from dspark_precompute.write.target.load import load_target
 
     p = case.plan
     return _count_lm_head(load_target(case.cfg.model, p.target, len(p.tokenizer), p.device, p.compute_dtype))
@@ -288,7 +288,7 @@ def run_tool(case: Case, path: Path) -> dict[str, Any]:
 def limit_inputs(case: Case) -> list[tuple[Any, Any]]:
     """The tool's forward inputs, built by the pipeline's own ``batch_inputs`` (right-padded, no mask),
     so the limit always runs exactly the tool's forward."""
-    from dspark_precompute.write.batching import batch_inputs
+    from dspark_precompute.write.store.batching import batch_inputs
 
     device = case.plan.device
     ids_of = {i: s.input_ids for i, s in enumerate(case.samples)}
@@ -299,7 +299,7 @@ def run_limit(model: Any, inputs: list[tuple[Any, Any]], device: Any) -> dict[st
     """Bare decoder forward (no hooks, no lm_head, no copies, no writes) over ``inputs``."""
     import torch
 
-    from dspark_precompute.write.capture import decoder_of
+    from dspark_precompute.write.target.capture import decoder_of
 
     decoder = decoder_of(model)
     _sync(device)
@@ -317,7 +317,7 @@ def run_limit(model: Any, inputs: list[tuple[Any, Any]], device: Any) -> dict[st
 
 def _nemo_capture(model: Any, layer_ids: list[int]):
     """Hooks as in NeMo's HFDSparkTargetModel.generate_batch: layers, embeddings, final norm."""
-    from dspark_precompute.write.capture import decoder_of
+    from dspark_precompute.write.target.capture import decoder_of
 
     dec = decoder_of(model)
     last = len(dec.layers) - 1

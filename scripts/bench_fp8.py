@@ -139,7 +139,7 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from dspark_precompute import open_cache
-    from dspark_precompute.write.precision import precision_check
+    from dspark_precompute.write.rerun.precision import precision_check
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_fp8-"))
     workdir.mkdir(parents=True, exist_ok=True)

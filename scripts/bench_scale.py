@@ -243,7 +243,7 @@ def capacity_example(samples: int = 1_000_000, mean: int = 330, seq: int = 4096,
     from dspark_precompute.contract.inventory import inventory
     from dspark_precompute.contract.layout import build_layout
     from dspark_precompute.contract.spec import auto_chunk_tokens, unit_tokens
-    from dspark_precompute.write.config import StorageConfig
+    from dspark_precompute.write.config.schema import StorageConfig
 
     row = 4 + 1 + arrays * hidden * 2  # ids int32, mask uint8, the hidden arrays bf16: what plan.py sums
     chunk = auto_chunk_tokens(hidden, 2)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark: the tool's tokenization (``tokenize(plan)``) in one process vs ``data.num_workers`` processes.
+"""Benchmark: the tool's tokenization (``tokenize(plan.encoding, plan.cfg.data)``) in one process vs ``data.num_workers`` processes.
 
 ``python scripts/bench.py tokenize --json out.json`` builds a JSONL of the shared chat mix
 repeated ``--factor`` times (so the pool has rows past the first 2,000 that are always
@@ -35,16 +35,16 @@ def make_data(src: Path, factor: int, out: Path) -> int:
 
 
 def run_once(data: Path, workers: int, tokenizer: Path, seq: int) -> tuple[float, Any]:
-    from dspark_precompute.write.config import compose
-    from dspark_precompute.write.plan import prepare
-    from dspark_precompute.write.tokenize import tokenize
+    from dspark_precompute.write.config.compose import compose
+    from dspark_precompute.write.plan.prepare import prepare
+    from dspark_precompute.write.samples.tokenize import tokenize
 
     cfg = compose(["data=jsonl", f"data.path={data}", f"model.tokenizer={tokenizer}", f"seq_length={seq}",
                    f"data.num_workers={workers}", "progress=false", "log_level=WARNING",
                    f"storage.path={data.parent / 'unused-cache'}"])
     plan = prepare(cfg)
     t0 = time.perf_counter()
-    tok = tokenize(plan)
+    tok = tokenize(plan.encoding, plan.cfg.data)
     return time.perf_counter() - t0, tok
 
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    from dspark_precompute.write.processes import available_cores
+    from dspark_precompute.write.parallel.processes import available_cores
 
     counts = [int(x) for x in args.workers.split(",")] if args.workers else [max(2, available_cores())]
     with tempfile.TemporaryDirectory(prefix="dspark-tok-bench-") as tmp:

@@ -37,11 +37,11 @@ from dspark_precompute.contract.commits import CommitRecord  # noqa: E402
 from dspark_precompute.contract.layout import build_layout  # noqa: E402
 from dspark_precompute.contract.spec import HIDDEN_GROUP  # noqa: E402
 from dspark_precompute.contract.store import CacheStore  # noqa: E402
-from dspark_precompute.write.allocate import allocate  # noqa: E402
-from dspark_precompute.write.config import StorageConfig  # noqa: E402
-from dspark_precompute.write.processes import available_cores  # noqa: E402
-from dspark_precompute.write.specs import token_array_specs  # noqa: E402
-from dspark_precompute.write.writer import UnitWriter  # noqa: E402
+from dspark_precompute.write.config.schema import StorageConfig  # noqa: E402
+from dspark_precompute.write.parallel.processes import available_cores  # noqa: E402
+from dspark_precompute.write.plan.array_specs import token_array_specs  # noqa: E402
+from dspark_precompute.write.store.allocate import allocate  # noqa: E402
+from dspark_precompute.write.store.writer import UnitWriter  # noqa: E402
 
 CODECS = {  # name -> (compressor, level, shuffle)
     "blosc_zstd-1": ("blosc_zstd", 1, "byte"),

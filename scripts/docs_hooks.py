@@ -2,7 +2,7 @@
 
 ``<!-- generated: NAME -->`` in a page is replaced by the table ``NAME`` builds: the manifest's fields
 (``contract/manifest.py`` FIELDS), the reject reasons (``contract/vocab.py``), and the configuration
-reference (the dataclasses of ``write/config.py``, their defaults and the comment or docstring beside
+reference (the dataclasses of ``write/config/schema.py``, their defaults and the comment or docstring beside
 each field).
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->")
-CONFIG_PY = Path(__file__).resolve().parents[1] / "dspark_precompute" / "write" / "config.py"
+CONFIG_PY = Path(__file__).resolve().parents[1] / "dspark_precompute" / "write" / "config" / "schema.py"
 
 
 def _manifest_fields() -> str:
@@ -86,7 +86,7 @@ def _sections(prefix: str, cls: type) -> list[tuple[str, type]]:
 
 
 def _config_reference() -> str:
-    from dspark_precompute.write import config
+    from dspark_precompute.write.config import schema as config
 
     comments = _comments(CONFIG_PY)
     parts = []

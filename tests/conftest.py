@@ -73,8 +73,8 @@ def both_states_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def saved_target(tmp_path_factory):
     """The tiny random Qwen3 and its tokenizer saved as a Hugging Face directory (safetensors)."""
-    from dspark_precompute.write import tiny
-    from dspark_precompute.write.config import RandomTargetConfig
+    from dspark_precompute.write.config.schema import RandomTargetConfig
+    from dspark_precompute.write.target import tiny
 
     d = tmp_path_factory.mktemp("tiny_hf")
     tok = tiny.build_tokenizer()

@@ -29,7 +29,7 @@ if "DSPARK_CACHE_DIR" not in os.environ:
 
 def compose(overrides: list[str] | None = None):
     """The typed config for ``overrides`` as the CLI would build it (ConfigError listing every problem)."""
-    from dspark_precompute.write.config import compose as compose_config
+    from dspark_precompute.write.config.compose import compose as compose_config
 
     return compose_config(overrides)
 
@@ -107,7 +107,7 @@ def assert_same_cache(a: str, b: str, *, process_counts: bool = False) -> None:
 
 def poison_second_batch(monkeypatch) -> None:
     """The first real token of the second forward batch gets an Inf in its first captured layer."""
-    from dspark_precompute.write.capture import HiddenStateCapture
+    from dspark_precompute.write.target.capture import HiddenStateCapture
 
     real = HiddenStateCapture.__call__
     calls = {"n": 0}

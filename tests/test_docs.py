@@ -23,9 +23,9 @@ def _hooks():
 
 
 def test_every_config_key_has_a_meaning_in_the_generated_reference():
-    from dspark_precompute.write import config
+    from dspark_precompute.write.config import schema as config
 
-    comments = _hooks()._comments(ROOT / "dspark_precompute" / "write" / "config.py")
+    comments = _hooks()._comments(ROOT / "dspark_precompute" / "write" / "config" / "schema.py")
     classes = [config.PrecomputeConfig, config.ModelConfig, config.RandomTargetConfig, config.DataConfig,
                config.StorageConfig, config.CaptureConfig, config.BatchConfig, config.PlanConfig]
     undocumented = [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls)

@@ -72,14 +72,14 @@ def _verify(args: argparse.Namespace) -> int:
     common = {"seed": args.seed, "device": args.device, "model": args.model,
               "trust_remote_code": args.trust_remote_code}
     if args.recompute > 0:
-        from dspark_precompute.write.recompute import recompute
+        from dspark_precompute.write.rerun.recompute import recompute
 
         r = _rerun(report, "recompute", lambda: recompute(args.path, args.recompute, tolerance=args.tolerance,
                                                           **common))
         if r is not None:
             report.recomputed, report.recompute_exact, report.recompute_max_steps = r.recomputed, r.exact, r.max_steps
     if args.teacher > 0:
-        from dspark_precompute.write.teacher import teacher_check
+        from dspark_precompute.write.rerun.teacher import teacher_check
 
         t = _rerun(report, "teacher", lambda: teacher_check(
             args.path, args.teacher, min_top1=args.teacher_min_top1, max_tv=args.teacher_max_tv,
@@ -90,7 +90,7 @@ def _verify(args: argparse.Namespace) -> int:
             report.teacher_tv_mean, report.teacher_tv_max = t.tv_mean, t.tv_max
             report.teacher_rel_error_mean, report.teacher_rel_error_max = t.rel_error_mean, t.rel_error_max
     if args.precision > 0:
-        from dspark_precompute.write.precision import precision_check
+        from dspark_precompute.write.rerun.precision import precision_check
 
         pr = _rerun(report, "precision", lambda: precision_check(
             args.path, args.precision, max_rel_rms=args.precision_max_rel_rms, min_top1=args.teacher_min_top1,
@@ -300,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         log.addHandler(h)
     log.setLevel(logging.INFO if args.verbose else logging.WARNING)
-    from dspark_precompute.write import signals
+    from dspark_precompute import signals
 
     previous = signals.install()
     try:
@@ -326,7 +326,7 @@ def console() -> None:
     process at once instead of printing a KeyboardInterrupt from an exit hook.
     """
     code = main()
-    from dspark_precompute.write import signals
+    from dspark_precompute import signals
 
     signals.exiting()
     sys.exit(code)

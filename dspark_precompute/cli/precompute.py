@@ -28,7 +28,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dspark_precompute.errors import ConfigError, DsparkError, StoppedBySignal
-from dspark_precompute.write.config import CONF_DIR, composition_problem, register_configs
+from dspark_precompute.write.config.compose import CONF_DIR, composition_problem, register_configs
 
 log = logging.getLogger("dspark_precompute")
 
@@ -36,8 +36,8 @@ log = logging.getLogger("dspark_precompute")
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _app(dcfg: DictConfig) -> None:
     """One job, in this process or in a launcher's (a submitit task runs this function, not ``main``)."""
-    from dspark_precompute.write import signals
-    from dspark_precompute.write.config import from_dictconfig
+    from dspark_precompute import signals
+    from dspark_precompute.write.config.compose import from_dictconfig
     from dspark_precompute.write.run import run
 
     provenance = _provenance(dcfg)  # in memory, now: Hydra's files on disk may belong to another run
@@ -143,7 +143,7 @@ def main() -> None:
     ``sys.argv`` is read, never changed: a torchrun rank > 0 hands Hydra a copy with its extra
     overrides, and the caller's list is back in place when this returns or raises.
     """
-    from dspark_precompute.write import signals
+    from dspark_precompute import signals
 
     signals.install()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HF tokenizers and our helper processes

@@ -6,7 +6,7 @@
 token and per group of ``g`` channels (``g`` = ``storage.fp8_group``, or the whole row when it
 is null) in ``hidden_scales/<array>`` (shape ``[token, hidden / g]``, the same chunk rows).
 
-Writing (``write/transfer.py``, on the device, in float32)::
+Writing (``write/store/transfer.py``, on the device, in float32)::
 
     amax[t, k]  = max |x[t, k*g:(k+1)*g]|                      (x in the compute dtype, as float32)
     scale[t, k] = 1                       if amax == 0         (zero rows: dequantize to exact zeros)

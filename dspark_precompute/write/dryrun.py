@@ -26,12 +26,12 @@ from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS,
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import DsparkError
 from dspark_precompute.humanize import human_bytes
-from dspark_precompute.write import resume
-from dspark_precompute.write.batching import make_batches
-from dspark_precompute.write.config import PrecomputeConfig, StorageConfig
-from dspark_precompute.write.plan import Plan, prepare
-from dspark_precompute.write.target import parameter_count
-from dspark_precompute.write.tokenize import reason_counts, tokenize, warn_about_rejects
+from dspark_precompute.write.config.schema import PrecomputeConfig, StorageConfig
+from dspark_precompute.write.plan import resume
+from dspark_precompute.write.plan.prepare import Plan, prepare
+from dspark_precompute.write.samples.tokenize import reason_counts, tokenize, warn_about_rejects
+from dspark_precompute.write.store.batching import make_batches
+from dspark_precompute.write.target.load import parameter_count
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
     """Plan the run ``cfg`` describes: everything that needs no weights, nothing written. Logs the report."""
     plan = prepare(cfg, fingerprint=False)
     state = storage_state(plan)
-    tok = tokenize(plan)
+    tok = tokenize(plan.encoding, plan.cfg.data)
     warn_about_rejects(tok)
     layout = build_layout(tok.lengths, plan.chunk_tokens, plan.unit_tokens)
     t = plan.target

@@ -38,17 +38,23 @@ from dspark_precompute.errors import (
 )
 from dspark_precompute.faults import fault_point
 from dspark_precompute.humanize import human_bytes
-from dspark_precompute.write import resume
-from dspark_precompute.write.allocate import allocate, write_tokens
-from dspark_precompute.write.capture import export_weights
-from dspark_precompute.write.config import PrecomputeConfig
-from dspark_precompute.write.data import Reject
-from dspark_precompute.write.distributed import Coordinator, Ranks, assign_units, init_ranks
-from dspark_precompute.write.forward import ForwardLoop, torch_dtype
-from dspark_precompute.write.plan import Plan, prepare
-from dspark_precompute.write.provenance import run_record, with_loaded_model
-from dspark_precompute.write.target import load_target
-from dspark_precompute.write.tokenize import Tokenized, ensure_encoded, reason_counts, tokenize, warn_about_rejects
+from dspark_precompute.write.config.schema import PrecomputeConfig
+from dspark_precompute.write.parallel.distributed import Coordinator, Ranks, assign_units, init_ranks
+from dspark_precompute.write.plan import resume
+from dspark_precompute.write.plan.prepare import Plan, prepare
+from dspark_precompute.write.plan.provenance import run_record, with_loaded_model
+from dspark_precompute.write.samples.data import Reject
+from dspark_precompute.write.samples.tokenize import (
+    Tokenized,
+    ensure_encoded,
+    reason_counts,
+    tokenize,
+    warn_about_rejects,
+)
+from dspark_precompute.write.store.allocate import allocate, write_tokens
+from dspark_precompute.write.store.forward import ForwardLoop, torch_dtype
+from dspark_precompute.write.target.capture import export_weights
+from dspark_precompute.write.target.load import load_target
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +120,8 @@ class _Samples:
         if self.stored is not None:
             return self.stored.ids(units)
         assert self.tok is not None
-        ensure_encoded(plan, self.tok, {int(s) for u in units for s in self.layout.unit_order[u]})
+        wanted = {int(s) for u in units for s in self.layout.unit_order[u]}
+        ensure_encoded(plan.encoding, plan.cfg.data, self.tok, wanted)
         return {s: e.input_ids for s, e in self.tok.encoded.items()}
 
     def rejects(self) -> bytes:
@@ -186,7 +193,7 @@ class _Run:
             log.info("resuming %s: samples and tokens read back from the cache (%d samples, %.1f s)", self.plan.path,
                      manifest.stored_samples, self.timing["read_tokens_s"])
             return _Samples(stored.layout, manifest.counts, stored.tables, stored=stored)
-        tok = tokenize(self.plan, self.ranks)
+        tok = tokenize(self.plan.encoding, self.plan.cfg.data, self.ranks)
         self.timing["tokenize_s"] = time.perf_counter() - t0
         if self.ranks.main:
             warn_about_rejects(tok)
@@ -271,7 +278,7 @@ class _Run:
         t0 = time.perf_counter()
         share = assign_units(layout.unit_stop - layout.unit_start, ranks.world)[ranks.rank]
         assert samples.tok is not None
-        ensure_encoded(plan, samples.tok, {int(s) for u in share for s in layout.unit_order[u]})
+        ensure_encoded(plan.encoding, plan.cfg.data, samples.tok, {int(s) for u in share for s in layout.unit_order[u]})
         try:
             nbytes = ranks.together(lambda: write_tokens(self.store, layout, plan.cfg.storage, plan.specs,
                                                          samples.tok.encoded if samples.tok else {}, share))

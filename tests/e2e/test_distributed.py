@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from helpers import assert_same_cache, compose, small
 
-from dspark_precompute.write.distributed import assign_units
+from dspark_precompute.write.parallel.distributed import assign_units
 from dspark_precompute.write.run import run
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024")

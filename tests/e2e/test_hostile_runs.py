@@ -17,11 +17,11 @@ import torch
 from helpers import assert_same_cache, compose, small
 
 from dspark_precompute.errors import ConfigError, DataError, ForeignDirectoryError, IncompatibleCacheError
-from dspark_precompute.write import tiny
-from dspark_precompute.write.config import ModelConfig, RandomTargetConfig
-from dspark_precompute.write.plan import prepare
+from dspark_precompute.write.config.schema import ModelConfig, RandomTargetConfig
+from dspark_precompute.write.plan.prepare import prepare
 from dspark_precompute.write.run import run
-from dspark_precompute.write.target import (
+from dspark_precompute.write.target import tiny
+from dspark_precompute.write.target.load import (
     fingerprint_files,
     fit_problem,
     inspect_target,
@@ -258,7 +258,7 @@ def test_one_changed_value_in_the_middle_of_the_weights_refuses_a_complete_and_a
 def test_weight_hashes_are_remembered_and_redone_when_a_file_changes(tmp_path, big_target, monkeypatch):
     import shutil
 
-    import dspark_precompute.write.target as target_mod
+    import dspark_precompute.write.target.load as target_mod
 
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "hashes"))
     weights = tmp_path / "model.safetensors"
@@ -298,14 +298,14 @@ QWEN_DIMS = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 300}
 ])
 def test_targets_that_cannot_run_here_are_refused_naming_the_route(tmp_path, monkeypatch, config, words):
     monkeypatch.setattr("dspark_precompute.write.run.load_target", lambda *a, **k: pytest.fail("weights loaded"))
-    monkeypatch.setattr("dspark_precompute.write.plan.load_tokenizer", lambda cfg: tiny.build_tokenizer())
+    monkeypatch.setattr("dspark_precompute.write.plan.prepare.load_tokenizer", lambda cfg: tiny.build_tokenizer())
     d = model_dir(tmp_path, "t", config)
     with pytest.raises(ConfigError, match=words):
         run(compose(small(tmp_path, f"model.path={d}")))
 
 
 def test_a_checkpoint_with_only_pickled_weights_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr("dspark_precompute.write.plan.load_tokenizer", lambda cfg: tiny.build_tokenizer())
+    monkeypatch.setattr("dspark_precompute.write.plan.prepare.load_tokenizer", lambda cfg: tiny.build_tokenizer())
     d = model_dir(tmp_path, "t", {"model_type": "qwen3", **QWEN_DIMS}, files=("pytorch_model.bin",))
     with pytest.raises(ConfigError, match="only pickled weights"):
         prepare(compose(small(tmp_path, f"model.path={d}")))
@@ -327,7 +327,7 @@ def test_weights_that_do_not_fit_in_memory_are_refused_before_loading(tmp_path, 
     gpu = fit_problem(cfg, info, torch.device("cuda", 0), torch.bfloat16,
                       {"host": 1 << 40, "device": need // 8, "all_gpus": need // 4})
     assert "larger than one node" in gpu
-    monkeypatch.setattr("dspark_precompute.write.target._host_available", lambda: need // 3)
+    monkeypatch.setattr("dspark_precompute.write.target.load._host_available", lambda: need // 3)
     monkeypatch.setattr("dspark_precompute.write.run.load_target", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(ConfigError, match="host memory"):
         run(compose(small(tmp_path, f"model.path={big_target}")))

@@ -10,7 +10,7 @@ import pytest
 from helpers import CONF, REPO, compose, small
 
 from dspark_precompute.errors import ConfigError
-from dspark_precompute.write.plan import default_storage_path
+from dspark_precompute.write.plan.prepare import default_storage_path
 
 BENCH_CONF = REPO / "scripts" / "conf"  # the benchmark targets, composable with hydra.searchpath
 # group options that leave a required key (???) to the command line, and a value for it
@@ -64,7 +64,7 @@ def test_every_launcher_option_reaches_hydra_with_each_value_its_file_sets(optio
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from dspark_precompute.write.config import CONF_DIR, register_configs
+    from dspark_precompute.write.config.compose import CONF_DIR, register_configs
 
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the launchers need hydra-submitit-launcher "
                         "(pip install 'dspark-precompute[slurm]')")

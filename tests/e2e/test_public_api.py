@@ -20,7 +20,8 @@ def test_the_public_names_import_and_importing_the_package_alone_loads_neither_t
         from dspark_precompute import {", ".join(PUBLIC)}, RunResult, DryRunPlan
         from dspark_precompute.read.reader import open_cache as real_open
         from dspark_precompute.read.training import build_dataloader as real_loader
-        from dspark_precompute.write.config import PrecomputeConfig as real_config, compose as real_compose
+        from dspark_precompute.write.config.compose import compose as real_compose
+        from dspark_precompute.write.config.schema import PrecomputeConfig as real_config
         assert (open_cache, build_dataloader, compose, PrecomputeConfig) == (real_open, real_loader, real_compose,
                                                                              real_config)
         # run's annotations name the exported objects
@@ -61,7 +62,7 @@ def test_a_type_checker_sees_the_real_signatures_of_the_public_names(tmp_path):
                            str(tmp_path / "cache"), str(tmp_path / "snippet.py")],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     out = proc.stdout
-    for line, revealed in ((4, '"dspark_precompute.write.config.PrecomputeConfig"'),
+    for line, revealed in ((4, '"dspark_precompute.write.config.schema.PrecomputeConfig"'),
                            (5, '"dspark_precompute.write.run.RunResult | dspark_precompute.write.dryrun.DryRunPlan"'),
                            (6, '"def () -> str"'),
                            (7, '"dspark_precompute.read.loader.CacheLoader"')):

@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 from dspark_precompute import open_cache
 from dspark_precompute.contract.lock import WriterLock
 from dspark_precompute.errors import CacheFormatError, ConfigError, DsparkError, LockedError, StorageWriteError
-from dspark_precompute.write import tiny
-from dspark_precompute.write.chat import ChatEncoder
-from dspark_precompute.write.data import RawRow, Reject, normalize
-from dspark_precompute.write.plan import prepare
+from dspark_precompute.write.plan.prepare import prepare
 from dspark_precompute.write.run import run
-from dspark_precompute.write.tokenize import tokenize
+from dspark_precompute.write.samples.chat import ChatEncoder
+from dspark_precompute.write.samples.data import RawRow, Reject, normalize
+from dspark_precompute.write.samples.tokenize import tokenize
+from dspark_precompute.write.target import tiny
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024", "data.max_samples=16")
 
@@ -113,7 +113,7 @@ def test_a_kill_with_three_writers_then_a_resume_with_one_gives_the_uninterrupte
 
 
 def test_three_writers_and_two_tokenizers_write_the_same_bytes_as_one_of_each(tmp_path, reference, monkeypatch):
-    from dspark_precompute.write import tokenize as tokenize_module
+    from dspark_precompute.write.samples import tokenize as tokenize_module
     monkeypatch.setattr(tokenize_module, "START_ROWS", 4)
     monkeypatch.setattr(tokenize_module, "INLINE_ROWS", 4)  # the pool takes every row after the fourth
     run(compose(small(tmp_path, *UNITS, "storage.writers=3", "data.num_workers=2", name="c")))
@@ -261,7 +261,7 @@ def test_pipeline_accounting_holds_for_random_garbage_files(tmp_path):
     data.write_bytes(b"\n".join(lines) + b"\n")
     plan = prepare(compose(small(tmp_path, f"data.path={data}", "data.max_samples=null",
                                  "data.max_invalid_fraction=1")))
-    tok = tokenize(plan)
+    tok = tokenize(plan.encoding, plan.cfg.data)
     assert tok.rows_in == 200 == len(tok.lengths) + len(tok.rejects)
     assert len(tok.rejects) > 10
 
@@ -280,7 +280,7 @@ def test_unsupported_and_multimodal_targets_are_refused_before_weights_load(tmp_
     vlm = write_model_dir(tmp_path / "vlm", {"model_type": "llava", "vision_config": {}, "text_config": {
         "num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 10}})
     for d, what in ((bert, "not a decoder-only LM"), (vlm, "multimodal")):
-        monkeypatch.setattr("dspark_precompute.write.plan.load_tokenizer", lambda cfg: tiny.build_tokenizer())
+        monkeypatch.setattr("dspark_precompute.write.plan.prepare.load_tokenizer", lambda cfg: tiny.build_tokenizer())
         with pytest.raises(ConfigError, match=what):
             run(compose(small(tmp_path, f"model.path={d}")))
 
@@ -289,4 +289,5 @@ def test_nothing_in_the_package_unpickles_or_calls_torch_load():
     src = "\n".join(p.read_text() for p in (REPO / "dspark_precompute").rglob("*.py"))
     for banned in ("torch.load(", "pickle.load", "pickle.loads(", "allow_pickle=True", "joblib.load"):
         assert banned not in src, banned
-    assert re.search(r"use_safetensors\W+True", (REPO / "dspark_precompute" / "write" / "target.py").read_text())
+    load = REPO / "dspark_precompute" / "write" / "target" / "load.py"
+    assert re.search(r"use_safetensors\W+True", load.read_text())

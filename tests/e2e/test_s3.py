@@ -253,7 +253,7 @@ def test_a_killed_run_in_a_bucket_resumes_bit_identical(bucket, local_reference,
 def test_the_s3_storage_group_composes_with_the_storage_keys(s3_endpoint, monkeypatch):
     cfg = compose(["storage=s3"])
     assert cfg.storage.root.startswith("s3://") and cfg.storage.path is None
-    from dspark_precompute.write.plan import default_storage_path
+    from dspark_precompute.write.plan.prepare import default_storage_path
 
     assert default_storage_path(cfg).startswith(cfg.storage.root.rstrip("/") + "/")
     monkeypatch.setenv("DSPARK_S3_ROOT", "s3://my-bucket/team/caches")

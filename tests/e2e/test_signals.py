@@ -11,7 +11,7 @@ import pytest
 SHUTDOWN_UNDER_SIGNAL = """
 import os, signal, threading, time
 from concurrent.futures import ThreadPoolExecutor
-from dspark_precompute.write import signals
+from dspark_precompute import signals
 
 signals.install()
 pool = ThreadPoolExecutor(1)
@@ -39,7 +39,7 @@ def test_without_the_exit_handler_the_same_signal_prints_a_traceback():
 def test_the_cache_command_exits_with_mains_status_and_arms_the_shutdown_handler(tmp_path):
     code = ("import signal, sys\n"
             "from dspark_precompute.cli import cache\n"
-            "from dspark_precompute.write import signals\n"
+            "from dspark_precompute import signals\n"
             f"sys.argv = ['dspark-cache', 'info', {str(tmp_path / 'none')!r}]\n"
             "try:\n"
             "    cache.console()\n"

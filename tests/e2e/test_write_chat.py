@@ -12,9 +12,9 @@ import pytest
 from helpers import chat_rows
 from test_chat import _NO_PROMPT, BIG, conv_of, generation_wrapped, nemo_prefix_mask
 
-from dspark_precompute.write import tiny
-from dspark_precompute.write.chat import ChatEncoder
-from dspark_precompute.write.data import Conversation, Reject
+from dspark_precompute.write.samples.chat import ChatEncoder
+from dspark_precompute.write.samples.data import Conversation, Reject
+from dspark_precompute.write.target import tiny
 
 
 def test_multi_turn_masks_equal_nemo_where_its_rule_works_and_never_abort(qwen3_tokenizer):

@@ -14,7 +14,7 @@ import torch
 from helpers import compose, small
 
 from dspark_precompute.errors import ConfigError
-from dspark_precompute.write.config import from_dict
+from dspark_precompute.write.config.compose import from_dict
 
 
 def cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -13,10 +13,10 @@ from pathlib import Path
 from helpers import compose, small
 from test_dry_run import assert_plan_matches
 
-from dspark_precompute.write import tiny
-from dspark_precompute.write.config import RandomTargetConfig
+from dspark_precompute.write.config.schema import RandomTargetConfig
 from dspark_precompute.write.dryrun import dry_run
 from dspark_precompute.write.run import run
+from dspark_precompute.write.target import tiny
 
 
 def test_a_dry_run_writes_nothing_but_hydras_output_directory(tmp_path):

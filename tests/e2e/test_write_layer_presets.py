@@ -9,8 +9,8 @@ import torch
 from helpers import compose, small
 
 from dspark_precompute import open_cache
-from dspark_precompute.write import tiny
 from dspark_precompute.write.run import run
+from dspark_precompute.write.target import tiny
 
 
 def test_a_servable_cache_stores_no_minus_1_or_n_minus_1_and_keeps_the_post_norm_state_apart(tmp_path):

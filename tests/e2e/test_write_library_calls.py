@@ -37,7 +37,7 @@ CALLER = textwrap.dedent("""
 
     import dspark_precompute
     import dspark_precompute.write.run as run_module
-    from dspark_precompute.write.config import compose
+    from dspark_precompute.write.config.compose import compose
 
     during = set()
     real = run_module.fault_point
@@ -76,8 +76,9 @@ def test_a_library_run_leaves_the_callers_logging_signal_handlers_and_multiproce
 @pytest.mark.parametrize("how", ["ctrl_c", "exception"])
 def test_an_interrupted_library_run_raises_to_the_caller_and_leaves_no_lock_helper_process_or_shared_memory(
         tmp_path, monkeypatch, how):
-    from dspark_precompute.write import forward, processes
     from dspark_precompute.write import run as run_module
+    from dspark_precompute.write.parallel import processes
+    from dspark_precompute.write.store import forward
 
     cfg = compose(small(tmp_path, "storage.chunk_tokens=256", "storage.unit_tokens=512"))
     handlers = []

@@ -22,8 +22,8 @@ from helpers import REPO, assert_same_cache, compose, poison_second_batch, small
 from dspark_precompute import open_cache
 from dspark_precompute.contract import spec as fmt
 from dspark_precompute.errors import IncompatibleCacheError
-from dspark_precompute.write import tiny
 from dspark_precompute.write.run import run
+from dspark_precompute.write.target import tiny
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024")
 
@@ -87,7 +87,7 @@ def test_data_changed_under_the_same_path_is_refused_and_overwrite_replaces(tmp_
 def test_a_sample_with_inf_states_is_dropped_accounted_and_never_read(tmp_path, default_run, monkeypatch):
     from dspark_precompute.read.export import export_nemo
     from dspark_precompute.read.verify import verify_cache
-    from dspark_precompute.write.recompute import open_stored
+    from dspark_precompute.write.rerun.recompute import open_stored
 
     _, ref = default_run
     poison_second_batch(monkeypatch)

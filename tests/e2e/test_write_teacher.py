@@ -16,11 +16,11 @@ from helpers import compose, small
 
 from dspark_precompute import open_cache
 from dspark_precompute.cli.cache import main
-from dspark_precompute.write import tiny
-from dspark_precompute.write.config import RandomTargetConfig
-from dspark_precompute.write.recompute import recompute
+from dspark_precompute.write.config.schema import RandomTargetConfig
+from dspark_precompute.write.rerun.recompute import recompute
+from dspark_precompute.write.rerun.teacher import teacher_check
 from dspark_precompute.write.run import run
-from dspark_precompute.write.teacher import teacher_check
+from dspark_precompute.write.target import tiny
 
 
 def test_a_final_state_taken_before_the_norm_is_named_as_such(default_run, cache_copy):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from helpers import chat_rows
 
-from dspark_precompute.write import tiny
-from dspark_precompute.write.chat import ChatEncoder
-from dspark_precompute.write.data import Conversation, RawRow, Reject, normalize
+from dspark_precompute.write.samples.chat import ChatEncoder
+from dspark_precompute.write.samples.data import Conversation, RawRow, Reject, normalize
+from dspark_precompute.write.target import tiny
 
 BIG = 1 << 20
 

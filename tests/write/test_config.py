@@ -8,8 +8,9 @@ import pytest
 from helpers import compose, small
 
 from dspark_precompute.errors import ConfigError
-from dspark_precompute.write.config import PrecomputeConfig, from_dict
-from dspark_precompute.write.plan import prepare
+from dspark_precompute.write.config.compose import from_dict
+from dspark_precompute.write.config.schema import PrecomputeConfig
+from dspark_precompute.write.plan.prepare import prepare
 
 
 def test_from_dict_checks_types_and_values_together():
@@ -39,7 +40,7 @@ def test_what_this_machine_says_about_a_path_is_checked_by_the_run_not_while_com
 
     def boom(*a, **k):
         raise AssertionError("the tokenizer or weights were loaded although the paths were refused")
-    monkeypatch.setattr("dspark_precompute.write.plan.load_tokenizer", boom)
+    monkeypatch.setattr("dspark_precompute.write.plan.prepare.load_tokenizer", boom)
     with pytest.raises(ConfigError) as err:
         prepare(cfg)
     text = str(err.value)

@@ -16,8 +16,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from dspark_precompute.errors import ConfigError, DataError, InvalidRowError
-from dspark_precompute.write.config import DataConfig
-from dspark_precompute.write.data import (
+from dspark_precompute.write.config.schema import DataConfig
+from dspark_precompute.write.plan.prepare import prepare
+from dspark_precompute.write.run import run
+from dspark_precompute.write.samples.data import (
     DataSource,
     RawRow,
     Reject,
@@ -27,9 +29,7 @@ from dspark_precompute.write.data import (
     record_size,
     resolve_source,
 )
-from dspark_precompute.write.plan import prepare
-from dspark_precompute.write.run import run
-from dspark_precompute.write.tokenize import tokenize
+from dspark_precompute.write.samples.tokenize import tokenize
 
 
 def reason(record) -> str:
@@ -107,7 +107,8 @@ def rows_of(path, **cfg):
 
 
 def run_tokenize(tmp_path, path, *extra):
-    return tokenize(prepare(compose(small(tmp_path, f"data.path={path}", "data.max_samples=null", *extra))))
+    plan = prepare(compose(small(tmp_path, f"data.path={path}", "data.max_samples=null", *extra)))
+    return tokenize(plan.encoding, plan.cfg.data)
 
 
 # item 1: a row larger than data.max_row_bytes is a typed reject, read past in bounded memory

@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from dspark_precompute.write.capture import HiddenStateCapture  # noqa: E402
-from dspark_precompute.write.config import ModelConfig  # noqa: E402
-from dspark_precompute.write.target import inspect_target, load_target, load_tokenizer  # noqa: E402
+from dspark_precompute.write.config.schema import ModelConfig  # noqa: E402
+from dspark_precompute.write.target.capture import HiddenStateCapture  # noqa: E402
+from dspark_precompute.write.target.load import inspect_target, load_target, load_tokenizer  # noqa: E402
 
 LAYERS = [-1, 0, 2, 3]  # embeddings, decoder layers, and the final post-norm output
 

@@ -15,9 +15,9 @@ import dspark_precompute
 from dspark_precompute import open_cache
 from dspark_precompute.contract import spec as fmt
 from dspark_precompute.errors import ConfigError
-from dspark_precompute.write import tiny
 from dspark_precompute.write.dryrun import DryRunPlan, dry_run
 from dspark_precompute.write.run import run
+from dspark_precompute.write.target import tiny
 
 TABLES = (*fmt.SAMPLE_ARRAYS, *fmt.UNIT_ARRAYS)
 
@@ -64,7 +64,8 @@ def assert_plan_matches(plan: DryRunPlan, path: str) -> None:
 
 def test_a_dry_run_predicts_the_real_runs_counts_and_exact_uncompressed_bytes(default_run, monkeypatch):
     cfg, result = default_run
-    monkeypatch.setattr("dspark_precompute.write.target.load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr("dspark_precompute.write.target.load.load_target",
+                        lambda *a, **k: pytest.fail("weights loaded"))
     plan = dry_run(dataclasses.replace(cfg, dry_run=True))
     assert_plan_matches(plan, result.path)
     assert "complete: the run would have nothing to do" in plan.storage_state

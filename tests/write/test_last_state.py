@@ -15,8 +15,8 @@ from helpers import compose, small
 from dspark_precompute import open_cache
 from dspark_precompute.errors import IncompatibleCacheError
 from dspark_precompute.read.training import build_dataloader
-from dspark_precompute.write import tiny
 from dspark_precompute.write.run import run
+from dspark_precompute.write.target import tiny
 
 
 def target_states(cfg, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module]:

@@ -10,8 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dspark_precompute.errors import ConfigError, IncompatibleCacheError
-from dspark_precompute.write.config import ModelConfig
-from dspark_precompute.write.layers import default_layer_ids, preset_layer_ids, resolve_layer_ids, servable_layer_ids
+from dspark_precompute.write.config.layers import (
+    default_layer_ids,
+    preset_layer_ids,
+    resolve_layer_ids,
+    servable_layer_ids,
+)
+from dspark_precompute.write.config.schema import ModelConfig
 from dspark_precompute.write.run import run
 
 
@@ -83,7 +88,7 @@ def test_resuming_with_another_layer_preset_is_refused_naming_it(default_run, no
 
 
 def test_a_derived_storage_path_separates_presets_and_keeps_the_default_path():
-    from dspark_precompute.write.plan import default_storage_path
+    from dspark_precompute.write.plan.prepare import default_storage_path
 
     base = compose(["seq_length=256"])
     same = compose(["seq_length=256", "model.layer_preset=nemo"])

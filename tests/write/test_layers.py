@@ -1,7 +1,7 @@
 import pytest
 
 from dspark_precompute.errors import ConfigError
-from dspark_precompute.write.layers import default_layer_ids, layer_id_problems, resolve_layer_ids
+from dspark_precompute.write.config.layers import default_layer_ids, layer_id_problems, resolve_layer_ids
 
 
 @pytest.mark.parametrize("n,k,expected", [

@@ -21,7 +21,7 @@ def test_the_package_helper_server_is_its_own_and_closes(tmp_path):
     """Helper processes fork from a server the package owns, never multiprocessing's module-wide one."""
     from multiprocessing import forkserver
 
-    from dspark_precompute.write import processes
+    from dspark_precompute.write.parallel import processes
 
     before = forkserver._forkserver._forkserver_pid, list(forkserver._forkserver._preload_modules)
     with processes.HelperServer(preload=["json"]) as server:
@@ -37,7 +37,7 @@ def test_the_package_helper_server_is_its_own_and_closes(tmp_path):
 
 
 def test_the_shared_helper_server_stops_on_shutdown_and_starts_again_with_the_next_helper():
-    from dspark_precompute.write import processes
+    from dspark_precompute.write.parallel import processes
 
     ctx = processes.context()
     p = ctx.Process(target=os.write, args=(1, b""), daemon=True)

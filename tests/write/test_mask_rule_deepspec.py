@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from helpers import chat_rows, compose, small
 
-from dspark_precompute.write.chat import ChatEncoder
-from dspark_precompute.write.data import Conversation, RawRow, Reject, normalize
+from dspark_precompute.write.samples.chat import ChatEncoder
+from dspark_precompute.write.samples.data import Conversation, RawRow, Reject, normalize
 
 BIG = 1 << 20
 SYSTEM = "You are a helpful assistant."
@@ -104,7 +104,7 @@ def test_deepspec_keeps_a_conversations_own_system_prompt_and_adds_its_default_o
 
 
 def test_deepspec_rule_needs_a_chatml_template():
-    from dspark_precompute.write import tiny
+    from dspark_precompute.write.target import tiny
 
     with pytest.raises(ValueError, match="data.mask_rule=deepspec needs a ChatML template"):
         ChatEncoder(tiny.build_tokenizer(), "{% for m in messages %}{{ m.content }}{% endfor %}", 64,
@@ -114,7 +114,7 @@ def test_deepspec_rule_needs_a_chatml_template():
 def test_the_rule_is_in_the_cache_identity_only_when_not_nemo_and_the_manifest_records_it(tmp_path):
     from dspark_precompute import open_cache
     from dspark_precompute.read.export import export
-    from dspark_precompute.write.plan import prepare
+    from dspark_precompute.write.plan.prepare import prepare
     from dspark_precompute.write.run import run
 
     default = prepare(compose(small(tmp_path, name="a")))

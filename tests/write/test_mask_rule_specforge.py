@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from helpers import chat_rows, compose, small
 
-from dspark_precompute.write.chat import ChatEncoder, specforge_conversation
-from dspark_precompute.write.data import Conversation, RawRow, Reject, normalize
+from dspark_precompute.write.samples.chat import ChatEncoder, specforge_conversation
+from dspark_precompute.write.samples.data import Conversation, RawRow, Reject, normalize
 
 BIG = 1 << 20
 SYSTEM = "You are a helpful assistant."

@@ -13,10 +13,10 @@ from dspark_precompute import open_cache
 from dspark_precompute.cli.cache import main
 from dspark_precompute.contract.commits import CommitRecord
 from dspark_precompute.contract.store import CacheStore
-from dspark_precompute.write import tiny
-from dspark_precompute.write.config import DataConfig, ModelConfig, RandomTargetConfig
-from dspark_precompute.write.provenance import mask_policy, run_record, weights_dtype
-from dspark_precompute.write.target import inspect_target
+from dspark_precompute.write.config.schema import DataConfig, ModelConfig, RandomTargetConfig
+from dspark_precompute.write.plan.provenance import mask_policy, run_record, weights_dtype
+from dspark_precompute.write.target import tiny
+from dspark_precompute.write.target.load import inspect_target
 
 
 def test_a_finished_cache_records_the_post_norm_state_its_norm_class_preset_masks_and_weights(default_run):

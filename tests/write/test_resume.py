@@ -16,8 +16,8 @@ from helpers import REPO, assert_same_cache, compose, small
 from dspark_precompute.contract.commits import committed_units
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, IncompatibleCacheError
-from dspark_precompute.write import tokenize as tokenize_module
 from dspark_precompute.write.run import run
+from dspark_precompute.write.samples import tokenize as tokenize_module
 
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024", "data.max_samples=16")
 

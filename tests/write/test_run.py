@@ -12,11 +12,11 @@ from helpers import compose, small
 from dspark_precompute import open_cache
 from dspark_precompute.contract import spec as fmt
 from dspark_precompute.errors import ConfigError, IncompatibleCacheError
-from dspark_precompute.write import tiny
-from dspark_precompute.write.chat import ChatEncoder
-from dspark_precompute.write.config import DataConfig
-from dspark_precompute.write.data import normalize, read_rows, resolve_source
+from dspark_precompute.write.config.schema import DataConfig
 from dspark_precompute.write.run import run
+from dspark_precompute.write.samples.chat import ChatEncoder
+from dspark_precompute.write.samples.data import normalize, read_rows, resolve_source
+from dspark_precompute.write.target import tiny
 
 
 def test_sample_i_is_row_i_of_the_selection_whatever_order_batches_ran_in(default_run):

@@ -14,8 +14,8 @@ from helpers import compose, small
 from dspark_precompute import open_cache
 from dspark_precompute.errors import ConfigError, IncompatibleCacheError
 from dspark_precompute.write.dryrun import dry_run
-from dspark_precompute.write.plan import prepare
-from dspark_precompute.write.recompute import recompute
+from dspark_precompute.write.plan.prepare import prepare
+from dspark_precompute.write.rerun.recompute import recompute
 from dspark_precompute.write.run import run
 
 FP8 = ["storage.chunk_tokens=256", "storage.unit_tokens=1024", "storage.dtype=fp8_e4m3", "storage.fp8_group=16"]
@@ -36,8 +36,8 @@ def test_fp8_settings_are_all_checked_before_weights_load(tmp_path):
 
 def test_an_fp8_group_that_does_not_divide_a_checkpoints_hidden_size_is_listed_with_the_other_problems(tmp_path):
     """For a target on disk the hidden size is known only once its config is read: still before weights load."""
-    from dspark_precompute.write import tiny
-    from dspark_precompute.write.config import RandomTargetConfig
+    from dspark_precompute.write.config.schema import RandomTargetConfig
+    from dspark_precompute.write.target import tiny
 
     tok = tiny.build_tokenizer()
     src = tmp_path / "target"

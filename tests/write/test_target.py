@@ -8,10 +8,10 @@ import torch
 from helpers import compose, small
 
 from dspark_precompute import open_cache
-from dspark_precompute.write import tiny
-from dspark_precompute.write.capture import HiddenStateCapture, export_weights
-from dspark_precompute.write.config import RandomTargetConfig
+from dspark_precompute.write.config.schema import RandomTargetConfig
 from dspark_precompute.write.run import run
+from dspark_precompute.write.target import tiny
+from dspark_precompute.write.target.capture import HiddenStateCapture, export_weights
 
 
 def hf_states(model, ids: torch.Tensor) -> tuple:

@@ -11,9 +11,9 @@ import zarr
 
 from dspark_precompute import open_cache
 from dspark_precompute.cli.cache import main
-from dspark_precompute.write import tiny
-from dspark_precompute.write.recompute import sample_positions
-from dspark_precompute.write.teacher import teacher_check
+from dspark_precompute.write.rerun.recompute import sample_positions
+from dspark_precompute.write.rerun.teacher import teacher_check
+from dspark_precompute.write.target import tiny
 
 
 def test_positions_are_seeded_distinct_and_spread_over_the_readable_samples():
@@ -76,12 +76,12 @@ def test_the_teacher_check_takes_no_remote_code_or_path_from_the_cache(cache_cop
     (cache_copy / "manifest.json").write_text(json.dumps(m))
     seen = {}
     # every check that reruns the target loads it there
-    real = __import__("dspark_precompute.write.recompute", fromlist=["load_target"]).load_target
+    real = __import__("dspark_precompute.write.rerun.recompute", fromlist=["load_target"]).load_target
 
     def spy(cfg, *a, **k):
         seen["trust"] = cfg.trust_remote_code
         return real(cfg, *a, **k)
-    monkeypatch.setattr("dspark_precompute.write.recompute.load_target", spy)
+    monkeypatch.setattr("dspark_precompute.write.rerun.recompute.load_target", spy)
     r = teacher_check(str(cache_copy), 16)
     assert seen["trust"] is False and r.problems == []
     assert any("loads without it" in n for n in r.notes)

@@ -11,14 +11,15 @@ from helpers import CHAT, QWEN3_TOKENIZER, compose, small
 
 from dspark_precompute import faults
 from dspark_precompute.errors import DataError, InvalidRowError
-from dspark_precompute.write import tokenize as tk
-from dspark_precompute.write.data import Reject
-from dspark_precompute.write.plan import prepare
+from dspark_precompute.write.plan.prepare import prepare
+from dspark_precompute.write.samples import tokenize as tk
+from dspark_precompute.write.samples.data import Reject
 
 
 def tokenized(tmp_path, workers: int, *extra: str) -> tk.Tokenized:
     cfg = compose(small(tmp_path, "data.max_samples=null", f"data.num_workers={workers}", *extra))
-    return tk.tokenize(prepare(cfg))
+    plan = prepare(cfg)
+    return tk.tokenize(plan.encoding, plan.cfg.data)
 
 
 def inline_and_pooled(tmp_path, monkeypatch, workers: int, *extra: str) -> tuple[tk.Tokenized, tk.Tokenized]:
@@ -26,8 +27,8 @@ def inline_and_pooled(tmp_path, monkeypatch, workers: int, *extra: str) -> tuple
     plan = prepare(compose(small(tmp_path, "data.max_samples=null", *extra)))
     out = []
     for n in (0, workers):
-        monkeypatch.setattr(tk, "tokenizing_workers", lambda _plan, n=n: n)
-        out.append(tk.tokenize(plan))
+        monkeypatch.setattr(tk, "tokenizing_workers", lambda _data, n=n: n)
+        out.append(tk.tokenize(plan.encoding, plan.cfg.data))
     return out[0], out[1]
 
 
@@ -132,9 +133,9 @@ class _SlowPool:
 
 
 def _encode_all(plan, workers):
-    from dspark_precompute.write.data import iter_rows, resolve_source
+    from dspark_precompute.write.samples.data import iter_rows, resolve_source
     rows = enumerate(iter_rows(resolve_source(plan.cfg.data.path), plan.cfg.data))
-    return list(tk.encode_selection(plan, rows, workers=workers))
+    return list(tk.encode_selection(plan.encoding, plan.cfg.data, rows, workers=workers))
 
 
 def test_rows_are_encoded_here_while_the_workers_start_and_the_pool_takes_over_once_ready(tmp_path, monkeypatch):
@@ -178,7 +179,7 @@ def test_a_worker_that_fails_to_start_is_a_data_error_not_a_hang(tmp_path, small
 
 
 def test_real_workers_take_over_once_ready_and_give_the_same_rows(tmp_path, monkeypatch):
-    from dspark_precompute.write import encode
+    from dspark_precompute.write.samples import encode
 
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     data = tmp_path / "many.jsonl"
@@ -205,7 +206,7 @@ def test_real_workers_take_over_once_ready_and_give_the_same_rows(tmp_path, monk
 
 
 def test_a_pool_closed_while_its_workers_start_leaves_no_process_or_thread(tmp_path):
-    from dspark_precompute.write import encode
+    from dspark_precompute.write.samples import encode
 
     plan = prepare(compose(small(tmp_path)))
     d = plan.cfg.data

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_precompute.write.transfer import StateArray, UnitTransfer, quantize_e4m3, real_token_index, zero_samples
+from dspark_precompute.write.store.transfer import (
+    StateArray,
+    UnitTransfer,
+    quantize_e4m3,
+    real_token_index,
+    zero_samples,
+)
 
 
 def states_for(lengths: list[int], width: int, hidden: int = 4, seed: int = 0) -> torch.Tensor:
@@ -130,7 +136,7 @@ def test_an_fp8_array_reports_inf_and_nan_before_they_are_quantized():
 def test_on_cuda_the_async_copies_give_the_cpu_path_bytes_and_the_same_check(pinned):
     """Gather, cast and check on the device, copies on a side stream into (page-locked or plain) shared
     buffers, several batches in flight before the unit's one sync: the bytes the CPU path writes."""
-    from dspark_precompute.write.writer import ArraySpec, _pin, _Slot, _unpin
+    from dspark_precompute.write.store.writer import ArraySpec, _pin, _Slot, _unpin
 
     lengths = np.asarray([5, 2, 4])
     layer, last = states_for(list(lengths), 5, hidden=64), states_for(list(lengths), 5, hidden=64, seed=1)

@@ -11,12 +11,12 @@ from dspark_precompute.contract.commits import CommitRecord, committed_units
 from dspark_precompute.contract.layout import build_layout
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import StorageWriteError
-from dspark_precompute.write import processes
-from dspark_precompute.write.allocate import allocate, shard_key, write_tokens
-from dspark_precompute.write.buffers import SharedBuffer
-from dspark_precompute.write.config import StorageConfig
-from dspark_precompute.write.specs import token_array_specs
-from dspark_precompute.write.writer import UnitWriter
+from dspark_precompute.write.config.schema import StorageConfig
+from dspark_precompute.write.parallel import processes
+from dspark_precompute.write.plan.array_specs import token_array_specs
+from dspark_precompute.write.store.allocate import allocate, shard_key, write_tokens
+from dspark_precompute.write.store.buffers import SharedBuffer
+from dspark_precompute.write.store.writer import UnitWriter
 
 
 def _fill(buf_bytes: SharedBuffer, value: int) -> None:

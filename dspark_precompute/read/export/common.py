@@ -412,7 +412,7 @@ def staging(stage: StagedExport, prog: ExportProgress) -> Iterator[None]:
 
 def export_marker(c: CacheReader, plan: Plan, target: str, notes: list[str], **extra: Any) -> dict[str, Any]:
     """What every staged export records about itself: format, source cache, layers, cut, drops and conversions."""
-    from dspark_precompute import __version__
+    from dspark_precompute.version import __version__
 
     m = c.manifest
     return {

@@ -16,7 +16,7 @@ Checks, in order (``checks.py``, one function each):
 * weights: the recorded sha256 (a note when none was recorded) and the manifest's shapes.
 
 Recomputing samples with the target (``dspark-cache verify --recompute N``) is the write
-side's (``dspark_precompute.write.recompute``); ``repair`` marks damaged units for the next run.
+side's (``dspark_precompute.write.rerun.recompute``); ``repair`` marks damaged units for the next run.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from typing import Any, cast
 from dspark_precompute.contract.vocab import Message
 from dspark_precompute.errors import DataError
 from dspark_precompute.faults import fault_point
-from dspark_precompute.write import processes
-from dspark_precompute.write.chat import ChatEncoder, Encoded
-from dspark_precompute.write.data import Conversation, RawRow, Reject, normalize
+from dspark_precompute.write.parallel import processes
+from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
+from dspark_precompute.write.samples.data import Conversation, RawRow, Reject, normalize
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from dspark_precompute.errors import TargetError
-from dspark_precompute.write import tiny
-from dspark_precompute.write.config import TINY, ModelConfig
+from dspark_precompute.write.config.schema import TINY, ModelConfig
+from dspark_precompute.write.target import tiny
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ import numpy as np
 
 from dspark_precompute.errors import CacheFormatError, DataError, InvalidRowError
 from dspark_precompute.faults import fault_point
-from dspark_precompute.write import processes
-from dspark_precompute.write.chat import Encoded
-from dspark_precompute.write.data import RawRow, Reason, Reject, iter_rows, resolve_source
-from dspark_precompute.write.distributed import Ranks
-from dspark_precompute.write.encode import EncoderPool, RowEncoder
-from dspark_precompute.write.plan import Plan
+from dspark_precompute.write.config.schema import DataConfig
+from dspark_precompute.write.parallel import processes
+from dspark_precompute.write.parallel.distributed import Ranks
+from dspark_precompute.write.samples.chat import Encoded
+from dspark_precompute.write.samples.data import RawRow, Reason, Reject, iter_rows, resolve_source
+from dspark_precompute.write.samples.encode import EncoderPool, RowEncoder
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +61,19 @@ class Tokenized:
     encoded: dict[int, Encoded]  # sample id -> tokens, for the samples this rank tokenized
 
 
-def _check_invalid(plan: Plan, raw: RawRow, item: Encoded | Reject) -> None:
-    if isinstance(item, Reject) and plan.cfg.data.on_invalid == "error" and item.reason not in FILTERED_REASONS:
+@dataclass(frozen=True)
+class RowEncoding:
+    """What tokenizing needs of the plan: how rows become samples, and the tokenizer that does it."""
+
+    spec: RowEncoder
+    tokenizer: Any
+
+
+def _check_invalid(data: DataConfig, raw: RawRow, item: Encoded | Reject) -> None:
+    if isinstance(item, Reject) and data.on_invalid == "error" and item.reason not in FILTERED_REASONS:
         where = ", ".join(x for x in (f"file {raw.file}" if raw.file else "",
                                       f"line {raw.line}" if raw.line else "") if x)
-        raise InvalidRowError(str(plan.cfg.data.path), raw.row, item.reason,
+        raise InvalidRowError(str(data.path), raw.row, item.reason,
                               item.message + (f" ({where})" if where else ""))
 
 
@@ -74,16 +82,16 @@ INLINE_ROWS: int | None = None  # at most this many rows here (then wait for the
 CHUNK_ROWS = 64  # rows per task sent to a worker
 
 
-def tokenizing_workers(plan: Plan) -> int:
+def tokenizing_workers(data: DataConfig) -> int:
     """``data.num_workers``: null = the cores this rank may use (the forward has not started yet)."""
-    n = plan.cfg.data.num_workers
+    n = data.num_workers
     if n is not None:
         return int(n)
     cores = processes.available_cores()
     return cores if cores > 1 else 0
 
 
-def encode_selection(plan: Plan, pairs: Iterator[tuple[int, RawRow]], workers: int | None = None
+def encode_selection(enc: RowEncoding, data: DataConfig, pairs: Iterator[tuple[int, RawRow]], workers: int | None = None
                      ) -> Iterator[tuple[int, RawRow | None, Encoded | Reject]]:
     """Encode ``(selection index, row)`` pairs in order; the first rows in this process, the rest in workers.
 
@@ -94,11 +102,9 @@ def encode_selection(plan: Plan, pairs: Iterator[tuple[int, RawRow]], workers: i
     beyond what the caller keeps. The raw row comes back only for rows encoded here (for
     ``on_invalid=error``).
     """
-    d = plan.cfg.data
-    spec = RowEncoder(plan.template, plan.cfg.seq_length, d.mask_reasoning_content, d.mask_generation_prompt,
-                      d.format, d.mask_rule)
-    encoder = spec.build(plan.tokenizer)
-    workers = tokenizing_workers(plan) if workers is None else workers
+    spec = enc.spec
+    encoder = spec.build(enc.tokenizer)
+    workers = tokenizing_workers(data) if workers is None else workers
     pairs = iter(pairs)  # one pass: the rows left at the hand-over go to the workers
     pool: EncoderPool | None = None
     started = 0.0
@@ -108,15 +114,15 @@ def encode_selection(plan: Plan, pairs: Iterator[tuple[int, RawRow]], workers: i
             if workers > 0 and pool is None and here >= START_ROWS:
                 log.info("starting %d tokenizing worker processes (data.num_workers); this process tokenizes until "
                          "they are ready", workers)
-                pool, started = EncoderPool(spec, plan.tokenizer, workers), time.perf_counter()
+                pool, started = EncoderPool(spec, enc.tokenizer, workers), time.perf_counter()
             if pool is not None and (pool.ready() or (INLINE_ROWS is not None and here >= INLINE_ROWS)):
                 log.info("the tokenizing workers take over after %d rows here (%.1f s after they started)", here,
                          time.perf_counter() - started)
-                yield from _pooled(plan, pool, itertools.chain([(sel, raw)], pairs))
+                yield from _pooled(data, pool, itertools.chain([(sel, raw)], pairs))
                 return
             fault_point("tokenize_row")
             item = spec.encode(encoder, raw, sel)
-            _check_invalid(plan, raw, item)
+            _check_invalid(data, raw, item)
             here += 1
             yield sel, raw, item
     finally:
@@ -124,7 +130,7 @@ def encode_selection(plan: Plan, pairs: Iterator[tuple[int, RawRow]], workers: i
             pool.close()
 
 
-def _pooled(plan: Plan, pool: EncoderPool, pairs: Iterator[tuple[int, RawRow]]
+def _pooled(data: DataConfig, pool: EncoderPool, pairs: Iterator[tuple[int, RawRow]]
             ) -> Iterator[tuple[int, RawRow | None, Encoded | Reject]]:
     def chunks() -> Iterator[list[tuple[int, RawRow]]]:
         while True:
@@ -136,7 +142,7 @@ def _pooled(plan: Plan, pool: EncoderPool, pairs: Iterator[tuple[int, RawRow]]
     raws: dict[int, RawRow] = {}
     for sel, item in pool.map(_remember(chunks(), raws)):
         raw = raws.pop(sel)
-        _check_invalid(plan, raw, item)
+        _check_invalid(data, raw, item)
         yield sel, None, item
 
 
@@ -149,10 +155,9 @@ def _remember(chunks: Iterator[list[tuple[int, RawRow]]], raws: dict[int, RawRow
         yield chunk
 
 
-def tokenize(plan: Plan, ranks: Ranks | None = None) -> Tokenized:
+def tokenize(enc: RowEncoding, data: DataConfig, ranks: Ranks | None = None) -> Tokenized:
     """Tokenize the selection (rank r takes rows r, r+W, ...) and agree on the sample tables."""
     ranks = ranks or Ranks()
-    cfg = plan.cfg
 
     def mine() -> tuple[int, list[tuple[int, Any]], dict[int, Encoded]]:
         info: list[tuple[int, Any]] = []
@@ -160,12 +165,12 @@ def tokenize(plan: Plan, ranks: Ranks | None = None) -> Tokenized:
         counter = {"n": 0}
 
         def pairs() -> Iterator[tuple[int, RawRow]]:
-            for sel, raw in enumerate(iter_rows(resolve_source(cfg.data.path), cfg.data)):
+            for sel, raw in enumerate(iter_rows(resolve_source(data.path), data)):
                 counter["n"] += 1
                 if sel % ranks.world == ranks.rank:
                     yield sel, raw
 
-        for sel, _raw, item in encode_selection(plan, pairs()):
+        for sel, _raw, item in encode_selection(enc, data, pairs()):
             if isinstance(item, Reject):
                 info.append((sel, item))
             else:
@@ -178,19 +183,19 @@ def tokenize(plan: Plan, ranks: Ranks | None = None) -> Tokenized:
     rejects = [r for _, r in merged if isinstance(r, Reject)]
     kept = [(sel, r) for sel, r in merged if not isinstance(r, Reject)]
     if n == 0:
-        raise DataError(f"data.path={cfg.data.path!r} with split={cfg.data.split!r} selects no rows")
+        raise DataError(f"data.path={data.path!r} with split={data.split!r} selects no rows")
     invalid = [r for r in rejects if r.reason not in FILTERED_REASONS]
-    if invalid and len(invalid) / n > cfg.data.max_invalid_fraction:
+    if invalid and len(invalid) / n > data.max_invalid_fraction:
         by = reason_counts(invalid)
         raise DataError(
             f"{len(invalid)} of {n} rows ({len(invalid) / n:.1%}) are invalid, above "
-            f"data.max_invalid_fraction={cfg.data.max_invalid_fraction}: "
+            f"data.max_invalid_fraction={data.max_invalid_fraction}: "
             + ", ".join(f"{k}={v}" for k, v in sorted(by.items()))
             + f". First: row {invalid[0].row}{_where(invalid[0])}: {invalid[0].message}. Fix the data or raise "
             "the threshold."
         )
     if not kept:
-        raise DataError(f"no row of data.path={cfg.data.path!r} became a sample")
+        raise DataError(f"no row of data.path={data.path!r} became a sample")
     sample_rows = np.asarray([sel for sel, _ in kept], dtype=np.int64)
     stats = np.asarray([r for _, r in kept], dtype=np.int64).reshape(-1, 3)
     sample_of = {int(sel): i for i, sel in enumerate(sample_rows)}
@@ -198,15 +203,15 @@ def tokenize(plan: Plan, ranks: Ranks | None = None) -> Tokenized:
     return Tokenized(n, sample_rows, stats[:, 0], stats[:, 1], stats[:, 2], rejects, encoded)
 
 
-def ensure_encoded(plan: Plan, tok: Tokenized, sample_ids: set[int]) -> None:
+def ensure_encoded(enc: RowEncoding, data: DataConfig, tok: Tokenized, sample_ids: set[int]) -> None:
     """Tokenize the samples this rank will forward but another rank tokenized."""
     missing = {int(tok.sample_rows[s]): s for s in sample_ids if s not in tok.encoded}
     if not missing:
         return
     wanted = set(missing)
-    pairs = ((sel, raw) for sel, raw in enumerate(iter_rows(resolve_source(plan.cfg.data.path), plan.cfg.data))
+    pairs = ((sel, raw) for sel, raw in enumerate(iter_rows(resolve_source(data.path), data))
              if sel in wanted)
-    for sel, _raw, item in encode_selection(plan, pairs):
+    for sel, _raw, item in encode_selection(enc, data, pairs):
         if not isinstance(item, Encoded):
             raise CacheFormatError(f"row {sel} of data.path encoded differently on a second read ({item.reason}); "
                                    "the data or tokenizer changed during the run")

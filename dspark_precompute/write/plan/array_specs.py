@@ -18,7 +18,7 @@ from dspark_precompute.contract.spec import (
     scale_array,
 )
 from dspark_precompute.contract.vocab import Compressor, LastState, Shuffle, StorageDtype
-from dspark_precompute.write.config import StorageConfig
+from dspark_precompute.write.config.schema import StorageConfig
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """``dspark-cache verify --precision N``: what the storage dtype costs, measured against a recompute.
 
-The target is rebuilt as for ``--teacher`` (:mod:`dspark_precompute.write.teacher`: the recorded
+The target is rebuilt as for ``--teacher`` (:mod:`dspark_precompute.write.rerun.teacher`: the recorded
 config and weights, ``--model PATH`` for a target that moved, remote code only on the user's
 flag; the stored ``input_ids`` are the inputs, the data is not needed). N token positions are
 drawn across the readable samples (seeded); each sample holding one is run alone through the
@@ -33,15 +33,15 @@ import torch
 from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.spec import INPUT_IDS
 from dspark_precompute.errors import CacheFormatError
-from dspark_precompute.write.capture import HiddenStateCapture
-from dspark_precompute.write.recompute import (
+from dspark_precompute.write.rerun.recompute import (
     CheckResult,
     SampledTarget,
     open_sampled,
     positions_by_sample,
     stored_as_torch,
 )
-from dspark_precompute.write.teacher import DEFAULT_MAX_TV, DEFAULT_MIN_TOP1, POSITIONS_PER_FORWARD, agreement
+from dspark_precompute.write.rerun.teacher import DEFAULT_MAX_TV, DEFAULT_MIN_TOP1, POSITIONS_PER_FORWARD, agreement
+from dspark_precompute.write.target.capture import HiddenStateCapture
 
 log = logging.getLogger(__name__)
 

@@ -14,15 +14,15 @@ import json
 from importlib import metadata
 from typing import Any
 
-from dspark_precompute import __version__
 from dspark_precompute.contract.commits import CommitRecord
 from dspark_precompute.contract.manifest import Capture, MaskPolicy, RunProvenance
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import LastState
-from dspark_precompute.write.capture import decoder_of
-from dspark_precompute.write.chat import GENERATION_RE, SPAN_RULES
-from dspark_precompute.write.config import TINY, DataConfig, ModelConfig
-from dspark_precompute.write.target import TargetInfo, safetensors_numel_by_dtype
+from dspark_precompute.version import __version__
+from dspark_precompute.write.config.schema import TINY, DataConfig, ModelConfig
+from dspark_precompute.write.samples.chat import GENERATION_RE, SPAN_RULES
+from dspark_precompute.write.target.capture import decoder_of
+from dspark_precompute.write.target.load import TargetInfo, safetensors_numel_by_dtype
 
 # safetensors dtype -> torch's name for it
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
@@ -32,7 +32,8 @@ _NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 
 
 def mask_policy(template: str, data: DataConfig) -> MaskPolicy:
-    """The rule :class:`~dspark_precompute.write.chat.ChatEncoder` applies with this template, and the options."""
+    """The rule :class:`~dspark_precompute.write.samples.chat.ChatEncoder` applies with this template, and the
+    options."""
     if (span := SPAN_RULES.get(str(data.mask_rule))) is not None:
         return MaskPolicy(rule=str(data.mask_rule), fallback=None,
                           mask_reasoning_content=bool(data.mask_reasoning_content),

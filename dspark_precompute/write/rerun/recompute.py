@@ -31,13 +31,15 @@ from dspark_precompute.contract.opener import open_stored as open_cache_files
 from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, DsparkError
-from dspark_precompute.write.batching import batch_inputs, make_batches
-from dspark_precompute.write.capture import HiddenStateCapture
-from dspark_precompute.write.chat import ChatEncoder, Encoded
-from dspark_precompute.write.config import TINY, PrecomputeConfig, from_dict
-from dspark_precompute.write.data import Reject, normalize, read_rows, resolve_source
-from dspark_precompute.write.plan import Plan, prepare
-from dspark_precompute.write.target import (
+from dspark_precompute.write.config.compose import from_dict
+from dspark_precompute.write.config.schema import TINY, PrecomputeConfig
+from dspark_precompute.write.plan.prepare import Plan, prepare
+from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
+from dspark_precompute.write.samples.data import Reject, normalize, read_rows, resolve_source
+from dspark_precompute.write.store.batching import batch_inputs, make_batches
+from dspark_precompute.write.store.transfer import quantize_e4m3
+from dspark_precompute.write.target.capture import HiddenStateCapture
+from dspark_precompute.write.target.load import (
     TargetInfo,
     inspect_target,
     load_target,
@@ -45,7 +47,6 @@ from dspark_precompute.write.target import (
     resolve_compute_dtype,
     resolve_device,
 )
-from dspark_precompute.write.transfer import quantize_e4m3
 
 # one step (unit in the last place, relative) of each storage dtype, and its smallest normal
 STEP = {"bf16": (2.0 ** -7, 2.0 ** -126), "fp16": (2.0 ** -10, 2.0 ** -14), "fp32": (2.0 ** -23, 2.0 ** -126),

@@ -23,8 +23,8 @@ from dspark_precompute.contract.shards import encode_shard
 from dspark_precompute.contract.spec import INPUT_IDS, KEY_SEPARATOR, LOSS_MASK, MAX_TABLE_CHUNK_ROWS, UNIT_ARRAYS
 from dspark_precompute.contract.store import CacheStore, fsync_dir
 from dspark_precompute.faults import fault_point
-from dspark_precompute.write.config import StorageConfig
-from dspark_precompute.write.specs import ArraySpec, array_codec
+from dspark_precompute.write.config.schema import StorageConfig
+from dspark_precompute.write.plan.array_specs import ArraySpec, array_codec
 
 KEY_ENCODING: dict[str, Any] = {"name": "default", "separator": KEY_SEPARATOR}
 

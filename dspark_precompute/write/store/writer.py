@@ -1,6 +1,6 @@
 """Writes the hidden states: one whole unit at a time, one shard per array, committed when all are durable.
 
-The forward loop fills a unit buffer in shared memory (:mod:`~dspark_precompute.write.buffers`);
+The forward loop fills a unit buffer in shared memory (:mod:`~dspark_precompute.write.store.buffers`);
 ``storage.writers`` writer processes (not threads: compression would fight the forward loop for
 the GIL) each take one array of a unit at a time, encode its whole shard (inner chunks, then the
 index: :func:`~dspark_precompute.contract.shards.encode_shard`, the bytes zarr would write) and
@@ -35,11 +35,11 @@ from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import Message
 from dspark_precompute.errors import StorageWriteError
 from dspark_precompute.faults import fault_point
-from dspark_precompute.write import processes
-from dspark_precompute.write.allocate import encode_unit_shard, shard_key
-from dspark_precompute.write.buffers import Slot, pin, unpin
-from dspark_precompute.write.config import StorageConfig
-from dspark_precompute.write.specs import ArraySpec, array_codec
+from dspark_precompute.write.config.schema import StorageConfig
+from dspark_precompute.write.parallel import processes
+from dspark_precompute.write.plan.array_specs import ArraySpec, array_codec
+from dspark_precompute.write.store.allocate import encode_unit_shard, shard_key
+from dspark_precompute.write.store.buffers import Slot, pin, unpin
 
 log = logging.getLogger(__name__)
 DEPTH = 2  # tasks in flight per writer: one being written, one queued behind it

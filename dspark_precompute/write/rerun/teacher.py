@@ -9,7 +9,7 @@ agreement, the largest logit difference and the total-variation distance between
 softmaxes. A state taken before the final norm, from another layer or at the wrong
 position fails it.
 
-The target is rebuilt under :mod:`dspark_precompute.write.recompute`'s rules: the user's
+The target is rebuilt under :mod:`dspark_precompute.write.rerun.recompute`'s rules: the user's
 ``--trust-remote-code`` only, never a path inside the cache, ``--model PATH`` for a target
 that moved (its config and weights must still be the recorded ones). The data is not needed:
 the stored ``input_ids`` are the inputs.
@@ -27,8 +27,8 @@ import torch
 
 from dspark_precompute.contract.spec import INPUT_IDS
 from dspark_precompute.errors import CacheFormatError
-from dspark_precompute.write.provenance import final_norm_of
-from dspark_precompute.write.recompute import (
+from dspark_precompute.write.plan.provenance import final_norm_of
+from dspark_precompute.write.rerun.recompute import (
     STEP,
     CheckResult,
     SampledTarget,

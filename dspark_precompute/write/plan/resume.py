@@ -37,7 +37,7 @@ from dspark_precompute.contract.spec import (
 )
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, IncompatibleCacheError
-from dspark_precompute.write.plan import Plan
+from dspark_precompute.write.plan.prepare import Plan
 
 
 def _group_attributes(store: CacheStore) -> dict[str, Any]:

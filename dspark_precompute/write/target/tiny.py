@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dspark_precompute.write.config import RandomTargetConfig
+from dspark_precompute.write.config.schema import RandomTargetConfig
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>"]

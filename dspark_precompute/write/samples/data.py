@@ -29,7 +29,7 @@ import numpy as np
 
 from dspark_precompute.contract.vocab import RejectReason
 from dspark_precompute.errors import DataError
-from dspark_precompute.write.config import EMBEDDED, DataConfig
+from dspark_precompute.write.config.schema import EMBEDDED, DataConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The run plan: everything decided before any weights load.
 
 ``prepare(cfg)`` checks what this machine says about the config (its CUDA devices, the
-paths it names: :func:`~dspark_precompute.write.config.host_problems`, on every rank, as
+paths it names: :func:`~dspark_precompute.write.config.schema.host_problems`, on every rank, as
 composing on a login node could not), then resolves the storage path, the tokenizer and
 chat template, the target's identity (config, weight fingerprint, layer ids, whether it
 fits the device), the array specs, chunk and unit sizes, and the identity hashed into
@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from dspark_precompute import __version__
 from dspark_precompute.contract.layout import Layout
 from dspark_precompute.contract.manifest import Capture, Counts, Manifest, ManifestLayout, config_hash, now
 from dspark_precompute.contract.spec import (
@@ -33,8 +32,9 @@ from dspark_precompute.contract.spec import (
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import LastState
 from dspark_precompute.errors import ConfigError, DataError, TargetError
-from dspark_precompute.write.chat import mask_rule_problem, resolve_chat_template, sha256_text
-from dspark_precompute.write.config import (
+from dspark_precompute.version import __version__
+from dspark_precompute.write.config.layers import layer_id_problems, resolve_layer_ids
+from dspark_precompute.write.config.schema import (
     EMBEDDED,
     FP8,
     DataConfig,
@@ -43,11 +43,13 @@ from dspark_precompute.write.config import (
     fp8_group_problem,
     host_problems,
 )
-from dspark_precompute.write.data import resolve_source
-from dspark_precompute.write.layers import layer_id_problems, resolve_layer_ids
-from dspark_precompute.write.provenance import plan_capture
-from dspark_precompute.write.specs import ArraySpec, token_array_specs
-from dspark_precompute.write.target import (
+from dspark_precompute.write.plan.array_specs import ArraySpec, token_array_specs
+from dspark_precompute.write.plan.provenance import plan_capture
+from dspark_precompute.write.samples.chat import mask_rule_problem, resolve_chat_template, sha256_text
+from dspark_precompute.write.samples.data import resolve_source
+from dspark_precompute.write.samples.encode import RowEncoder
+from dspark_precompute.write.samples.tokenize import RowEncoding
+from dspark_precompute.write.target.load import (
     TargetInfo,
     fit_problem,
     inspect_target,
@@ -150,6 +152,14 @@ class Plan:
             tool_version=__version__, created_at=created_at or now(), capture=self.capture,
             format_version=FORMAT_VERSION,
         )
+
+    @property
+    def encoding(self) -> RowEncoding:
+        """How this plan turns rows into samples (what tokenizing takes, not the whole plan)."""
+        d = self.cfg.data
+        spec = RowEncoder(self.template, self.cfg.seq_length, d.mask_reasoning_content, d.mask_generation_prompt,
+                          d.format, d.mask_rule)
+        return RowEncoding(spec, self.tokenizer)
 
     @property
     def pad_id(self) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 # the tokenizer classes too (transformers 5 and 4 names; a missing one is skipped), not torch
-PRELOAD = ["numpy", "zarr", "dspark_precompute.write.writer", "dspark_precompute.write.encode",
+PRELOAD = ["numpy", "zarr", "dspark_precompute.write.store.writer", "dspark_precompute.write.samples.encode",
            "transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast"]
 
 
@@ -183,8 +183,7 @@ def start(proc: Any) -> None:
 
 def child_setup(env: dict[str, str]) -> None:
     """First thing in a helper process: the run's environment, no signal handling, no named semaphores."""
-    from dspark_precompute import faults
-    from dspark_precompute.write import signals
+    from dspark_precompute import faults, signals
 
     # forked from a server that may predate this run: take the run's environment (storage
     # credentials and endpoints, fault injection) as the main process has it now

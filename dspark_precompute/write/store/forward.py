@@ -21,20 +21,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from dspark_precompute import signals
 from dspark_precompute.contract.commits import CommitRecord
 from dspark_precompute.contract.layout import Layout
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import NonFiniteStatesError, StoppedBySignal
 from dspark_precompute.faults import fault_point
-from dspark_precompute.write import signals
-from dspark_precompute.write.batching import batch_inputs, make_batches
-from dspark_precompute.write.capture import HiddenStateCapture
-from dspark_precompute.write.distributed import Coordinator
-from dspark_precompute.write.plan import Plan
-from dspark_precompute.write.progress import Progress
-from dspark_precompute.write.specs import ArraySpec
-from dspark_precompute.write.transfer import StateArray, UnitCheck, UnitTransfer, zero_samples
-from dspark_precompute.write.writer import UnitWriter, resolve_writers
+from dspark_precompute.write.parallel.distributed import Coordinator
+from dspark_precompute.write.plan.array_specs import ArraySpec
+from dspark_precompute.write.plan.prepare import Plan
+from dspark_precompute.write.store.batching import batch_inputs, make_batches
+from dspark_precompute.write.store.progress import Progress
+from dspark_precompute.write.store.transfer import StateArray, UnitCheck, UnitTransfer, zero_samples
+from dspark_precompute.write.store.writer import UnitWriter, resolve_writers
+from dspark_precompute.write.target.capture import HiddenStateCapture
 
 log = logging.getLogger(__name__)
 
