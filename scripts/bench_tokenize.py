@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark: the tool's tokenization (``tokenize(plan.encoding, plan.cfg.data)``) in one process vs ``data.num_workers`` processes.
+"""Benchmark: the tool's tokenization (``tokenize``) in one process vs ``data.num_workers`` processes.
 
 ``python scripts/bench.py tokenize --json out.json`` builds a JSONL of the shared chat mix
 repeated ``--factor`` times (so the pool has rows past the first 2,000 that are always
