@@ -35,7 +35,9 @@ from dspark_precompute.write.config.compose import from_dict
 from dspark_precompute.write.config.schema import TINY, PrecomputeConfig
 from dspark_precompute.write.plan.prepare import Plan, prepare
 from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
-from dspark_precompute.write.samples.data import Reject, normalize, read_rows, resolve_source
+from dspark_precompute.write.samples.files import resolve_source
+from dspark_precompute.write.samples.normalize import Reject, normalize
+from dspark_precompute.write.samples.rows import read_rows
 from dspark_precompute.write.store.batching import batch_inputs, make_batches
 from dspark_precompute.write.store.transfer import quantize_e4m3
 from dspark_precompute.write.target.capture import HiddenStateCapture
