@@ -27,7 +27,7 @@ from dspark_precompute.contract.fp8 import E4M3, E4M3_EPS, E4M3_MIN_NORMAL, dequ
 from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.manifest import Manifest, identity_differences
 from dspark_precompute.contract.opener import OpenedCache
-from dspark_precompute.contract.opener import open_stored as open_cache_files
+from dspark_precompute.contract.opener import open_stored
 from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, DsparkError
@@ -207,12 +207,12 @@ class StoredRun:
         return self.read(names, a, a + int(self.lengths[s]))
 
 
-def open_stored(path: str | Path, *, model: str | None, trust_remote_code: bool, device: str | None,
+def open_for_rerun(path: str | Path, *, model: str | None, trust_remote_code: bool, device: str | None,
                 what: str) -> tuple[StoredRun | None, list[str], str | None]:
     """The cache at ``path`` for ``what`` (a check that reruns the target): (run, notes, problem); a problem
     when the manifest, its config or the arrays cannot be trusted to rebuild the run."""
     try:
-        opened = open_cache_files(str(path), allow_incomplete=True)
+        opened = open_stored(str(path), allow_incomplete=True)
     except CacheFormatError as exc:
         return None, [], f"skipped: {exc}"
     m = opened.manifest
@@ -298,9 +298,9 @@ class SampledTarget:
 
 def open_sampled(out: CheckResult, path: str | Path, n: int, *, seed: int, device: str | None, model: str | None,
                  trust_remote_code: bool, what: str, gives: str) -> SampledTarget | None:
-    """:func:`open_stored`, :func:`stored_target`, :func:`sample_positions`, then the target loaded; notes and a
+    """:func:`open_for_rerun`, :func:`stored_target`, :func:`sample_positions`, then the target loaded; notes and a
     problem go into ``out``. ``None`` when there is nothing to compare (a problem, or no readable token: a note)."""
-    run, notes, problem = open_stored(path, model=model, trust_remote_code=trust_remote_code, device=device,
+    run, notes, problem = open_for_rerun(path, model=model, trust_remote_code=trust_remote_code, device=device,
                                       what=what)
     out.notes += notes
     if problem or run is None:
@@ -322,7 +322,7 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
               model: str | None = None, trust_remote_code: bool = False) -> RecomputeResult:
     """Rerun ``n`` random readable samples (chosen with ``seed``) of the cache at ``path``; compare."""
     out = RecomputeResult()
-    run, notes, problem = open_stored(path, model=model, trust_remote_code=trust_remote_code, device=device,
+    run, notes, problem = open_for_rerun(path, model=model, trust_remote_code=trust_remote_code, device=device,
                                       what="recompute")
     out.notes += notes
     if problem or run is None:
