@@ -26,8 +26,7 @@ from dspark_precompute.contract.chunks import read_slots
 from dspark_precompute.contract.fp8 import E4M3, E4M3_EPS, E4M3_MIN_NORMAL, dequantize
 from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.manifest import Manifest, identity_differences
-from dspark_precompute.contract.opener import OpenedCache
-from dspark_precompute.contract.opener import open_stored
+from dspark_precompute.contract.opener import OpenedCache, open_stored
 from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, DsparkError
