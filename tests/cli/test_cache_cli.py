@@ -174,7 +174,7 @@ def test_export_nemo_writes_the_layout_and_refuses_to_clobber(default_run, tmp_p
     m = json.loads((out / "manifest.json").read_text())
     assert m["num_samples"] == result.samples and m["shard_size"] == 4
     assert main(["export-nemo", result.path, str(out)]) == 2
-    assert "already holds a NeMo DSpark cache" in capsys.readouterr().err
+    assert "already holds a nemo export" in capsys.readouterr().err
     assert main(["export-nemo", result.path, str(out), "--overwrite", "--layers", "1,3"]) == 0
     assert json.loads((out / "manifest.json").read_text())["target_layer_ids"] == [1, 3]
 

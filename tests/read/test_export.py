@@ -62,8 +62,10 @@ def test_the_export_has_nemos_files_manifest_and_shard_shapes(default_run, tmp_p
     n, S, H = len(c), 256, 64
     shards = -(-n // 5)
     assert (r.num_samples, r.num_shards) == (n, shards)
-    assert sorted(os.listdir(out)) == ["manifest.json", *[f"shard-{k:06d}.safetensors" for k in range(shards)],
+    assert sorted(os.listdir(out)) == ["dspark_export.json", "manifest.json",
+                                       *[f"shard-{k:06d}.safetensors" for k in range(shards)],
                                        "target_weights.safetensors"]  # nothing temporary left behind
+    assert os.listdir(tmp_path) == ["nemo"]  # nor beside it
     text = (out / "manifest.json").read_text()
     manifest = json.loads(text)
     assert text == json.dumps(manifest, indent=2, sort_keys=True) + "\n"
@@ -139,22 +141,23 @@ def test_a_layer_subset_and_a_separate_final_norm_export_consistently(untied_run
         assert np.array_equal(bits(shard["target_last_hidden_states"][i, :n]), want["last"])
 
 
-def test_every_file_is_written_under_a_temporary_name_and_renamed(default_run, tmp_path, monkeypatch):
+def test_the_export_appears_by_one_rename_of_a_whole_staging_directory(default_run, tmp_path, monkeypatch):
     _, result = default_run
-    renames: list[tuple[Path, Path]] = []
+    renames: list[tuple[Path, Path, list[str]]] = []
     real = os.replace
 
     def spy(src, dst):
-        renames.append((Path(src), Path(dst)))
-        return real(src, dst)
+        real(src, dst)
+        renames.append((Path(src), Path(dst), sorted(os.listdir(dst)) if Path(dst).is_dir() else []))
 
     monkeypatch.setattr(os, "replace", spy)
     out = tmp_path / "nemo"
     export_nemo(result.path, out, shard_size=8)
-    finals = {d.name for _, d in renames}
-    assert finals == set(os.listdir(out))
-    assert all(s.parent == d.parent == out and s.name.startswith(f".{d.name}.") for s, d in renames)
-    assert renames[-1][1].name == "manifest.json"  # last: a directory with a manifest is finished
+    *inside, (src, dst, listing) = renames
+    assert dst == out and src.parent == tmp_path and src.name.startswith(".nemo.partial-")
+    assert listing == sorted(os.listdir(out)) and {"manifest.json", "dspark_export.json"} <= set(listing)
+    assert all(s.parent == d.parent == src for s, d, _ in inside)  # every file was put together in the staging dir
+    assert [d.name for _, d, _ in inside][-2:] == ["manifest.json", "dspark_export.json"]  # the manifest, then ours
 
 
 def test_export_memory_does_not_grow_with_the_shard(default_run, tmp_path):
@@ -177,10 +180,11 @@ def test_an_occupied_destination_is_refused_and_overwrite_replaces_it_whole(defa
     _, result = default_run
     out = tmp_path / "nemo"
     export_nemo(result.path, out, shard_size=2)
-    with pytest.raises(CacheFormatError, match="already holds a NeMo DSpark cache .* pass overwrite=True"):
+    with pytest.raises(CacheFormatError, match=f"already holds a nemo export of {result.path}; pass overwrite=True"):
         export_nemo(result.path, out)
     export_nemo(result.path, out, shard_size=100, overwrite=True)
-    assert sorted(os.listdir(out)) == ["manifest.json", "shard-000000.safetensors", "target_weights.safetensors"]
+    assert sorted(os.listdir(out)) == ["dspark_export.json", "manifest.json", "shard-000000.safetensors",
+                                       "target_weights.safetensors"]
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
