@@ -90,7 +90,8 @@ def plot_cache(cache: CacheReader | str | Path, path: str | Path | None = None, 
         try:
             fig.savefig(str(path))
         except OSError as exc:
-            raise StorageWriteError.of(exc, f"writing the plot to {path}", "plot again", "give -o another path") from exc
+            raise StorageWriteError.of(exc, f"writing the plot to {path}", "plot again",
+                                       "give -o another path") from exc
         log.info("plot: wrote %s", path)
     return fig
 

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -205,3 +207,54 @@ def test_an_incomplete_cache_is_not_exported(default_run, tmp_path):
         export_nemo(copy, tmp_path / "a")
     with pytest.raises(IncompleteCacheError, match="NeMo's layout has no partial form"):
         export_nemo(open_cache(copy, allow_incomplete=True), tmp_path / "b")
+
+
+def test_a_nemo_export_an_earlier_version_wrote_in_place_is_recognised(default_run, tmp_path):
+    """0.3.0 and before wrote NeMo's files in place, the manifest last: without it the directory is an export a kill
+    interrupted (replaced without overwrite), with it a finished one (replaced only with overwrite)."""
+    _, result = default_run
+    whole = tmp_path / "whole"
+    export_nemo(result.path, whole, shard_size=4)
+    out = tmp_path / "nemo"
+    out.mkdir()
+    for name in ("target_weights.safetensors", "shard-000000.safetensors", "shard-000001.safetensors"):
+        shutil.copy(whole / name, out / name)
+    (out / ".shard-000002.safetensors.4242.tmp").write_bytes(b"half")  # what the kill left mid-shard
+    export_nemo(result.path, out, shard_size=4)  # no overwrite needed: nothing finished was there
+    assert files_of(out) == files_of(whole)
+    (out / "dspark_export.json").unlink()  # now it looks like a finished export of the earlier version
+    with pytest.raises(CacheFormatError, match="already holds a nemo export; pass overwrite=True"):
+        export_nemo(result.path, out, shard_size=4)
+    export_nemo(result.path, out, shard_size=4, overwrite=True)
+    assert files_of(out) == files_of(whole)
+    (out / "notes.txt").write_text("mine")
+    (out / "dspark_export.json").unlink()
+    with pytest.raises(CacheFormatError, match=r"holds other files \(.*notes.txt"):
+        export_nemo(result.path, out, shard_size=4, overwrite=True)
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def a_dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: no process has this id (until the kernel reuses it, long after this test)
+    return proc.pid
+
+
+def test_what_a_killed_export_left_beside_the_destination_is_removed_or_put_back(default_run, tmp_path):
+    _, result = default_run
+    out = tmp_path / "nemo"
+    export_nemo(result.path, out, shard_size=4, layers=[1])
+    previous = files_of(out)
+    dead, alive = a_dead_pid(), os.getppid()
+    os.replace(out, tmp_path / f".nemo.old-{dead}")  # a kill between the two renames of a swap
+    (tmp_path / f".nemo.partial-{dead}").mkdir()
+    (tmp_path / f".nemo.partial-{dead}" / "shard-000000.safetensors").write_bytes(b"partial")
+    (tmp_path / f".nemo.partial-{dead}.rows.arrow").write_bytes(b"scratch")
+    (tmp_path / f".nemo.partial-{alive}").mkdir()  # another export, still running: not ours to remove
+    with pytest.raises(CacheFormatError, match="already holds a nemo export"):
+        export_nemo(result.path, out, shard_size=4)
+    assert files_of(out) == previous  # the previous export is back, whole
+    assert sorted(os.listdir(tmp_path)) == [f".nemo.partial-{alive}", "nemo"]

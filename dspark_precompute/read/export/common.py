@@ -357,10 +357,11 @@ def _clear_left_behind(out: Path) -> None:
 class StagedExport:
     """An export written into a directory beside ``out`` and renamed onto it when whole (its marker file last).
 
-    ``out`` must be absent, empty, hold an unfinished export (replaced) or a finished one (replaced only with
-    ``overwrite``); anything else is refused before a byte is written. What killed exports left beside it is
-    removed first. A previous export stays whole until :meth:`finish` swaps the new one in. Every OS error of a
-    write in :meth:`writing` becomes a :class:`StorageWriteError` naming ``out`` and what to do.
+    What killed exports left beside ``out`` is removed first. Then ``out`` must be absent, empty, hold an
+    unfinished export (replaced) or a finished one (replaced only with ``overwrite``); anything else is refused
+    before a byte of the export is written. A previous export stays whole until :meth:`finish` swaps the new one
+    in. Every OS error of a write in :meth:`writing` becomes a :class:`StorageWriteError` naming ``out`` and what
+    to do.
     """
 
     def __init__(self, out: Path, cache_root: str, overwrite: bool, what: str, *, earlier: Earlier | None = None):
@@ -369,9 +370,9 @@ class StagedExport:
         self.dir = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
         refuse_inside_cache(self.out, cache_root)
         with self.writing():
-            _check_destination(self.out, overwrite, earlier)
             self.out.parent.mkdir(parents=True, exist_ok=True)
-            _clear_left_behind(self.out)
+            _clear_left_behind(self.out)  # first: a previous export a kill had set aside is back in place
+            _check_destination(self.out, overwrite, earlier)
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir.mkdir()
 
