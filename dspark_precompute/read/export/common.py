@@ -332,7 +332,7 @@ def _check_destination(out: Path, overwrite: bool, earlier: Earlier | None) -> N
                                "pass overwrite=True (--overwrite) to replace it or choose an empty directory")
 
 
-_LEFT = re.compile(r"(?P<kind>partial|old)-(?P<pid>\d+)(?P<scratch>\..+)?")
+_LEFT = re.compile(r"(?P<kind>partial|old)-(?P<pid>\d+)(?P<scratch>\.[a-z.]+)?")  # scratch: StagedExport.beside
 
 
 def _clear_left_behind(out: Path) -> None:
