@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno as _errno
+
 
 class DsparkError(Exception):
     """Base class for every error this package raises on purpose."""
@@ -161,8 +163,35 @@ class MissingDependencyError(DsparkError, ImportError):
     """An optional extra needed for this feature is not installed (the message names the pip extra)."""
 
 
+# what an OS error of a write means, in words, and what makes the place writable again
+_WRITE_FAILURES = {
+    _errno.ENOSPC: ("the disk is full", "free space on that disk"),
+    _errno.EDQUOT: ("the disk quota is used up", "free space or raise the quota"),
+    _errno.EROFS: ("the file system is read-only", "make it writable"),
+    _errno.EACCES: ("permission denied", "fix its permissions"),
+    _errno.EPERM: ("permission denied", "fix its permissions"),
+    _errno.ENOENT: ("a directory on the path does not exist", "create it"),
+    _errno.ENOTDIR: ("a part of the path is not a directory", "fix the path"),
+}
+
+
 class StorageWriteError(DsparkError):
-    """Writing to the cache failed (disk full, permissions, failing object store)."""
+    """Writing a cache or an export failed (a full disk, a read-only or unwritable path, a failing object store).
+
+    ``errno`` is the OS error's number when one caused it (``errno.ENOSPC``: the disk is full).
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None):
+        self.errno = errno
+        super().__init__(message)
+
+    @classmethod
+    def of(cls, exc: OSError, doing: str, then: str, instead: str | None = None) -> StorageWriteError:
+        """The error for ``exc`` raised while ``doing`` (which names the path): why in words (the disk is full),
+        what fixes that place (or ``instead``, another way out), then what to run."""
+        why, fix = _WRITE_FAILURES.get(exc.errno or 0, (exc.strerror or "the write failed", "fix the storage"))
+        fix = f"{fix} or {instead}" if instead else fix
+        return cls(f"{doing} failed: {why} ({exc}). {fix[0].upper()}{fix[1:]}, then {then}.", errno=exc.errno)
 
 
 class StoppedBySignal(BaseException):

@@ -16,7 +16,8 @@ before the rename), ``write_part`` (after each part of such a file: a kill here 
 ``manifest`` (before a manifest update), ``weights`` (before target_weights is written),
 ``allocate`` (while arrays are created), ``tokenize_start`` (a tokenizing worker, before it builds its
 encoder), ``tokenize_row`` (before each row is tokenized, in whichever
-process tokenizes it; each process counts its own hits).
+process tokenizes it; each process counts its own hits), ``export_sample`` (``dspark-cache export``, after each
+sample is written into the staging directory; ``:enospc`` there is a full disk).
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 from helpers import QWEN3_TOKENIZER, compose, small
@@ -90,3 +93,73 @@ def no_weights(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("weights were loaded before the refusal")
     monkeypatch.setattr("dspark_precompute.write.run.load_target", boom)
+
+
+def _mount_tmpfs(where: Path, options: str) -> None:
+    """A tmpfs on ``where``; the test skips (saying why) where this machine does not allow it (not root)."""
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True,
+                              text=True, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("no mount command here: a tmpfs (a full or read-only disk) cannot be made")
+    if proc.returncode != 0:
+        pytest.skip(f"mounting a tmpfs ({options}) needs root or CAP_SYS_ADMIN: {proc.stderr.strip()}")
+
+
+def _unmount(where: Path) -> None:
+    """Unmount; a mount a failed test left busy (a file still open) is detached lazily, never left mounted."""
+    if subprocess.run(["umount", str(where)], capture_output=True, timeout=60).returncode != 0:
+        subprocess.run(["umount", "-l", str(where)], check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 200 KiB file system (a tmpfs) to fill: writes past it fail with ENOSPC, as on a full disk."""
+    d = tmp_path / "tiny_disk"
+    _mount_tmpfs(d, "size=200k")
+    try:
+        yield d
+    finally:
+        _unmount(d)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory no write reaches: a read-only tmpfs (as root, whom file modes do not stop), else mode 0o555."""
+    d = tmp_path / "read_only"
+    if os.geteuid() != 0:
+        d.mkdir()
+        d.chmod(0o555)
+        try:
+            yield d
+        finally:
+            d.chmod(0o755)
+        return
+    _mount_tmpfs(d, "ro,size=64k")
+    try:
+        yield d
+    finally:
+        _unmount(d)
+
+
+@pytest.fixture
+def read_only_view(tmp_path):
+    """``view(src)``: ``src`` seen through a read-only bind mount (root only: file modes do not stop root)."""
+    mounted: list[Path] = []
+
+    def view(src: Path) -> Path:
+        d = tmp_path / f"read_only_view{len(mounted)}"
+        d.mkdir()
+        proc = subprocess.run(["mount", "--bind", str(src), str(d)], capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            pytest.skip(f"a read-only bind mount needs root or CAP_SYS_ADMIN: {proc.stderr.strip()}")
+        mounted.append(d)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(d)], check=True, capture_output=True, timeout=60)
+        return d
+
+    try:
+        yield view
+    finally:
+        for d in mounted:
+            _unmount(d)

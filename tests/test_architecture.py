@@ -14,7 +14,7 @@ from helpers import REPO
 
 PKG = REPO / "dspark_precompute"
 SHARED = {"dspark_precompute.errors", "dspark_precompute.faults", "dspark_precompute.humanize",
-          "dspark_precompute.signals", "dspark_precompute.version"}
+          "dspark_precompute.signals", "dspark_precompute.version", "dspark_precompute.progress"}
 # side -> the sides (package prefixes) it may import, besides the shared leaf modules
 ALLOWED = {
     "contract": ("dspark_precompute.contract",),

@@ -5,7 +5,7 @@
     dspark-cache info PATH [--json]
     dspark-cache verify PATH [--recompute N] [--teacher N] [--precision N] [--repair]
     dspark-cache export CACHE OUT --to nemo|deepspec|specforge|speculators [--layers ...] [--max-length L]
-    dspark-cache export-nemo CACHE OUT [--shard-size 256] [--overwrite]
+    dspark-cache export-nemo CACHE OUT [--shard-size 256] [--overwrite]     (the same as export --to nemo)
     dspark-cache plot PATH -o report.png
 
 Exit status: 0 success, 1 ``verify`` found problems, 2 the command could not run (the
@@ -123,17 +123,6 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _export(args: argparse.Namespace) -> int:
-    from dspark_precompute.read.export import export_nemo
-
-    r = export_nemo(args.cache, args.out, shard_size=args.shard_size, overwrite=args.overwrite, layers=args.layers,
-                    max_length=args.max_length)
-    _out(f"exported {r.num_samples} samples in {r.num_shards} shard(s) of {r.shard_size} "
-         f"({r.bytes_written / 1e6:.1f} MB) to {r.path} in {r.seconds:.1f}s\n"
-         + _dropped(r) + f"use it with: recipe_args.cached_target_path={r.path}")
-    return 0
-
-
 def _dropped(r: Any) -> str:
     lines = [f"left out {k} sample(s): {why} (max_length={r.max_length})" for why, k in sorted(r.dropped.items())]
     lines += [f"note: {n}" for n in r.notes]
@@ -196,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     _export_options(s)
     s.set_defaults(fn=_export_to)
 
-    s = sub.add_parser("export-nemo", help="write NeMo AutoModel's DSpark offline cache layout")
+    s = sub.add_parser("export-nemo", help="write NeMo AutoModel's DSpark offline cache layout (the same as "
+                                           "export --to nemo)")
     _export_nemo_options(s)
-    s.set_defaults(fn=_export)
+    s.set_defaults(fn=_export_to, to="nemo", shard_bytes=None, target_name=None)
 
     s = sub.add_parser("plot", help="length histogram, supervised fraction and per-layer RMS as one image")
     _plot_options(s)
@@ -314,6 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except ValueError as exc:  # bad arguments surfaced by the library (layer ids, shard size, ...)
         sys.stderr.write(f"dspark-cache {args.command}: {exc}\n")
+        return 2
+    except OSError as exc:  # the library types the writes it makes; this is any other (a cache that cannot be read)
+        sys.stderr.write(f"dspark-cache {args.command}: {exc}. Check that path: it exists, its permissions, the "
+                         "disk under it\n")
         return 2
     finally:
         signals.restore(previous)

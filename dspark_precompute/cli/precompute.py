@@ -19,15 +19,17 @@ log level and SIGINT/SIGTERM handlers are set here, for the job, never by the li
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dspark_precompute.errors import ConfigError, DsparkError, StoppedBySignal
+from dspark_precompute.errors import ConfigError, DsparkError, StoppedBySignal, StorageWriteError
 from dspark_precompute.write.config.compose import CONF_DIR, composition_problem, register_configs
 
 log = logging.getLogger("dspark_precompute")
@@ -137,6 +139,28 @@ def _preflight(argv: list[str]) -> None:
         _fail([line for p in problems for line in p.split("\n")])
 
 
+def _run_dir_problem(argv: list[str]) -> str | None:
+    """Hydra writes each job's record under ``outputs/`` (``multirun/``) of the working directory before the job
+    runs, so an unwritable one would end in Hydra's own traceback: say so first (the default place only; a
+    ``hydra.run.dir`` / ``hydra.sweep.dir`` given is the user's choice)."""
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv)
+    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
+        return None  # nothing is written
+    if any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in args.overrides):
+        return None
+    base = Path.cwd() / ("multirun" if args.multirun else "outputs")
+    where = base if base.is_dir() else base.parent
+    if os.access(where, os.W_OK | os.X_OK):
+        return None
+    code = errno.EROFS if os.statvfs(where).f_flag & os.ST_RDONLY else errno.EACCES
+    exc = OSError(code, os.strerror(code), str(where))
+    key = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
+    return str(StorageWriteError.of(exc, f"writing Hydra's record of the run under {base}", "run the command again",
+                                    f"run it from a writable directory (or pass {key}=DIR)"))
+
+
 def main() -> None:
     """The ``dspark-precompute`` command: check the overrides, then let Hydra run the job(s).
 
@@ -154,6 +178,10 @@ def main() -> None:
             sys.exit(f"dspark-precompute: config directory {CONF_DIR} is missing; install the project with "
                      "`pip install -e .` from its checkout")
         _preflight(argv[1:])
+        problem = _run_dir_problem(argv[1:]) if _rank() == 0 else None
+        if problem is not None:
+            sys.stderr.write(f"dspark-precompute: {problem}\n")
+            raise SystemExit(StorageWriteError.exit_code)
         if _rank() > 0 and "-m" not in argv and "--multirun" not in argv:
             # torchrun: every rank composes the same config, only rank 0 writes Hydra's output dir and log.
             # Hydra reads sys.argv: it gets its own list for the call. Logging left unconfigured ("none", not

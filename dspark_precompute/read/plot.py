@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark_precompute.errors import DsparkError, MissingDependencyError
+from dspark_precompute.errors import DsparkError, MissingDependencyError, StorageWriteError
 from dspark_precompute.read import summary
 from dspark_precompute.read.reader import CacheReader, open_cache
 
@@ -87,7 +87,11 @@ def plot_cache(cache: CacheReader | str | Path, path: str | Path | None = None, 
                  + f"\nrejected {summary.rejects_line(c)}", fontsize=11,
                  color="#C44E52" if rejected["rejected"] else "black")
     if path is not None:
-        fig.savefig(str(path))
+        try:
+            fig.savefig(str(path))
+        except OSError as exc:
+            raise StorageWriteError.of(exc, f"writing the plot to {path}", "plot again",
+                                       "give -o another path") from exc
         log.info("plot: wrote %s", path)
     return fig
 

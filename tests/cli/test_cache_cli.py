@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -174,7 +175,7 @@ def test_export_nemo_writes_the_layout_and_refuses_to_clobber(default_run, tmp_p
     m = json.loads((out / "manifest.json").read_text())
     assert m["num_samples"] == result.samples and m["shard_size"] == 4
     assert main(["export-nemo", result.path, str(out)]) == 2
-    assert "already holds a NeMo DSpark cache" in capsys.readouterr().err
+    assert "already holds a nemo export" in capsys.readouterr().err
     assert main(["export-nemo", result.path, str(out), "--overwrite", "--layers", "1,3"]) == 0
     assert json.loads((out / "manifest.json").read_text())["target_layer_ids"] == [1, 3]
 
@@ -239,3 +240,113 @@ def test_the_plot_title_shows_the_rejected_rows(default_run):
     fig = plot_cache(result.path, max_samples=2)
     title = fig._suptitle.get_text()
     assert "rejected 2 of 16 rows (12.5%): no_supervised_tokens=2" in title
+
+
+# -- writes that fail: one line, exit 2, nothing left behind, a previous export kept whole ------------------------
+TARGETS = ("nemo", "deepspec", "specforge", "speculators")
+
+
+def cache_for(request, to: str) -> str:
+    """The shared small cache; speculators needs the pre-norm state too (capture.last_state=both)."""
+    if to == "speculators":
+        pytest.importorskip("datasets", reason='the speculators export writes a datasets folder: pip install -e '
+                                               '".[interop]"')
+        return request.getfixturevalue("both_states_run")[1].path
+    return request.getfixturevalue("default_run")[1].path
+
+
+def one_line_exit_2(argv: list[str], capsys) -> str:
+    """``dspark-cache ARGV`` in this process: exit 2 and one line on stderr (besides log warnings); an exception
+    escaping ``main`` (a traceback for the user) fails the test."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line and not line.startswith("WARNING ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def export_fault():
+    """``arm(spec)`` sets ``DSPARK_FAULT`` for this process's exports; unset and read again afterwards."""
+    from dspark_precompute import faults
+
+    def arm(spec: str) -> None:
+        os.environ["DSPARK_FAULT"] = spec
+        faults.reload()
+
+    yield arm
+    os.environ.pop("DSPARK_FAULT", None)
+    faults.reload()
+
+
+@pytest.mark.parametrize("to", TARGETS)
+def test_an_export_to_a_read_only_destination_is_one_line_naming_it_and_exit_2(request, read_only_dir, capsys, to):
+    out = read_only_dir / "out"
+    line = one_line_exit_2(["export", cache_for(request, to), str(out), "--to", to], capsys)
+    assert line.startswith("dspark-cache export: exporting the ") and f" to {out} failed: " in line, line
+    why = "the file system is read-only" if os.geteuid() == 0 else "permission denied"
+    assert why in line and "or choose another destination, then run the export again" in line, line
+    assert os.listdir(read_only_dir) == []
+
+
+@pytest.mark.parametrize("to", TARGETS)
+def test_an_export_onto_a_full_disk_says_the_disk_is_full_and_leaves_nothing_behind(request, tiny_disk, capsys, to):
+    out = tiny_disk / "out"  # every export of the small cache is over 1 MB; the disk holds 200 KiB
+    line = one_line_exit_2(["export", cache_for(request, to), str(out), "--to", to], capsys)
+    assert f" to {out} failed: the disk is full ([Errno 28] No space left on device). Free space on that disk" in line
+    assert os.listdir(tiny_disk) == []  # no temporary (.shard-*.tmp), no staging directory, no scratch file
+
+
+@pytest.mark.parametrize("failure", ["disk_full", "unreadable_sample"])
+@pytest.mark.parametrize("to", TARGETS)
+def test_an_overwrite_that_fails_partway_keeps_the_previous_export_whole(request, tmp_path, capsys, monkeypatch,
+                                                                        export_fault, to, failure):
+    from dspark_precompute.read.reader import CacheReader
+
+    cache, out = cache_for(request, to), tmp_path / "out"
+    assert main(["export", cache, str(out), "--to", to, "--layers", "1,3", "--shard-size", "4"]) == 0
+    before = files_of(out)
+    capsys.readouterr()
+    if failure == "disk_full":
+        export_fault("export_sample=3:enospc")  # the disk fills after the third sample
+    else:
+        real, reads = CacheReader.read_raw, {"n": 0}
+
+        def fails(self, i, layers=None, *a, **k):
+            reads["n"] += bool(layers)  # reading a sample's states (the plan reads ids and masks only)
+            if reads["n"] == 3:
+                raise OSError(5, "Input/output error", "hidden_states/layer_1/c.0.0")
+            return real(self, i, layers, *a, **k)
+        monkeypatch.setattr(CacheReader, "read_raw", fails)
+    line = one_line_exit_2(["export", cache, str(out), "--to", to, "--overwrite", "--shard-size", "2"], capsys)
+    assert ("the disk is full" if failure == "disk_full" else "Input/output error") in line, line
+    assert files_of(out) == before  # every file of the previous export, byte for byte, and nothing else
+    assert os.listdir(tmp_path) == ["out"]  # no staging directory or scratch file beside it
+
+
+def test_export_nemo_is_export_to_nemo(default_run, tmp_path):
+    _, result = default_run
+    assert main(["export-nemo", result.path, str(tmp_path / "a"), "--shard-size", "4", "--max-length", "64"]) == 0
+    assert main(["export", result.path, str(tmp_path / "b"), "--to", "nemo", "--shard-size", "4",
+                 "--max-length", "64"]) == 0
+    assert files_of(tmp_path / "a") == files_of(tmp_path / "b")
+
+
+def test_repair_of_a_read_only_cache_and_a_plot_to_a_read_only_place_are_one_line(default_run, cache_copy,
+                                                                                 read_only_view, read_only_dir,
+                                                                                 capsys):
+    shard_file(cache_copy, "hidden_states/layer_3", 4).unlink()  # unit 1 damaged: --repair would mark it
+    view = read_only_view(cache_copy)
+    code = main(["verify", str(view), "--repair"])
+    captured = capsys.readouterr()
+    assert code == 2 and "Traceback" not in captured.err
+    assert captured.err == f"dspark-cache verify: marking units [1] of {view} for recomputation failed: the file " \
+        f"system is read-only ([Errno 30] Read-only file system: '{view}/.writer.lock'). Make it writable, then run " \
+        "verify --repair again.\n"
+    png = read_only_dir / "report.png"
+    line = one_line_exit_2(["plot", default_run[1].path, "-o", str(png), "--max-samples", "2"], capsys)
+    assert line.startswith(f"dspark-cache plot: writing the plot to {png} failed: ") and "give -o another path" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -106,6 +107,23 @@ def test_the_cli_runs_and_reports_bad_values_with_exit_code_2(tmp_path):
     out = bad.stdout + bad.stderr
     assert "seq_length=-1 must be a positive number of tokens" in out
     assert "storage.dtype=int4: it must be one of [bf16, fp16, fp32, fp8_e4m3]" in out  # as typed, with the choices
+
+
+def test_a_run_from_a_read_only_directory_says_where_hydra_would_write_and_how_to_move_it(tmp_path, read_only_dir):
+    overrides = small(tmp_path)  # the cache itself is writable: only Hydra's record of the run would fail
+    proc = subprocess.run([sys.executable, "-m", "dspark_precompute", *overrides], cwd=read_only_dir,
+                          capture_output=True, text=True, timeout=300)
+    why = "the file system is read-only" if os.geteuid() == 0 else "permission denied"
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"dspark-precompute: writing Hydra's record of the run under {read_only_dir}/"
+                                  f"outputs failed: {why} (")
+    assert proc.stderr.endswith("run it from a writable directory (or pass hydra.run.dir=DIR), then run the command "
+                                "again.\n") and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "cache").exists()  # refused before anything was written
+    moved = subprocess.run([sys.executable, "-m", "dspark_precompute", *overrides,
+                            f"hydra.run.dir={tmp_path}/hydra"], cwd=read_only_dir, capture_output=True, text=True,
+                           timeout=300)
+    assert moved.returncode == 0, moved.stderr[-3000:]
 
 
 def test_a_multirun_over_two_sequence_lengths_writes_two_caches(tmp_path):

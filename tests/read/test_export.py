@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -62,8 +64,10 @@ def test_the_export_has_nemos_files_manifest_and_shard_shapes(default_run, tmp_p
     n, S, H = len(c), 256, 64
     shards = -(-n // 5)
     assert (r.num_samples, r.num_shards) == (n, shards)
-    assert sorted(os.listdir(out)) == ["manifest.json", *[f"shard-{k:06d}.safetensors" for k in range(shards)],
+    assert sorted(os.listdir(out)) == ["dspark_export.json", "manifest.json",
+                                       *[f"shard-{k:06d}.safetensors" for k in range(shards)],
                                        "target_weights.safetensors"]  # nothing temporary left behind
+    assert os.listdir(tmp_path) == ["nemo"]  # nor beside it
     text = (out / "manifest.json").read_text()
     manifest = json.loads(text)
     assert text == json.dumps(manifest, indent=2, sort_keys=True) + "\n"
@@ -139,22 +143,23 @@ def test_a_layer_subset_and_a_separate_final_norm_export_consistently(untied_run
         assert np.array_equal(bits(shard["target_last_hidden_states"][i, :n]), want["last"])
 
 
-def test_every_file_is_written_under_a_temporary_name_and_renamed(default_run, tmp_path, monkeypatch):
+def test_the_export_appears_by_one_rename_of_a_whole_staging_directory(default_run, tmp_path, monkeypatch):
     _, result = default_run
-    renames: list[tuple[Path, Path]] = []
+    renames: list[tuple[Path, Path, list[str]]] = []
     real = os.replace
 
     def spy(src, dst):
-        renames.append((Path(src), Path(dst)))
-        return real(src, dst)
+        real(src, dst)
+        renames.append((Path(src), Path(dst), sorted(os.listdir(dst)) if Path(dst).is_dir() else []))
 
     monkeypatch.setattr(os, "replace", spy)
     out = tmp_path / "nemo"
     export_nemo(result.path, out, shard_size=8)
-    finals = {d.name for _, d in renames}
-    assert finals == set(os.listdir(out))
-    assert all(s.parent == d.parent == out and s.name.startswith(f".{d.name}.") for s, d in renames)
-    assert renames[-1][1].name == "manifest.json"  # last: a directory with a manifest is finished
+    *inside, (src, dst, listing) = renames
+    assert dst == out and src.parent == tmp_path and src.name.startswith(".nemo.partial-")
+    assert listing == sorted(os.listdir(out)) and {"manifest.json", "dspark_export.json"} <= set(listing)
+    assert all(s.parent == d.parent == src for s, d, _ in inside)  # every file was put together in the staging dir
+    assert [d.name for _, d, _ in inside][-2:] == ["manifest.json", "dspark_export.json"]  # the manifest, then ours
 
 
 def test_export_memory_does_not_grow_with_the_shard(default_run, tmp_path):
@@ -177,10 +182,11 @@ def test_an_occupied_destination_is_refused_and_overwrite_replaces_it_whole(defa
     _, result = default_run
     out = tmp_path / "nemo"
     export_nemo(result.path, out, shard_size=2)
-    with pytest.raises(CacheFormatError, match="already holds a NeMo DSpark cache .* pass overwrite=True"):
+    with pytest.raises(CacheFormatError, match=f"already holds a nemo export of {result.path}; pass overwrite=True"):
         export_nemo(result.path, out)
     export_nemo(result.path, out, shard_size=100, overwrite=True)
-    assert sorted(os.listdir(out)) == ["manifest.json", "shard-000000.safetensors", "target_weights.safetensors"]
+    assert sorted(os.listdir(out)) == ["dspark_export.json", "manifest.json", "shard-000000.safetensors",
+                                       "target_weights.safetensors"]
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
@@ -201,3 +207,54 @@ def test_an_incomplete_cache_is_not_exported(default_run, tmp_path):
         export_nemo(copy, tmp_path / "a")
     with pytest.raises(IncompleteCacheError, match="NeMo's layout has no partial form"):
         export_nemo(open_cache(copy, allow_incomplete=True), tmp_path / "b")
+
+
+def test_a_nemo_export_an_earlier_version_wrote_in_place_is_recognised(default_run, tmp_path):
+    """0.3.0 and before wrote NeMo's files in place, the manifest last: without it the directory is an export a kill
+    interrupted (replaced without overwrite), with it a finished one (replaced only with overwrite)."""
+    _, result = default_run
+    whole = tmp_path / "whole"
+    export_nemo(result.path, whole, shard_size=4)
+    out = tmp_path / "nemo"
+    out.mkdir()
+    for name in ("target_weights.safetensors", "shard-000000.safetensors", "shard-000001.safetensors"):
+        shutil.copy(whole / name, out / name)
+    (out / ".shard-000002.safetensors.4242.tmp").write_bytes(b"half")  # what the kill left mid-shard
+    export_nemo(result.path, out, shard_size=4)  # no overwrite needed: nothing finished was there
+    assert files_of(out) == files_of(whole)
+    (out / "dspark_export.json").unlink()  # now it looks like a finished export of the earlier version
+    with pytest.raises(CacheFormatError, match="already holds a nemo export; pass overwrite=True"):
+        export_nemo(result.path, out, shard_size=4)
+    export_nemo(result.path, out, shard_size=4, overwrite=True)
+    assert files_of(out) == files_of(whole)
+    (out / "notes.txt").write_text("mine")
+    (out / "dspark_export.json").unlink()
+    with pytest.raises(CacheFormatError, match=r"holds other files \(.*notes.txt"):
+        export_nemo(result.path, out, shard_size=4, overwrite=True)
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def a_dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: no process has this id (until the kernel reuses it, long after this test)
+    return proc.pid
+
+
+def test_what_a_killed_export_left_beside_the_destination_is_removed_or_put_back(default_run, tmp_path):
+    _, result = default_run
+    out = tmp_path / "nemo"
+    export_nemo(result.path, out, shard_size=4, layers=[1])
+    previous = files_of(out)
+    dead, alive = a_dead_pid(), os.getppid()
+    os.replace(out, tmp_path / f".nemo.old-{dead}")  # a kill between the two renames of a swap
+    (tmp_path / f".nemo.partial-{dead}").mkdir()
+    (tmp_path / f".nemo.partial-{dead}" / "shard-000000.safetensors").write_bytes(b"partial")
+    (tmp_path / f".nemo.partial-{dead}.rows.arrow").write_bytes(b"scratch")
+    (tmp_path / f".nemo.partial-{alive}").mkdir()  # another export, still running: not ours to remove
+    with pytest.raises(CacheFormatError, match="already holds a nemo export"):
+        export_nemo(result.path, out, shard_size=4)
+    assert files_of(out) == previous  # the previous export is back, whole
+    assert sorted(os.listdir(tmp_path)) == [f".nemo.partial-{alive}", "nemo"]

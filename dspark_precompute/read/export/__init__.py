@@ -14,7 +14,6 @@ from typing import Any
 from dspark_precompute.read.export.common import (
     EXPORT_MARKER,
     TARGETS,
-    ExportProgress,
     ExportResult,
     SafetensorsStreamWriter,
     plan_export,
@@ -47,6 +46,6 @@ def export(cache: str | Path | CacheReader, out: str | Path, *, to: str, **optio
 
 __all__ = [
     "EXPORT_MARKER", "NEMO_FORMAT_VERSION", "NEMO_MANIFEST", "NEMO_SHARD_KEYS", "NEMO_WEIGHTS", "TARGETS",
-    "ExportProgress", "ExportResult", "SafetensorsStreamWriter", "export", "export_deepspec", "export_nemo",
+    "ExportResult", "SafetensorsStreamWriter", "export", "export_deepspec", "export_nemo",
     "export_specforge", "export_speculators", "nemo_manifest", "plan_export", "shard_name",
 ]

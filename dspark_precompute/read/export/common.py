@@ -1,27 +1,28 @@
-"""What every export shares: the destination checks, atomic writes, progress, the sample plan.
+"""What every export shares: the staging directory, its destination checks, write errors, the sample plan.
 
 An export reads one sample at a time through the reader's public API (``read_raw``), in
 disk order (each chunk decoded about once), and writes it straight to its place in the
 target format. Memory is bounded by one sample's arrays, the reader's chunk cache and a
 few integers per sample (the plan's tables), whatever the cache's size.
 
-Atomicity comes in two forms: formats whose loader looks for a manifest (NeMo) write every
-file under a temporary name in place and the manifest last; formats whose loader takes
-whatever files it finds (SpecForge lists ``*.ckpt``, speculators loads a ``datasets``
-folder) are written into a staging directory beside the destination, which is renamed
-onto it only when whole, so a killed export never leaves a readable partial one.
+Every export is atomic the same way (:class:`StagedExport`): it is written into a staging
+directory beside the destination, which is renamed onto it only when whole (its marker
+file written last), so a killed or failed export never leaves a readable partial one and
+never harms the previous export in the destination. Any OS error of a write (a full disk,
+a read-only or unwritable destination) is a :class:`StorageWriteError` naming the path
+and what to do, and the staging directory is removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import logging
 import os
+import re
 import shutil
 import struct
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from dspark_precompute.contract.store import fsync_dir
 from dspark_precompute.errors import CacheFormatError, ExportError, IncompleteCacheError, StorageWriteError
-from dspark_precompute.humanize import human_bytes, human_seconds
+from dspark_precompute.faults import fault_point
+from dspark_precompute.progress import Progress
 from dspark_precompute.read.reader import CacheReader, open_cache
 
 log = logging.getLogger(__name__)
@@ -45,14 +48,6 @@ DROP_NO_CONSECUTIVE = "no_two_consecutive_supervised_tokens"
 
 def tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -104,8 +99,12 @@ class SafetensorsStreamWriter:
         self._written = {name: np.zeros(rows, dtype=bool) for name, (_, _, rows) in self._layout.items()}
         self._tmp = tmp_name(self.path)
         self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(self._fd, struct.pack("<Q", len(blob)) + blob, 0)
-        os.ftruncate(self._fd, self.nbytes)
+        try:
+            os.pwrite(self._fd, struct.pack("<Q", len(blob)) + blob, 0)
+            os.ftruncate(self._fd, self.nbytes)
+        except BaseException:  # a full disk at the header: no temporary is left behind
+            self.abort()
+            raise
 
     def write_rows(self, name: str, first: int, data: np.ndarray) -> None:
         """Rows ``first .. first + len(data)`` of tensor ``name`` (already in its dtype)."""
@@ -128,11 +127,15 @@ class SafetensorsStreamWriter:
             self.abort()
             raise StorageWriteError(f"{self.path}: rows never written {missing}; the export was interrupted "
                                     "or a sample failed to read. Re-run the export.")
-        if self.fsync:
-            os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
-        os.replace(self._tmp, self.path)
+        try:
+            if self.fsync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
         if self._fd >= 0:
@@ -162,47 +165,9 @@ class ExportResult:
         return sum(self.dropped.values())
 
 
-class ExportProgress:
-    """Tokens exported: a tqdm bar on a terminal, else a log line every ``interval`` seconds and at the end."""
-
-    def __init__(self, what: str, total_tokens: int, enabled: bool = True, interval: float = 10.0):
-        self.what, self.total = what, int(total_tokens)
-        self.tokens = self.samples = self.bytes = 0
-        self.t0 = self._last = time.perf_counter()
-        self.enabled, self.interval = enabled, interval
-        self._bar: Any = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=self.total, unit="tok", unit_scale=True, dynamic_ncols=True,
-                             desc=f"export {what}", file=sys.stderr, smoothing=0.1)
-
-    def update(self, tokens: int, nbytes: int) -> None:
-        self.samples += 1
-        self.tokens += tokens
-        self.bytes += nbytes
-        if self._bar is not None:
-            self._bar.update(tokens)
-            self._bar.set_postfix_str(f"{self.samples} samples, {human_bytes(self.bytes)} written", refresh=False)
-            return
-        now = time.perf_counter()
-        if self.enabled and now - self._last >= self.interval:
-            self._last = now
-            log.info("export %s: %s", self.what, self.line())
-
-    def line(self) -> str:
-        dt = max(1e-9, time.perf_counter() - self.t0)
-        rate = self.tokens / dt
-        left = (self.total - self.tokens) / rate if rate > 0 else 0.0
-        return (f"{100.0 * self.tokens / max(1, self.total):5.1f}% | {self.samples} samples | {rate:,.0f} tok/s | "
-                f"{self.bytes / dt / 1e6:,.1f} MB/s | ETA {human_seconds(left)} | {human_bytes(self.bytes)} written")
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-        if self.enabled:
-            log.info("export %s: %s", self.what, self.line())
+def export_progress(target: str, plan: Plan, enabled: bool) -> Progress:
+    """The shared progress reporter, for an export to ``target``: tokens, samples and bytes written."""
+    return Progress(f"export {target}", plan.total_tokens, len(plan), enabled=enabled)
 
 
 # -- the samples an export writes ----------------------------------------------------------
@@ -313,6 +278,11 @@ def plan_export(c: CacheReader, layers: list[int] | None, max_length: int | None
 
 
 # -- destinations --------------------------------------------------------------------------
+Earlier = Callable[[Path], "dict[str, Any] | None"]
+"""How a format recognises, in a directory without our marker, an export an earlier version of this tool wrote
+there: its description (``format``; ``partial`` true for an unfinished one), or None."""
+
+
 def refuse_inside_cache(out: Path, cache_root: str) -> None:
     root = Path(cache_root).resolve() if "://" not in cache_root else None
     target = out.resolve()
@@ -341,65 +311,127 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class StagedExport:
-    """A directory written beside ``out`` and renamed onto it when whole (the marker file written last).
+def _check_destination(out: Path, overwrite: bool, earlier: Earlier | None) -> None:
+    """Refuse ``out`` unless it is absent, empty, an unfinished export (replaced) or a finished one (replaced only
+    with ``overwrite``)."""
+    if not out.is_dir():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    prev = previous_export(out) or (earlier(out) if earlier is not None else None)
+    if prev is None:
+        raise CacheFormatError(f"export destination {out} holds other files ({', '.join(entries[:5])}); choose an "
+                               "empty directory or one holding a previous export")
+    if prev.get("partial"):
+        log.warning("export: %s holds an unfinished %s export (%d files, no manifest): it is replaced", out,
+                    prev.get("format", "?"), len(entries))
+    elif not overwrite:
+        source = f" of {prev['source']}" if prev.get("source") else ""
+        raise CacheFormatError(f"export destination {out} already holds a {prev.get('format', '?')} export{source}; "
+                               "pass overwrite=True (--overwrite) to replace it or choose an empty directory")
 
-    ``out`` must be absent, empty, or hold an export this tool finished (replaced only with
-    ``overwrite``); anything else is refused before a byte is written. Staging directories
-    of killed exports (their process gone) are removed.
+
+_LEFT = re.compile(r"(?P<kind>partial|old)-(?P<pid>\d+)(?P<scratch>\.[a-z.]+)?")  # scratch: StagedExport.beside
+
+
+def _clear_left_behind(out: Path) -> None:
+    """Remove what killed exports to ``out`` left beside it (their process gone): staging directories and their
+    scratch files. A previous export a kill caught set aside (between the two renames of :meth:`StagedExport.finish`)
+    is put back when ``out`` is absent."""
+    prefix = f".{out.name}."
+    for p in sorted(out.parent.glob(glob.escape(prefix) + "*")):
+        m = _LEFT.fullmatch(p.name[len(prefix):])
+        if m is None or _pid_alive(int(m["pid"])):
+            continue
+        if m["kind"] == "old" and m["scratch"] is None and not out.exists():
+            log.warning("export: putting back %s, the previous export a killed export had set aside", out)
+            os.replace(p, out)
+        elif p.is_dir() and not p.is_symlink():
+            log.info("export: removing %s, left by a killed export", p)
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+class StagedExport:
+    """An export written into a directory beside ``out`` and renamed onto it when whole (its marker file last).
+
+    What killed exports left beside ``out`` is removed first. Then ``out`` must be absent, empty, hold an
+    unfinished export (replaced) or a finished one (replaced only with ``overwrite``); anything else is refused
+    before a byte of the export is written. A previous export stays whole until :meth:`finish` swaps the new one
+    in. Every OS error of a write in :meth:`writing` becomes a :class:`StorageWriteError` naming ``out`` and what
+    to do.
     """
 
-    def __init__(self, out: Path, cache_root: str, overwrite: bool, what: str):
+    def __init__(self, out: Path, cache_root: str, overwrite: bool, what: str, *, earlier: Earlier | None = None):
         self.out = Path(out)
         self.what = what
+        self.dir = self.out.parent / f".{self.out.name}.partial-{os.getpid()}"
         refuse_inside_cache(self.out, cache_root)
-        if self.out.is_dir():
-            entries = [p for p in self.out.iterdir()]
-            prev = previous_export(self.out)
-            if entries and prev is None:
-                names = ", ".join(sorted(p.name for p in entries)[:5])
-                raise CacheFormatError(f"export destination {out} holds other files ({names}); choose an empty "
-                                       "directory or one holding a previous export")
-            if prev is not None and not overwrite:
-                raise CacheFormatError(f"export destination {out} already holds a {prev.get('format', '?')} export "
-                                       f"of {prev.get('source', '?')}; pass overwrite=True (--overwrite) to replace "
-                                       "it or choose an empty directory")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        prefix = f".{self.out.name}.partial-"
-        for stale in self.out.parent.glob(prefix + "*"):
-            pid = stale.name[len(prefix):]
-            if pid.isdigit() and not _pid_alive(int(pid)):
-                log.info("export: removing %s, left by a killed export", stale)
-                shutil.rmtree(stale, ignore_errors=True)
-        self.dir = self.out.parent / f"{prefix}{os.getpid()}"
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self.dir.mkdir()
+        with self.writing():
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            _clear_left_behind(self.out)  # first: a previous export a kill had set aside is back in place
+            _check_destination(self.out, overwrite, earlier)
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir.mkdir()
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """The writes of the export: an OS error in this block is a :class:`StorageWriteError` saying why (the disk
+        is full, the place is read-only) and what to do."""
+        try:
+            yield
+        except OSError as exc:
+            raise StorageWriteError.of(exc, f"exporting the {self.what} to {self.out}",
+                                       "run the export again (nothing of this one is left behind; a previous "
+                                       "export there is kept whole)", "choose another destination") from exc
+
+    def beside(self, suffix: str) -> Path:
+        """A scratch file next to the staging directory, removed with it (and after a kill)."""
+        return self.dir.parent / f"{self.dir.name}.{suffix}"
+
+    def sample_written(self, prog: Progress, tokens: int, nbytes: int) -> None:
+        """One more sample is in the staging directory (the ``export_sample`` fault point)."""
+        with self.writing():
+            fault_point("export_sample")
+        prog.update(1, tokens, nbytes)
 
     def finish(self, marker: dict[str, Any]) -> int:
         """Write the marker last, then put the staged directory in place of ``out``; returns the marker's bytes."""
         data = json_bytes(marker)
-        atomic_write_bytes(self.dir / EXPORT_MARKER, data)
-        fsync_dir(self.dir)
-        old = None
-        if self.out.exists():
-            if any(self.out.iterdir()):
-                old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-                (self.out / EXPORT_MARKER).unlink(missing_ok=True)  # a half-replaced directory never looks finished
-                os.replace(self.out, old)
-            else:
-                self.out.rmdir()
-        os.replace(self.dir, self.out)
-        fsync_dir(self.out.parent)
+        with self.writing():
+            atomic_write_bytes(self.dir / EXPORT_MARKER, data)
+            fsync_dir(self.dir)
+            old = self._set_aside()
+            try:
+                os.replace(self.dir, self.out)  # onto an absent or empty directory: one rename
+            except BaseException:
+                if old is not None:
+                    os.replace(old, self.out)
+                raise
+            fsync_dir(self.out.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return len(data)
 
+    def _set_aside(self) -> Path | None:
+        """Rename a previous export in ``out`` out of the way, whole (put back if the swap fails); None if none."""
+        if not self.out.is_dir() or not any(self.out.iterdir()):
+            return None
+        old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(self.out, old)
+        return old
+
     def abort(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+        for p in self.dir.parent.glob(glob.escape(self.dir.name) + ".*"):
+            p.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
-def staging(stage: StagedExport, prog: ExportProgress) -> Iterator[None]:
+def staging(stage: StagedExport, prog: Progress) -> Iterator[None]:
     """The writing of a staged export: on any failure (a Ctrl-C's KeyboardInterrupt included) the progress is
     closed and the staging directory removed, so nothing partial is left beside ``out``."""
     try:

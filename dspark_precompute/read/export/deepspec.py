@@ -25,6 +25,7 @@ last). Memory: one sample plus the index (56 bytes per sample, written in place)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -37,13 +38,14 @@ import numpy as np
 from dspark_precompute.contract.fp8 import convert
 from dspark_precompute.errors import ExportError
 from dspark_precompute.humanize import human_bytes
+from dspark_precompute.progress import Progress
 from dspark_precompute.read.export.common import (
-    ExportProgress,
     ExportResult,
     Plan,
     StagedExport,
     atomic_write_bytes,
     export_marker,
+    export_progress,
     json_bytes,
     open_complete,
     plan_export,
@@ -104,13 +106,14 @@ def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers:
         log.warning("export deepspec: %s", note)
     target_name = str(target_model_name_or_path or m.target_model)
     stage = StagedExport(Path(out), c.path, overwrite, "DeepSpec target cache")
-    prog = ExportProgress("deepspec", plan.total_tokens, enabled=progress)
+    prog = export_progress("deepspec", plan, progress)
     with staging(stage, prog):
-        shards, total = _write_shards(stage.dir, c, plan, shard_bytes, prog)
+        shards, total = _write_shards(stage, c, plan, shard_bytes, prog)
         prog.close()
         manifest = deepspec_manifest(c, plan, shards, target_name, rule, converted_from, notes)
         data = json_bytes(manifest)
-        atomic_write_bytes(stage.dir / DEEPSPEC_MANIFEST, data)
+        with stage.writing():
+            atomic_write_bytes(stage.dir / DEEPSPEC_MANIFEST, data)
         total += len(data)
         total += stage.finish(export_marker(c, plan, "deepspec", notes, converted_from=converted_from,
                                             target_model_name_or_path=target_name))
@@ -144,47 +147,80 @@ def _sample_parts(c: CacheReader, raw: dict[str, np.ndarray]) -> list[np.ndarray
     ]
 
 
-def _write_shards(root: Path, c: CacheReader, plan: Plan, shard_bytes: int,
-                  prog: ExportProgress) -> tuple[list[dict[str, object]], int]:
+def _write_shards(stage: StagedExport, c: CacheReader, plan: Plan, shard_bytes: int,
+                  prog: Progress) -> tuple[list[dict[str, object]], int]:
     """The shard files (a new one when the next sample would pass ``shard_bytes``) and ``samples.idx``, written in
     place record by record in disk order: (the manifest's shard list, bytes written)."""
     H, k, n = c.hidden_size, len(plan.layers), len(plan)
     total = 0
     shards: list[dict[str, object]] = []
-    fh = None
-    idx_fd = os.open(root / DEEPSPEC_INDEX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    shard = _ShardFiles(stage.dir, shard_bytes)
+    with stage.writing():
+        idx_fd = os.open(stage.dir / DEEPSPEC_INDEX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.ftruncate(idx_fd, n * INDEX_RECORD.size)
-        size = 0
+        with stage.writing():
+            os.ftruncate(idx_fd, n * INDEX_RECORD.size)
         for j, raw in plan.iter_disk_order():
             T = len(raw["input_ids"])
             parts = _sample_parts(c, raw)
             nbytes = sum(p.nbytes for p in parts)
             assert parts[3].shape == (T, k * H) and parts[4].shape == (T, H)
-            if fh is None or (size > 0 and size + nbytes > shard_bytes):
-                if fh is not None:
-                    _close_durably(fh)
-                name = shard_file(len(shards))
-                shards.append({"shard_id": len(shards), "file_name": name})
-                fh = open(root / name, "wb")
-                size = 0
-            offsets = []
-            for p in parts:
-                offsets.append(size)
-                fh.write(p.data)
-                size += p.nbytes
-            os.pwrite(idx_fd, INDEX_RECORD.pack(j, len(shards) - 1, T, *offsets), j * INDEX_RECORD.size)
+            with stage.writing():
+                if shard.needs_new(nbytes):
+                    shards.append({"shard_id": len(shards), "file_name": shard.start(len(shards))})
+                offsets = shard.append(parts)
+                os.pwrite(idx_fd, INDEX_RECORD.pack(j, len(shards) - 1, T, *offsets), j * INDEX_RECORD.size)
             total += nbytes
-            prog.update(T, nbytes)
-        if fh is not None:
-            _close_durably(fh)
-            fh = None
-        os.fsync(idx_fd)
+            stage.sample_written(prog, T, nbytes)
+        with stage.writing():
+            shard.close()
+            os.fsync(idx_fd)
     finally:
         os.close(idx_fd)
-        if fh is not None:
-            fh.close()
+        shard.drop()
     return shards, total + n * INDEX_RECORD.size
+
+
+class _ShardFiles:
+    """The shard file being written: a new one when the next sample would pass ``shard_bytes`` (DeepSpec's rule),
+    each finished one flushed, fsynced and closed."""
+
+    def __init__(self, root: Path, shard_bytes: int) -> None:
+        self.root, self.limit = root, shard_bytes
+        self.fh: BinaryIO | None = None
+        self.size = 0
+
+    def needs_new(self, nbytes: int) -> bool:
+        return self.fh is None or (self.size > 0 and self.size + nbytes > self.limit)
+
+    def start(self, index: int) -> str:
+        self.close()
+        name = shard_file(index)
+        self.fh = open(self.root / name, "wb")
+        self.size = 0
+        return name
+
+    def append(self, parts: list[np.ndarray]) -> list[int]:
+        """One sample's arrays, back to back: their offsets in the shard."""
+        assert self.fh is not None
+        offsets = []
+        for p in parts:
+            offsets.append(self.size)
+            self.fh.write(p.data)
+            self.size += p.nbytes
+        return offsets
+
+    def close(self) -> None:
+        if self.fh is not None:
+            _close_durably(self.fh)  # a failed flush leaves it to drop()
+            self.fh = None
+
+    def drop(self) -> None:
+        """Close without flushing what a failed write left buffered (the staging directory goes anyway)."""
+        if self.fh is not None:
+            fh, self.fh = self.fh, None
+            with contextlib.suppress(OSError):
+                fh.close()
 
 
 def _close_durably(fh: BinaryIO) -> None:

@@ -5,17 +5,19 @@ NeMo reads ``manifest.json``, ``shard-%06d.safetensors`` (sample ``i`` at row
 ``seq_length``) and ``target_weights.safetensors``. Shards are written as a stream: the
 safetensors header is computed from the shapes up front and each sample's rows are
 written in place, so memory stays at one padded sample (plus the reader's chunk cache)
-whatever the shard or dataset size. Every file goes to a temporary name first and is
-renamed when whole; the manifest comes last, so a directory with a manifest is a
-finished export. An fp8 cache is exported dequantized (``CacheReader.read_raw``: bf16), as
-NeMo's layout has no fp8. ``max_length`` cuts every sample (and the padding) at that many
-tokens; the manifest's ``seq_length`` is then the cut.
+whatever the shard or dataset size. Like every export it is staged
+(:class:`~dspark_precompute.read.export.common.StagedExport`): written beside ``out``,
+manifest and marker last, and renamed onto it when whole, so a previous export stays
+whole until then. An fp8 cache is exported dequantized (``CacheReader.read_raw``: bf16),
+as NeMo's layout has no fp8. ``max_length`` cuts every sample (and the padding) at that
+many tokens; the manifest's ``seq_length`` is then the cut.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -23,19 +25,20 @@ from typing import Any
 import numpy as np
 
 from dspark_precompute.contract.vocab import StorageDtype
-from dspark_precompute.errors import CacheFormatError
 from dspark_precompute.humanize import human_bytes
+from dspark_precompute.progress import Progress
 from dspark_precompute.read.export.common import (
-    ExportProgress,
     ExportResult,
     Plan,
     SafetensorsStreamWriter,
+    StagedExport,
     atomic_write_bytes,
-    fsync_dir,
+    export_marker,
+    export_progress,
     json_bytes,
     open_complete,
     plan_export,
-    refuse_inside_cache,
+    staging,
 )
 from dspark_precompute.read.reader import CacheReader
 
@@ -84,28 +87,19 @@ def nemo_manifest(cache: CacheReader, shard_size: int, layers: list[int] | None 
     }
 
 
-def _prepare_out(out: Path, cache_root: str, overwrite: bool) -> None:
-    refuse_inside_cache(out, cache_root)
-    out.mkdir(parents=True, exist_ok=True)
-    ours = [p for p in out.iterdir() if p.name in (NEMO_MANIFEST, NEMO_WEIGHTS) or
-            (p.name.startswith("shard-") and p.name.endswith(".safetensors"))]
-    others = [p for p in out.iterdir() if p not in ours and not p.name.startswith(".")]
-    if others:
-        names = ", ".join(sorted(p.name for p in others)[:5])
-        raise CacheFormatError(f"export destination {out} holds other files ({names}); choose an empty directory "
-                               "or one holding a previous export")
-    if ours and not overwrite:
-        raise CacheFormatError(f"export destination {out} already holds a NeMo DSpark cache ({len(ours)} files); pass "
-                               "overwrite=True (--overwrite) to replace it or choose an empty directory")
-    if ours:  # the manifest goes first, so a half-replaced directory never looks finished
-        (out / NEMO_MANIFEST).unlink(missing_ok=True)
-        for p in ours:
-            p.unlink(missing_ok=True)
-    for p in out.glob(".*.tmp"):
-        p.unlink(missing_ok=True)
+_EARLIER_FILE = re.compile(r"manifest\.json|target_weights\.safetensors|shard-\d{6}\.safetensors|\..+\.\d+\.tmp")
 
 
-def _write_weights(tensors: dict[str, Any], out: Path) -> int:
+def earlier_nemo_export(out: Path) -> dict[str, Any] | None:
+    """A NeMo export written in place by an earlier version (no marker): only NeMo's files and their temporaries.
+    Without its manifest it is one a kill interrupted, replaced without ``overwrite``."""
+    names = [p.name for p in out.iterdir()]
+    if not names or not all(_EARLIER_FILE.fullmatch(n) for n in names):
+        return None
+    return {"format": "nemo", "partial": NEMO_MANIFEST not in names}
+
+
+def _write_weights(tensors: dict[str, Any], stage: StagedExport) -> int:
     """embed_tokens.weight and lm_head.weight as float32 (NeMo's own writer's dtype), tied or not.
 
     ``tensors`` come from :meth:`CacheReader.target_weights`, which checked the file's sha256 and shapes.
@@ -113,16 +107,17 @@ def _write_weights(tensors: dict[str, Any], out: Path) -> int:
     emb = tensors["embed_tokens.weight"]
     head = tensors.get("lm_head.weight", emb)  # tied: the embedding is the head
     spec = {"embed_tokens.weight": ("F32", tuple(emb.shape), 4), "lm_head.weight": ("F32", tuple(head.shape), 4)}
-    w = SafetensorsStreamWriter(out / NEMO_WEIGHTS, spec, {"format": "pt"})
-    try:
-        block = 4096
-        for name, t in (("embed_tokens.weight", emb), ("lm_head.weight", head)):
-            for r0 in range(0, t.shape[0], block):
-                w.write_rows(name, r0, t[r0:r0 + block].float().numpy())
-        w.commit()
-    except BaseException:
-        w.abort()
-        raise
+    with stage.writing():
+        w = SafetensorsStreamWriter(stage.dir / NEMO_WEIGHTS, spec, {"format": "pt"})
+        try:
+            block = 4096
+            for name, t in (("embed_tokens.weight", emb), ("lm_head.weight", head)):
+                for r0 in range(0, t.shape[0], block):
+                    w.write_rows(name, r0, t[r0:r0 + block].float().numpy())
+            w.commit()
+        except BaseException:
+            w.abort()
+            raise
     return w.nbytes
 
 
@@ -135,7 +130,8 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     those); ``max_length`` cuts every sample at that many tokens and leaves out (counted,
     logged) those left with no supervised token. Returns what was written; raises
     :class:`CacheFormatError` when ``out`` holds something else or a previous export and
-    ``overwrite`` is false.
+    ``overwrite`` is false, :class:`StorageWriteError` when a write fails (a full disk, a
+    read-only destination).
     """
     t0 = time.perf_counter()
     if isinstance(shard_size, bool) or not isinstance(shard_size, (int, np.integer)) or shard_size < 1:
@@ -146,27 +142,28 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     out = Path(out)
     n = len(plan)
     S = c.seq_length if max_length is None else min(c.seq_length, int(max_length))
-    weights = c.target_weights()  # checked (sha256, shapes) before a previous export is replaced
-    _prepare_out(out, c.path, overwrite)
-    total = _write_weights(weights, out)
-    del weights
+    weights = c.target_weights()  # checked (sha256, shapes) before anything is written
     num_shards = -(-n // shard_size)
     notes = ["fp8 states exported dequantized to bf16"] if c.manifest.storage_dtype == "fp8_e4m3" else []
     for note in notes:
         log.info("export nemo: %s", note)
-    rows = _PaddedRows(c, S, len(lids))
-    starts = c.starts()
-    prog = ExportProgress("nemo", plan.total_tokens, enabled=progress)
-    for k in range(num_shards):
-        members = np.arange(k * shard_size, min(n, (k + 1) * shard_size))
-        disk_order = members[np.argsort(starts[plan.samples[members]], kind="stable")]  # each chunk decoded once
-        total += _write_shard(out, k, k * shard_size, disk_order, plan, rows, prog)
-    prog.close()
-    manifest = nemo_manifest(c, shard_size, lids, num_samples=n, seq_length=S)
-    data = json_bytes(manifest)
-    atomic_write_bytes(out / NEMO_MANIFEST, data)
-    total += len(data)
-    fsync_dir(out)
+    stage = StagedExport(out, c.path, overwrite, "NeMo DSpark cache", earlier=earlier_nemo_export)
+    prog = export_progress("nemo", plan, progress)
+    with staging(stage, prog):
+        total = _write_weights(weights, stage)
+        del weights
+        rows = _PaddedRows(c, S, len(lids))
+        starts = c.starts()
+        for k in range(num_shards):
+            members = np.arange(k * shard_size, min(n, (k + 1) * shard_size))
+            disk_order = members[np.argsort(starts[plan.samples[members]], kind="stable")]  # each chunk decoded once
+            total += _write_shard(stage, k, k * shard_size, disk_order, plan, rows, prog)
+        prog.close()
+        data = json_bytes(nemo_manifest(c, shard_size, lids, num_samples=n, seq_length=S))
+        with stage.writing():
+            atomic_write_bytes(stage.dir / NEMO_MANIFEST, data)
+        total += len(data)
+        total += stage.finish(export_marker(c, plan, "nemo", notes, shard_size=int(shard_size)))
     secs = time.perf_counter() - t0
     log.info("export: %d samples in %d shards, %s -> %s (%.1fs)", n, num_shards, human_bytes(total), out, secs)
     return ExportResult(str(out), n, num_shards, int(shard_size), total, secs, target="nemo", layers=list(lids),
@@ -227,20 +224,22 @@ class _PaddedRows:
         w.write_row("target_last_hidden_states", r, self.last)
 
 
-def _write_shard(out: Path, k: int, first: int, members: np.ndarray, plan: Plan, rows: _PaddedRows,
-                 prog: ExportProgress) -> int:
+def _write_shard(stage: StagedExport, k: int, first: int, members: np.ndarray, plan: Plan, rows: _PaddedRows,
+                 prog: Progress) -> int:
     """Shard ``k``: export rows ``members`` (``first`` is its row 0), streamed in that order; committed whole or
     removed. Returns its bytes."""
-    w = SafetensorsStreamWriter(out / shard_name(k), rows.spec(len(members)), {"format": "pt"})
+    with stage.writing():
+        w = SafetensorsStreamWriter(stage.dir / shard_name(k), rows.spec(len(members)), {"format": "pt"})
     try:
         for j in members:
             m = rows.fill(plan.read(int(j)))
-            rows.write(w, int(j) - first)
-            prog.update(m, rows.row_bytes)
-        w.commit()
+            with stage.writing():
+                rows.write(w, int(j) - first)
+            stage.sample_written(prog, m, rows.row_bytes)
+        with stage.writing():
+            w.commit()
     except BaseException:
         w.abort()
-        prog.close()
         raise
     log.info("export: wrote %s (%d samples, %s)", shard_name(k), len(members), human_bytes(w.nbytes))
     return w.nbytes

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -32,10 +33,10 @@ from dspark_precompute.contract.vocab import MaskRule
 from dspark_precompute.errors import ExportError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.read.export.common import (
-    ExportProgress,
     ExportResult,
     StagedExport,
     export_marker,
+    export_progress,
     keep_two_consecutive,
     open_complete,
     plan_export,
@@ -74,15 +75,11 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
         log.info("export specforge: %s", note)
     stage = StagedExport(Path(out), c.path, overwrite, "SpecForge offline features")
     total = 0
-    prog = ExportProgress("specforge", plan.total_tokens, enabled=progress)
+    prog = export_progress("specforge", plan, progress)
     with staging(stage, prog):
         made: set[str] = set()
         for j, raw in plan.iter_disk_order():
             rel = sample_file(j)
-            folder = rel.split("/")[0]
-            if folder not in made:
-                (stage.dir / folder).mkdir(exist_ok=True)
-                made.add(folder)
             item = {
                 "input_ids": torch.from_numpy(raw["input_ids"].astype(np.int64)),
                 "loss_mask": torch.from_numpy(raw["loss_mask"].astype(np.int64)),
@@ -90,11 +87,14 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
                 "hidden_states": to_torch(raw["target_hidden_states"], c.output_dtype).clone(),
                 "target_last_hidden_states": to_torch(raw["target_last_hidden_states"], c.last_output_dtype).clone(),
             }
-            path = stage.dir / rel
-            torch.save(item, path)
-            nbytes = path.stat().st_size
+            with stage.writing():
+                folder = rel.split("/")[0]
+                if folder not in made:
+                    (stage.dir / folder).mkdir(exist_ok=True)
+                    made.add(folder)
+                nbytes = save(item, stage.dir / rel)
             total += nbytes
-            prog.update(len(raw["input_ids"]), nbytes)
+            stage.sample_written(prog, len(raw["input_ids"]), nbytes)
         prog.close()
         total += stage.finish(export_marker(c, plan, "specforge", notes, layout="rows_<g>/data_<j>.ckpt",
                                             checked_with="specforge==0.2.0"))
@@ -102,3 +102,35 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
     log.info("export specforge: %d samples, %s -> %s (%.1fs)", n, human_bytes(total), out, secs)
     return ExportResult(str(out), n, n, 1, total, secs, target="specforge", layers=list(plan.layers),
                         max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)
+
+
+class _Recorded:
+    """A file ``torch.save`` writes through, keeping the OS error of a failed write: torch reports that as its
+    own ``RuntimeError`` ("unexpected pos"), which never says the disk is full."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def save(item: dict[str, torch.Tensor], path: Path) -> int:
+    """``torch.save`` of one sample to ``path``; a failed write raises its own OSError. Returns the bytes written."""
+    with open(path, "wb") as fh:
+        rec = _Recorded(fh)
+        try:
+            torch.save(item, rec)  # type: ignore[arg-type]  # torch wants a file; write and flush are what it calls
+        except RuntimeError:
+            if rec.error is not None:
+                raise rec.error from None
+            raise
+        return fh.tell()

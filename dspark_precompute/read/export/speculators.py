@@ -31,13 +31,14 @@ import numpy as np
 from dspark_precompute.contract.fp8 import convert
 from dspark_precompute.errors import ExportError, MissingDependencyError
 from dspark_precompute.humanize import human_bytes
+from dspark_precompute.progress import Progress
 from dspark_precompute.read.export.common import (
-    ExportProgress,
     ExportResult,
     Plan,
     SafetensorsStreamWriter,
     StagedExport,
     export_marker,
+    export_progress,
     open_complete,
     plan_export,
     staging,
@@ -110,68 +111,79 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
     for note in notes:
         log.warning("export speculators: %s", note)
     stage = StagedExport(Path(out), c.path, overwrite, "speculators training data")
-    rows_file = stage.dir.parent / f".{stage.dir.name}.rows.arrow"
-    prog = ExportProgress("speculators", plan.total_tokens, enabled=progress)
-    try:
-        with staging(stage, prog):
-            total = _write_hidden_states(stage.dir, c, plan, prog)
-            prog.close()
-            _write_rows(stage.dir, rows_file, plan, progress)
-            total += sum(p.stat().st_size for p in stage.dir.iterdir() if p.is_file())
-            total += stage.finish(export_marker(c, plan, "speculators", notes, slots=[*plan.layers, PRE_NORM],
-                                                checked_with="speculators==0.9.0, hs-connectors==0.9.0"))
-    finally:
-        rows_file.unlink(missing_ok=True)
+    prog = export_progress("speculators", plan, progress)
+    with staging(stage, prog):
+        total = _write_hidden_states(stage, c, plan, prog)
+        prog.close()
+        _write_rows(stage, plan, progress)
+        total += sum(p.stat().st_size for p in stage.dir.iterdir() if p.is_file())
+        total += stage.finish(export_marker(c, plan, "speculators", notes, slots=[*plan.layers, PRE_NORM],
+                                            checked_with="speculators==0.9.0, hs-connectors==0.9.0"))
     secs = time.perf_counter() - t0
     log.info("export speculators: %d samples, %s -> %s (%.1fs)", n, human_bytes(total), out, secs)
     return ExportResult(str(out), n, n, 1, total, secs, target="speculators", layers=list(plan.layers),
                         max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)
 
 
-def _write_hidden_states(root: Path, c: CacheReader, plan: Plan, prog: ExportProgress) -> int:
+def _write_hidden_states(stage: StagedExport, c: CacheReader, plan: Plan, prog: Progress) -> int:
     """``hidden_states/hs_{j}.safetensors`` per export row, in disk order: ``token_ids`` and the captured layers with
     the pre-norm state as the last slot, bf16. Returns the bytes written."""
     H, k = c.hidden_size, len(plan.layers)
     total = 0
-    (root / HS_DIR).mkdir()
+    with stage.writing():
+        (stage.dir / HS_DIR).mkdir()
     for j, raw in plan.iter_disk_order(last=False, pre_norm=True):
         T = len(raw["input_ids"])
         hs = np.empty((T, k + 1, H), dtype=np.uint16)
         hs[:, :k, :] = _bf16(raw["target_hidden_states"], c.output_dtype).reshape(T, k, H)
         pre = raw[f"target_{PRE_NORM}_hidden_states"]
         hs[:, k, :] = _bf16(pre, _DTYPE_OF[pre.dtype.str])
-        w = SafetensorsStreamWriter(root / hs_file(j), {
-            "token_ids": ("I64", (T,), 8),
-            "hidden_states": ("BF16", (T, k + 1, H), 2),
-        }, {"format": "pt"}, fsync=False)
-        try:
-            w.write_rows("token_ids", 0, raw["input_ids"].astype(np.int64))
-            w.write_rows("hidden_states", 0, hs)
-            w.commit()
-        except BaseException:
-            w.abort()
-            raise
+        with stage.writing():
+            w = SafetensorsStreamWriter(stage.dir / hs_file(j), {
+                "token_ids": ("I64", (T,), 8),
+                "hidden_states": ("BF16", (T, k + 1, H), 2),
+            }, {"format": "pt"}, fsync=False)
+            try:
+                w.write_rows("token_ids", 0, raw["input_ids"].astype(np.int64))
+                w.write_rows("hidden_states", 0, hs)
+                w.commit()
+            except BaseException:
+                w.abort()
+                raise
         total += w.nbytes
-        prog.update(T, w.nbytes)
+        stage.sample_written(prog, T, w.nbytes)
     return total
 
 
-def _write_rows(root: Path, rows_file: Path, plan: Plan, progress: bool) -> None:
+def _write_rows(stage: StagedExport, plan: Plan, progress: bool) -> None:
     """The ``datasets`` folder of ids, masks and lengths (row ``j`` <-> ``hs_{j}``), through an Arrow file beside
-    the staging directory; only ids and masks are read."""
+    the staging directory (``datasets`` refuses to save a dataset into the folder holding its file); only ids and
+    masks are read."""
     from datasets import Dataset, Features, Sequence, Value
     from datasets.arrow_writer import ArrowWriter
 
     features = Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
                          "seq_len": Value("int64")})
-    with ArrowWriter(features=features, path=str(rows_file), writer_batch_size=1000) as aw:
+    rows_file = stage.beside("rows.arrow")
+    with stage.writing():
+        aw = ArrowWriter(features=features, path=str(rows_file), writer_batch_size=1000)
+    try:
         for j in range(len(plan)):  # export order: row j <-> hs_{j}; only ids and masks are read here
             ids, mask = plan.read_tokens(j)
-            aw.write({"input_ids": ids.astype(np.int64), "loss_mask": mask.astype(np.int64),
-                      "seq_len": int(len(ids))})
-        aw.finalize()
-    ds = Dataset.from_file(str(rows_file))
-    ds.set_format("torch")
-    with _datasets_bars(progress):
-        ds.save_to_disk(str(root))
-    del ds
+            with stage.writing():
+                aw.write({"input_ids": ids.astype(np.int64), "loss_mask": mask.astype(np.int64),
+                          "seq_len": int(len(ids))})
+        with stage.writing():
+            aw.finalize()
+            aw.close()
+    except BaseException:
+        with contextlib.suppress(Exception):  # what failed is the error to report, not the close after it
+            aw.close()
+        raise
+    with stage.writing():
+        ds = Dataset.from_file(str(rows_file))
+        ds.set_format("torch")
+        with _datasets_bars(progress):
+            ds.save_to_disk(str(stage.dir))
+        del ds
+        rows_file.unlink()

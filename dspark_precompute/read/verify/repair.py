@@ -8,7 +8,7 @@ from dspark_precompute.contract.commits import drop_commits
 from dspark_precompute.contract.lock import WriterLock
 from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.store import CacheStore
-from dspark_precompute.errors import DsparkError
+from dspark_precompute.errors import DsparkError, StorageWriteError
 
 
 def mark_for_recompute(path: str | Path, units: list[int], retokenize: bool = False) -> list[str]:
@@ -24,13 +24,17 @@ def mark_for_recompute(path: str | Path, units: list[int], retokenize: bool = Fa
     store = CacheStore(str(path))
     if store.url:
         raise DsparkError(f"{path}: --repair works on local caches only; copy the cache locally or re-create it")
-    lock = WriterLock(store.root).acquire()
     try:
-        m = Manifest.read(store)
-        if m.complete or (retokenize and m.tokens_stored):
-            m.mark_incomplete()
-            m.tokens_stored = m.tokens_stored and not retokenize
-            m.write(store)
-        return drop_commits(store, [int(u) for u in units if 0 <= int(u) < m.layout.num_units])
-    finally:
-        lock.release()
+        lock = WriterLock(store.root).acquire()
+        try:
+            m = Manifest.read(store)
+            if m.complete or (retokenize and m.tokens_stored):
+                m.mark_incomplete()
+                m.tokens_stored = m.tokens_stored and not retokenize
+                m.write(store)
+            return drop_commits(store, [int(u) for u in units if 0 <= int(u) < m.layout.num_units])
+        finally:
+            lock.release()
+    except OSError as exc:  # nothing is changed before the lock is taken; after, the manifest goes first
+        raise StorageWriteError.of(exc, f"marking units {sorted(units)} of {path} for recomputation",
+                                   "run verify --repair again") from exc

@@ -27,11 +27,11 @@ from dspark_precompute.contract.layout import Layout
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import NonFiniteStatesError, StoppedBySignal
 from dspark_precompute.faults import fault_point
+from dspark_precompute.progress import Progress
 from dspark_precompute.write.parallel.distributed import Coordinator
 from dspark_precompute.write.plan.array_specs import ArraySpec
 from dspark_precompute.write.plan.prepare import Plan
 from dspark_precompute.write.store.batching import batch_inputs, make_batches
-from dspark_precompute.write.store.progress import Progress
 from dspark_precompute.write.store.transfer import StateArray, UnitCheck, UnitTransfer, zero_samples
 from dspark_precompute.write.store.writer import UnitWriter, resolve_writers
 from dspark_precompute.write.target.capture import HiddenStateCapture
@@ -86,9 +86,10 @@ class ForwardLoop:
             writer = stack.enter_context(UnitWriter(self.plan.store, self.plan.specs, self.layout, cfg.storage, todo,
                                                     writers=n_writers, pin_memory=self.device.type == "cuda"))
             transfer = UnitTransfer(self.hidden, device=self.device)
-            progress = Progress(int(sum(len(self.layout.unit_order[u]) for u in todo)),
+            progress = Progress("precompute",
                                 int(sum(self.layout.unit_stop[u] - self.layout.unit_start[u] for u in todo)),
-                                enabled=cfg.progress)
+                                int(sum(len(self.layout.unit_order[u]) for u in todo)), enabled=cfg.progress,
+                                written="raw written")
             stack.callback(progress.close)
             stop = signals.STATE
             with signals.graceful():
@@ -100,7 +101,7 @@ class ForwardLoop:
                 writer.drain()
             if stop.signum is not None and len(writer.committed) < len(todo):
                 raise StoppedBySignal(stop.signum)
-            progress.update(bytes_written=writer.raw_bytes)
+            progress.update(bytes_total=writer.raw_bytes)
             self.stats.extra.update(writer_wait_s=writer.wait_s, writer_busy_s=writer.busy_s,
                                     writers=float(n_writers))
         return len(todo)
@@ -130,7 +131,7 @@ class ForwardLoop:
             self.stats.batch_s += c1 - c0
             self.stats.forward_s += c2 - c1
             self.stats.copy_s += c3 - c2
-            progress.update(samples=len(batch), tokens=int(blens.sum()), bytes_written=writer.raw_bytes)
+            progress.update(samples=len(batch), tokens=int(blens.sum()), bytes_total=writer.raw_bytes)
             writer.poll()
         c4 = time.perf_counter()
         check = transfer.finish()  # on CUDA: the unit's copies are done
