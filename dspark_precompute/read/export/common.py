@@ -165,7 +165,7 @@ class ExportResult:
         return sum(self.dropped.values())
 
 
-def export_progress(target: str, plan: Plan, enabled: bool) -> Progress:
+def export_progress(target: str, plan: Selection, enabled: bool) -> Progress:
     """The shared progress reporter, for an export to ``target``: tokens, samples and bytes written."""
     return Progress(f"export {target}", plan.total_tokens, len(plan), enabled=enabled)
 
@@ -184,7 +184,7 @@ def keep_two_consecutive(mask: np.ndarray) -> str | None:
 
 
 @dataclass
-class Plan:
+class Selection:
     """Which cache samples an export writes, in export order, and how long each is after the cut."""
 
     cache: CacheReader
@@ -241,7 +241,7 @@ def check_max_length(max_length: int | None) -> int | None:
 
 
 def plan_export(c: CacheReader, layers: list[int] | None, max_length: int | None,
-                keep: Callable[[np.ndarray], str | None] = keep_any_supervised) -> Plan:
+                keep: Callable[[np.ndarray], str | None] = keep_any_supervised) -> Selection:
     """Decide the exported samples: cut each at ``max_length`` tokens, drop those ``keep`` refuses.
 
     A causal target's states for the first L tokens do not depend on later ones, so a cut
@@ -274,7 +274,7 @@ def plan_export(c: CacheReader, layers: list[int] | None, max_length: int | None
     for why, k in sorted(dropped.items()):
         log.warning("export: %d of %d samples left out: %s%s", k, n, why,
                     f" (max_length={max_length})" if max_length is not None else "")
-    return Plan(c, lids, max_length, samples, cut[samples], dropped)
+    return Selection(c, lids, max_length, samples, cut[samples], dropped)
 
 
 # -- destinations --------------------------------------------------------------------------
@@ -442,7 +442,7 @@ def staging(stage: StagedExport, prog: Progress) -> Iterator[None]:
         raise
 
 
-def export_marker(c: CacheReader, plan: Plan, target: str, notes: list[str], **extra: Any) -> dict[str, Any]:
+def export_marker(c: CacheReader, plan: Selection, target: str, notes: list[str], **extra: Any) -> dict[str, Any]:
     """What every staged export records about itself: format, source cache, layers, cut, drops and conversions."""
     from dspark_precompute.version import __version__
 

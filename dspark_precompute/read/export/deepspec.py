@@ -41,7 +41,7 @@ from dspark_precompute.humanize import human_bytes
 from dspark_precompute.progress import Progress
 from dspark_precompute.read.export.common import (
     ExportResult,
-    Plan,
+    Selection,
     StagedExport,
     atomic_write_bytes,
     export_marker,
@@ -147,7 +147,7 @@ def _sample_parts(c: CacheReader, raw: dict[str, np.ndarray]) -> list[np.ndarray
     ]
 
 
-def _write_shards(stage: StagedExport, c: CacheReader, plan: Plan, shard_bytes: int,
+def _write_shards(stage: StagedExport, c: CacheReader, plan: Selection, shard_bytes: int,
                   prog: Progress) -> tuple[list[dict[str, object]], int]:
     """The shard files (a new one when the next sample would pass ``shard_bytes``) and ``samples.idx``, written in
     place record by record in disk order: (the manifest's shard list, bytes written)."""
@@ -230,7 +230,7 @@ def _close_durably(fh: BinaryIO) -> None:
     fh.close()
 
 
-def deepspec_manifest(c: CacheReader, plan: Plan, shards: list[dict[str, object]], target_name: str,
+def deepspec_manifest(c: CacheReader, plan: Selection, shards: list[dict[str, object]], target_name: str,
                       rule: str | None, converted_from: str | None, notes: list[str]) -> dict[str, Any]:
     """DeepSpec's ``manifest.json`` (version 2), plus where the export came from and what it changed."""
     m = c.manifest

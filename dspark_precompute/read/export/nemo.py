@@ -29,8 +29,8 @@ from dspark_precompute.humanize import human_bytes
 from dspark_precompute.progress import Progress
 from dspark_precompute.read.export.common import (
     ExportResult,
-    Plan,
     SafetensorsStreamWriter,
+    Selection,
     StagedExport,
     atomic_write_bytes,
     export_marker,
@@ -224,7 +224,7 @@ class _PaddedRows:
         w.write_row("target_last_hidden_states", r, self.last)
 
 
-def _write_shard(stage: StagedExport, k: int, first: int, members: np.ndarray, plan: Plan, rows: _PaddedRows,
+def _write_shard(stage: StagedExport, k: int, first: int, members: np.ndarray, plan: Selection, rows: _PaddedRows,
                  prog: Progress) -> int:
     """Shard ``k``: export rows ``members`` (``first`` is its row 0), streamed in that order; committed whole or
     removed. Returns its bytes."""

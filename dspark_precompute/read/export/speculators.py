@@ -34,8 +34,8 @@ from dspark_precompute.humanize import human_bytes
 from dspark_precompute.progress import Progress
 from dspark_precompute.read.export.common import (
     ExportResult,
-    Plan,
     SafetensorsStreamWriter,
+    Selection,
     StagedExport,
     export_marker,
     export_progress,
@@ -125,7 +125,7 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
                         max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)
 
 
-def _write_hidden_states(stage: StagedExport, c: CacheReader, plan: Plan, prog: Progress) -> int:
+def _write_hidden_states(stage: StagedExport, c: CacheReader, plan: Selection, prog: Progress) -> int:
     """``hidden_states/hs_{j}.safetensors`` per export row, in disk order: ``token_ids`` and the captured layers with
     the pre-norm state as the last slot, bf16. Returns the bytes written."""
     H, k = c.hidden_size, len(plan.layers)
@@ -155,7 +155,7 @@ def _write_hidden_states(stage: StagedExport, c: CacheReader, plan: Plan, prog: 
     return total
 
 
-def _write_rows(stage: StagedExport, plan: Plan, progress: bool) -> None:
+def _write_rows(stage: StagedExport, plan: Selection, progress: bool) -> None:
     """The ``datasets`` folder of ids, masks and lengths (row ``j`` <-> ``hs_{j}``), through an Arrow file beside
     the staging directory (``datasets`` refuses to save a dataset into the folder holding its file); only ids and
     masks are read."""
