@@ -16,7 +16,8 @@ before the rename), ``write_part`` (after each part of such a file: a kill here 
 ``manifest`` (before a manifest update), ``weights`` (before target_weights is written),
 ``allocate`` (while arrays are created), ``tokenize_start`` (a tokenizing worker, before it builds its
 encoder), ``tokenize_row`` (before each row is tokenized, in whichever
-process tokenizes it; each process counts its own hits).
+process tokenizes it; each process counts its own hits), ``regenerate_row`` (after a regenerated row
+is fsynced to the regeneration log).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from dspark_precompute.errors import RegenerateResumeError, StorageWriteError
+from dspark_precompute.faults import fault_point
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class ResumeStore:
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self.done[record["key"]] = record
+        fault_point("regenerate_row")
 
     def close(self) -> None:
         if self._fh is not None:
