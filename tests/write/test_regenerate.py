@@ -124,7 +124,8 @@ def test_changed_sampling_refuses_to_resume_naming_the_change(tmp_path):
     data = rows_file(tmp_path, 2)
     with Fake() as f:
         regenerate(config(tmp_path, [f.url], data), tmp_path / "o.jsonl")
-        with pytest.raises(RegenerateResumeError, match=r"sampling: recorded .*'temperature': 0\.0.*'temperature': 0\.7"):
+        changed = r"sampling: recorded .*'temperature': 0\.0.*'temperature': 0\.7"
+        with pytest.raises(RegenerateResumeError, match=changed):
             regenerate(config(tmp_path, [f.url], data, "regenerate.temperature=0.7"), tmp_path / "o.jsonl")
 
 
