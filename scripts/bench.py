@@ -41,20 +41,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "chat" / "mix.messages.jsonl"
+from benchlib import (
+    DEFAULT_DATA,
+    PeakRSS,
+    compose,
+    contention,
+    cpu_pressure,
+    dir_bytes,
+    embedded_data,
+    load_average,
+    log,
+    machine,
+    md_table,
+    median,
+    output_args,
+    rotated,
+    save,
+    tool_overrides,
+)
+
 # bench target name -> conf/model group ("byte": the built-in byte-level tiny target, used by the smoke test)
 TARGETS = {"tiny": "bench_tiny", "mid": "bench_mid", "byte": "tiny"}
 # Rows per case so that the default full bench stays under ~15 minutes on 2 CPU cores: the
@@ -80,60 +94,7 @@ COMPRESSORS = [  # (label, storage.compressor, level, shuffle)
 
 
 # --------------------------------------------------------------------------------------
-# configuration
-
-
-BENCH_CONF = REPO / "scripts" / "conf"  # the benchmark targets (model=bench_tiny|bench_mid), beside the package's
-
-
-def compose(overrides: list[str]):
-    """The typed config for ``overrides``, composed by Hydra exactly as the CLI does (plus scripts/conf)."""
-    from dspark_precompute.write.config.compose import compose as compose_config
-
-    return compose_config([f"hydra.searchpath=[file://{BENCH_CONF}]", *overrides])
-
-
-def _tokenizer_override(model_group: str) -> list[str]:
-    """conf/model/*.yaml give the tokenizer relative to the repo root: make it absolute."""
-    from omegaconf import OmegaConf
-
-    path = BENCH_CONF / "model" / f"{model_group}.yaml"
-    if not path.exists():
-        return []
-    conf = OmegaConf.load(path)
-    tok = conf.get("tokenizer")
-    if not tok or Path(tok).is_absolute():
-        return []
-    return [f"model.tokenizer={(REPO / tok).resolve()}"]
-
-
-def tool_overrides(model_group: str, data: Path | None, seq: int, rows: int | None, path: Path,
-                   device: str = "auto", dtype: str = "auto", extra: list[str] | None = None) -> list[str]:
-    out = [f"model={model_group}", *_tokenizer_override(model_group)]
-    out += ["data=jsonl", f"data.path={data}"] if data is not None else ["data=embedded"]
-    if rows:
-        out.append(f"data.max_samples={rows}")
-    out += [f"seq_length={seq}", f"storage.path={path}", "overwrite=true", "progress=false", "log_level=WARNING",
-            f"model.device={device}", f"model.dtype={dtype}"]
-    if seq > 16384:
-        out.append(f"batch.max_tokens={seq}")
-    return out + list(extra or [])
-
-
-# --------------------------------------------------------------------------------------
 # helpers
-
-
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
-def dir_bytes(path: Path, exclude: tuple[str, ...] = ()) -> int:
-    total = 0
-    for p in Path(path).rglob("*"):
-        if p.is_file() and p.name not in exclude:
-            total += p.stat().st_size
-    return total
 
 
 def _sync(device: Any) -> None:
@@ -152,48 +113,6 @@ def padded_layout_bytes(n_samples: int, seq_length: int, hidden: int, n_layers: 
     """
     per_position = 3 * 8 + (n_layers + 1) * hidden * itemsize
     return n_samples * seq_length * per_position
-
-
-class PeakRSS:
-    """Peak PSS of a process tree, sampled every ``interval`` seconds with psutil."""
-
-    def __init__(self, pid: int, interval: float = 0.1):
-        self.pid, self.interval = pid, interval
-        self.peak_pss = 0
-        self.peak_rss = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> PeakRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _loop(self) -> None:
-        import psutil
-
-        try:
-            root = psutil.Process(self.pid)
-        except psutil.Error:
-            return
-        while not self._stop.is_set():
-            pss = rss = 0
-            try:
-                procs = [root, *root.children(recursive=True)]
-            except psutil.Error:
-                break
-            for p in procs:
-                try:
-                    mi = p.memory_full_info()
-                    pss += getattr(mi, "pss", mi.rss)
-                    rss += mi.rss
-                except psutil.Error:
-                    pass
-            self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
-            self._stop.wait(self.interval)
 
 
 # --------------------------------------------------------------------------------------
@@ -480,8 +399,7 @@ def sweep_compressors(data: Any, chunk: int, workdir: Path, repeats: int) -> lis
     raw = data.nbytes
     res: dict[str, dict[str, list[float]]] = {c[0]: {"w": [], "r": [], "ratio": []} for c in COMPRESSORS}
     for rep in range(repeats):
-        order = COMPRESSORS[rep % len(COMPRESSORS):] + COMPRESSORS[:rep % len(COMPRESSORS)]
-        for label, name, level, shuffle in order:
+        for label, name, level, shuffle in rotated(COMPRESSORS, rep):
             path = workdir / f"sweep-{name}-{level}-{shuffle}"
             shutil.rmtree(path, ignore_errors=True)
             arr = zarr.create_array(str(path), shape=data.shape, chunks=(chunk, data.shape[1]), dtype=data.dtype,
@@ -595,9 +513,7 @@ def repeated_jsonl(src: Path, dst: Path, factor: int) -> int:
 def measure_rss(target: str, seq: int, rows: int, factor: int, data: Path | None, workdir: Path, device: str,
                 dtype: str, extra: list[str]) -> list[dict[str, Any]]:
     if data is None:  # the embedded demo set
-        import dspark_precompute
-
-        data = Path(dspark_precompute.__file__).parent / "assets" / "embedded_chat.jsonl"
+        data = embedded_data()
     big = workdir / "rss-data.jsonl"
     n_lines = repeated_jsonl(data, big, -(-rows * factor // max(1, sum(1 for _ in open(data)))))
     out = []
@@ -697,8 +613,7 @@ def bench_case(spec: Spec, args: argparse.Namespace, workdir: Path) -> dict[str,
     rec: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     tool_path, padded_dir = workdir / "tool-cache", workdir / "padded-cache"
     for rep in range(args.repeats):
-        order = methods[rep % len(methods):] + methods[:rep % len(methods)]
-        for m in order:
+        for m in rotated(methods, rep):
             gc.collect()
             calls_before = LM_HEAD_CALLS["n"]
             if m == "tool":
@@ -773,60 +688,6 @@ def bench_case(spec: Spec, args: argparse.Namespace, workdir: Path) -> dict[str,
     return out
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def cpu_pressure() -> tuple[float, int] | None:
-    """(monotonic seconds, total microseconds some task waited for a CPU) from /proc/pressure/cpu."""
-    try:
-        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
-        return time.monotonic(), int(line.rsplit("total=", 1)[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def contention(a: tuple[float, int] | None, b: tuple[float, int] | None) -> float | None:
-    """Share of the wall time during which some runnable task waited for a CPU (PSI 'some')."""
-    if not a or not b or b[0] <= a[0]:
-        return None
-    return (b[1] - a[1]) / 1e6 / (b[0] - a[0])
-
-
-def load_average() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
-
-
-def machine() -> dict[str, Any]:
-    import numcodecs
-    import torch
-    import transformers
-    import zarr
-
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = "?"
-    try:
-        kb = int(next(ln for ln in Path("/proc/meminfo").read_text().splitlines()
-                      if ln.startswith("MemTotal")).split()[1])
-        mem = f"{kb / (1 << 20):.1f} GiB"
-    except (OSError, StopIteration):
-        pass
-    return {"nproc": os.cpu_count(), "cpu": cpu, "memory": mem, "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "zarr": zarr.__version__,
-            "numcodecs": numcodecs.__version__, "transformers": transformers.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-
-
 # --------------------------------------------------------------------------------------
 # report
 
@@ -876,16 +737,13 @@ def markdown(results: dict[str, Any]) -> str:
                  "jobs shared this machine.\n")
     if scale:
         L.append(f"### Speed at scale: tool vs limit (median of {reps} alternating repeats)\n")
-        L.append("| target | seq | samples | real tokens | tool s | limit s | tool tok/s | limit tok/s "
-                 "| **tool / limit** wall | (best-of) | tool fwd+write / limit | units | CPU contention |")
-        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for c in scale:
-            s = c["summary"]
-            L.append(f"| {c['target']} | {c['seq_length']} | {s['samples']} | {s['tokens']:,} "
-                     f"| {_fmt(s['tool_wall_s'])} "
-                     f"| {_fmt(s['limit_wall_s'])} | {_fmt(s['tool_tok_s'], 0)} | {_fmt(s['limit_tok_s'], 0)} "
-                     f"| **{_fmt(s['tool_over_limit'])}x** | {_fmt(s['tool_over_limit_best'])}x "
-                     f"| {_fmt(s['tool_forward_write_over_limit'])}x | {c['info']['units']} | {psi(c)} |")
+        L += md_table(["target", "seq", "samples", "real tokens", "tool s", "limit s", "tool tok/s", "limit tok/s",
+                       "**tool / limit** wall", "(best-of)", "tool fwd+write / limit", "units", "CPU contention"],
+                      ([c["target"], c["seq_length"], s["samples"], f"{s['tokens']:,}", _fmt(s["tool_wall_s"]),
+                        _fmt(s["limit_wall_s"]), _fmt(s["tool_tok_s"], 0), _fmt(s["limit_tok_s"], 0),
+                        f"**{_fmt(s['tool_over_limit'])}x**", f"{_fmt(s['tool_over_limit_best'])}x",
+                        f"{_fmt(s['tool_forward_write_over_limit'])}x", c["info"]["units"], psi(c)]
+                       for c in scale for s in [c["summary"]]))
     L.append("\n### Bytes on disk per real token\n")
     L.append("| target | seq | samples | padding in padded layout | tool data B/tok | padded data B/tok "
              "| **ratio (data)** | tool total B/tok | padded total B/tok | ratio (total) |")
@@ -920,51 +778,40 @@ def markdown(results: dict[str, Any]) -> str:
                  + f" | {100 * other:.1f}% | {100 * sh.get('writer_busy_s', 0.0):.1f}% |")
     if three:
         L.append("\n### Where the padded baseline's time goes (median seconds)\n")
-        L.append("| target | seq | tokenize | load | forward (with logits) | to host | write shards | total |")
-        L.append("|---|---|---|---|---|---|---|---|")
-        for c in three:
-            s = c["summary"]
-            t = s["padded_timing_median"]
-            L.append(f"| {c['target']} | {c['seq_length']} | {_fmt(t['tokenize_s'])} | {_fmt(t['load_target_s'])} "
-                     f"| {_fmt(t['forward_s'])} | {_fmt(t['d2h_s'])} | {_fmt(t['write_s'])} "
-                     f"| {_fmt(s['padded_wall_s'])} |")
+        L += md_table(["target", "seq", "tokenize", "load", "forward (with logits)", "to host", "write shards",
+                       "total"],
+                      ([c["target"], c["seq_length"], *(_fmt(t[k]) for k in ("tokenize_s", "load_target_s",
+                                                                             "forward_s", "d2h_s", "write_s")),
+                        _fmt(c["summary"]["padded_wall_s"])]
+                       for c in three for t in [c["summary"]["padded_timing_median"]]))
     sweeps = [c for c in cases if c.get("sweep")]
     if sweeps:
         L.append(f"\n### Compressors (hidden states the tool captured, bf16; median of "
                  f"{results['args']['sweep_repeats']})\n")
-        L.append("| target | seq | compressor | ratio | write MB/s | read MB/s |")
-        L.append("|---|---|---|---|---|---|")
-        for c in sweeps:
-            for r in c["sweep"]:
-                L.append(f"| {c['target']} | {c['seq_length']} | {r['compressor']} | {r['ratio']:.3f} "
-                         f"| {_fmt(r['write_MBps'], 0)} | {_fmt(r['read_MBps'], 0)} |")
+        L += md_table(["target", "seq", "compressor", "ratio", "write MB/s", "read MB/s"],
+                      ([c["target"], c["seq_length"], r["compressor"], f"{r['ratio']:.3f}", _fmt(r["write_MBps"], 0),
+                        _fmt(r["read_MBps"], 0)] for c in sweeps for r in c["sweep"]))
         L.append("\nRaw MB per compressor: " + ", ".join(f"{c['target']}@{c['seq_length']}: "
                                                         f"{c['sweep'][0]['raw_MB']:.0f}" for c in sweeps)
                  + " (single process, zarr's own codec threads; crc32c included).")
     rb = [c for c in cases if c.get("readback")]
     if rb:
         L.append("\n### Read-back (warm page cache)\n")
-        L.append("| target | seq | samples | random samples/s | random MB/s | sequential MB/s "
-                 "| padded shards random samples/s | padded random MB/s |")
-        L.append("|---|---|---|---|---|---|---|---|")
-        for c in rb:
-            r = c["readback"]
-            L.append(f"| {c['target']} | {c['seq_length']} | {c['summary']['samples']} "
-                     f"| {_fmt(r['random_samples_per_s'], 0)} "
-                     f"| {_fmt(r['random_MBps'], 0)} | {_fmt(r['sequential_MBps'], 0)} "
-                     f"| {_fmt(r.get('padded_random_samples_per_s', nan), 0)} "
-                     f"| {_fmt(r.get('padded_random_MBps', nan), 0)} |")
+        L += md_table(["target", "seq", "samples", "random samples/s", "random MB/s", "sequential MB/s",
+                       "padded shards random samples/s", "padded random MB/s"],
+                      ([c["target"], c["seq_length"], c["summary"]["samples"],
+                        *(_fmt(r.get(k, nan), 0) for k in ("random_samples_per_s", "random_MBps", "sequential_MBps",
+                                                           "padded_random_samples_per_s", "padded_random_MBps"))]
+                       for c in rb for r in [c["readback"]]))
         L.append("\nMB/s counts the tensors returned (the padded shards return seq_length rows per sample).")
     if results.get("rss"):
         rs = results["rss"]
         L.append(f"\n### Peak memory vs dataset size ({rs['target']}, seq {rs['seq_length']}, separate processes)\n")
-        L.append("| rows | real tokens | units | wall s | peak PSS (process tree) | peak RSS sum (tree) "
-                 "| VmHWM main process |")
-        L.append("|---|---|---|---|---|---|---|")
-        for r in rs["runs"]:
-            L.append(f"| {r['rows']:,} | {r['tokens']:,} | {r.get('units', '?')} | {r['wall_s']:.1f} "
-                     f"| {r['peak_pss_tree'] / 2**20:.0f} MiB | {r['peak_rss_tree'] / 2**20:.0f} MiB "
-                     f"| {r['hwm_main'] / 2**20:.0f} MiB |")
+        L += md_table(["rows", "real tokens", "units", "wall s", "peak PSS (process tree)", "peak RSS sum (tree)",
+                       "VmHWM main process"],
+                      ([f"{r['rows']:,}", f"{r['tokens']:,}", r.get("units", "?"), f"{r['wall_s']:.1f}",
+                        *(f"{r[k] / 2**20:.0f} MiB" for k in ("peak_pss_tree", "peak_rss_tree", "hwm_main"))]
+                       for r in rs["runs"]))
         a, b = rs["runs"][0], rs["runs"][-1]
         L.append(f"\n{b['rows'] // a['rows']}x the rows: **peak PSS {b['peak_pss_tree'] / a['peak_pss_tree']:.2f}x**, "
                  f"main-process VmHWM {b['hwm_main'] / a['hwm_main']:.2f}x (PSS counts the shared unit buffers "
@@ -1005,8 +852,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rss-rows", type=int, default=300, help="N: the runs use N and factor*N rows")
     p.add_argument("--rss-factor", type=int, default=10)
     p.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir)")
-    p.add_argument("--json", type=Path, default=None, help="write all results as JSON here")
-    p.add_argument("--markdown", type=Path, default=None, help="write the tables as markdown here")
+    output_args(p)
     p.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sweep_on = [x for x in args.sweep_on.split(",") if x]
@@ -1080,10 +926,7 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(results)
     print(md)
     log(f"bench wall time: {results['bench_wall_s']:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    if args.markdown:
-        args.markdown.write_text(md)
+    save(args, results, md)
     return 0
 
 

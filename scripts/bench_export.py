@@ -24,16 +24,14 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "chat" / "mix.messages.jsonl"
+from benchlib import DEFAULT_DATA, build_cache, dir_bytes, log, md_table, median, output_args, rotated, save
+
 TARGETS = ("nemo", "deepspec", "specforge", "speculators")
 
 # run in a child process: one export, its result as JSON on stdout
@@ -47,26 +45,6 @@ hwm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith(
 print(json.dumps({"samples": r.num_samples, "bytes": r.bytes_written, "seconds": r.seconds, "files": r.num_shards,
                   "peak_rss": hwm}))
 """
-
-
-def log(msg: str) -> None:
-    sys.stderr.write(msg + "\n")
-    sys.stderr.flush()
-
-
-def build_cache(path: Path, target: str, data: str, seq_length: int, rows: int) -> None:
-    import bench
-
-    from dspark_precompute.write.run import run
-
-    overrides = bench.tool_overrides(target, None if data == "embedded" else Path(data), seq_length, rows, path)
-    overrides.append("capture.last_state=both")  # speculators trains on the pre-norm state, the others the post-norm
-    log(f"building the benchmark cache: {' '.join(overrides)}")
-    run(bench.compose(overrides))
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def run_one(cache: Path, out: Path, to: str) -> dict[str, Any]:
@@ -96,14 +74,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--to", default=",".join(TARGETS))
     ap.add_argument("--out", type=Path, default=None, help="where exports go (default: beside the cache)")
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--markdown", type=Path, default=None)
+    output_args(ap)
     args = ap.parse_args()
 
     from dspark_precompute import open_cache
 
     if not (args.cache / "manifest.json").exists():
-        build_cache(args.cache, args.target, args.data, args.seq_length, args.rows)
+        # speculators trains on the pre-norm state, the others the post-norm
+        build_cache(args.cache, args.target, args.data, args.seq_length, args.rows, ["capture.last_state=both"])
     c = open_cache(args.cache)
     tokens = int(c.lengths().sum())
     per_token = 5 + c.hidden_size * 2 * (len(c.layer_ids) + 1)  # ids, mask, the layers and the last state, bf16
@@ -113,25 +91,22 @@ def main() -> None:
     out_root.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
     for rep in range(args.repeats):
-        order = targets[rep % len(targets):] + targets[:rep % len(targets)]
-        for to in order:
+        for to in rotated(targets, rep):
             r = run_one(args.cache, out_root / to, to)
             runs[to].append(r)
             log(f"repeat {rep + 1}/{args.repeats} {to}: {r['seconds']:.2f}s, {r['bytes'] / 1e6:.0f} MB, "
                 f"peak RSS {r['peak_rss'] / 2**20:.0f} MiB")
 
-    def med(xs: list[float]) -> float:
-        return float(statistics.median(xs))
-
     table = {}
     for to, rs in runs.items():
-        secs = med([r["seconds"] for r in rs])
+        secs = median([r["seconds"] for r in rs])
         table[to] = {
-            "seconds": secs, "wall_seconds": med([r["wall"] for r in rs]), "cpu_seconds": med([r["cpu"] for r in rs]),
+            "seconds": secs, "wall_seconds": median([r["wall"] for r in rs]),
+            "cpu_seconds": median([r["cpu"] for r in rs]),
             "bytes": rs[0]["bytes"], "on_disk": rs[0]["on_disk"], "files": rs[0]["files"],
-            "samples": rs[0]["samples"], "written_gb_s": med([r["bytes"] / r["seconds"] / 1e9 for r in rs]),
-            "read_gb_s": med([tokens * per_token / r["seconds"] / 1e9 for r in rs]),
-            "peak_rss_mib": med([r["peak_rss"] / 2**20 for r in rs]),
+            "samples": rs[0]["samples"], "written_gb_s": median([r["bytes"] / r["seconds"] / 1e9 for r in rs]),
+            "read_gb_s": median([tokens * per_token / r["seconds"] / 1e9 for r in rs]),
+            "peak_rss_mib": median([r["peak_rss"] / 2**20 for r in rs]),
         }
     base = table.get("nemo")
     out = {
@@ -143,19 +118,16 @@ def main() -> None:
     }
     lines = [f"Cache: {len(c)} samples, {tokens:,} tokens, hidden {c.hidden_size}, layers {c.layer_ids}, "
              f"{cache_bytes / 1e6:.0f} MB on disk ({per_token:,} B/token decoded). {out['machine']}, "
-             f"{out['date']}, load {out['load_1min']:.1f}; medians of {args.repeats} alternating repeats.", "",
-             "| export | files | written | median s | written GB/s | read GB/s | x nemo time | peak RSS |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for to, t in table.items():
-        ratio = f"{t['seconds'] / base['seconds']:.2f}x" if base else "-"
-        lines.append(f"| {to} | {t['files']:,} | {t['bytes'] / 1e6:,.0f} MB | {t['seconds']:.2f} | "
-                     f"{t['written_gb_s']:.2f} | {t['read_gb_s']:.2f} | {ratio} | {t['peak_rss_mib']:.0f} MiB |")
+             f"{out['date']}, load {out['load_1min']:.1f}; medians of {args.repeats} alternating repeats.", ""]
+    lines += md_table(["export", "files", "written", "median s", "written GB/s", "read GB/s", "x nemo time",
+                       "peak RSS"],
+                      ([to, f"{t['files']:,}", f"{t['bytes'] / 1e6:,.0f} MB", f"{t['seconds']:.2f}",
+                        f"{t['written_gb_s']:.2f}", f"{t['read_gb_s']:.2f}",
+                        f"{t['seconds'] / base['seconds']:.2f}x" if base else "-", f"{t['peak_rss_mib']:.0f} MiB"]
+                       for to, t in table.items()), spaced_rule=True)
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
-    if args.markdown:
-        args.markdown.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    save(args, out, text)
 
 
 if __name__ == "__main__":

@@ -41,9 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import DEFAULT_DATA, compose, dir_bytes, machine, tool_overrides  # noqa: E402
+from benchlib import DEFAULT_DATA, compose, dir_bytes, logger, machine, output_args, save, tool_overrides
 
 VARIANTS = {
     "fp32": ["storage.dtype=fp32"],
@@ -56,9 +54,7 @@ SWEEP = [("blosc_zstd", 1, "byte"), ("blosc_zstd", 1, "bit"), ("blosc_zstd", 1, 
          ("blosc_zstd", 5, "bit"), ("zstd", 3, "none"), ("blosc_lz4", 1, "byte")]
 
 
-def log(msg: str) -> None:
-    sys.stderr.write(f"[bench_fp8 {time.strftime('%H:%M:%S')}] {msg}\n")
-    sys.stderr.flush()
+log = logger("bench_fp8", clock=True)
 
 
 def hidden_bytes(path: Path) -> int:
@@ -238,8 +234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None)
     p.add_argument("--keep", action="store_true", help="keep the caches")
     p.add_argument("--reuse", action="store_true", help="reuse complete caches already in --workdir")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--markdown", type=Path, default=None)
+    output_args(p)
     p.add_argument("--from-json", type=Path, default=None, help="only print the tables of a saved --json run")
     return p.parse_args(argv)
 
@@ -254,10 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python scripts/bench_fp8.py " + " ".join(sys.argv[1:] if argv is None else argv)
     res["command"] = command.strip()
     md = markdown(res, command.strip())
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=2, default=str) + "\n")
-    if args.markdown:
-        args.markdown.write_text(md)
+    save(args, res, md)
     sys.stdout.write(md)
     return 0
 

@@ -42,29 +42,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import benchlib
 import torch
+from benchlib import DEFAULT_DATA, REPO, log, model_overrides
+from benchlib import cpu_pressure_total as cpu_pressure
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "chat" / "mix.messages.jsonl"
 NEMO_KEYS = ("input_ids", "attention_mask", "loss_mask", "target_hidden_states", "target_last_hidden_states")
-
-
-def log(msg: str) -> None:
-    sys.stderr.write(msg + "\n")
-    sys.stderr.flush()
 
 
 # -- the cache and its export -------------------------------------------------------------------
 def build_cache(path: Path, target: str, data: str, seq_length: int, rows: int | None) -> None:
-    import bench
-
-    from dspark_precompute.write.run import run
-
-    overrides = bench.tool_overrides(target, None if data == "embedded" else Path(data), seq_length, rows, path)
-    overrides = [o for o in overrides if o != "overwrite=true"]
-    log(f"building the benchmark cache: {' '.join(overrides)}")
-    run(bench.compose(overrides))
+    benchlib.build_cache(path, target, data, seq_length, rows, overwrite=False)  # never over a cache already there
 
 
 def v1_checkout() -> Path:
@@ -101,8 +89,6 @@ def v1_checkout() -> Path:
 
 def build_v1_cache(path: Path, target: str, data: str, seq_length: int, rows: int | None) -> None:
     """The same run with the release before format 2 (its own code on PYTHONPATH, its own command line)."""
-    from bench_scale import model_overrides
-
     tree = v1_checkout()
     overrides = [*model_overrides(target), f"seq_length={seq_length}", f"storage.path={path}", "progress=false",
                  f"hydra.run.dir={path.parent / (path.name + '_hydra')}"]
@@ -181,13 +167,6 @@ def nemo_collate(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
 
 
 # -- measuring ---------------------------------------------------------------------------------
-def cpu_pressure() -> int | None:
-    try:
-        return int(Path("/proc/pressure/cpu").read_text().splitlines()[0].rsplit("total=", 1)[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def cpu_seconds() -> float:
     """CPU time of this process and its children (workers), user + system."""
     import psutil

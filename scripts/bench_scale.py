@@ -49,27 +49,29 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchlib import (
+    DEFAULT_DATA,
+    PeakRSS,
+    contention,
+    cpu_model,
+    cpu_pressure,
+    embedded_data,
+    logger,
+    model_overrides,
+    output_args,
+    save,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-BENCH_CONF = REPO / "scripts" / "conf"
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "chat" / "mix.messages.jsonl"
 GROWTH_SLACK = 1.1  # a cost may grow by at most 1.1 x the rows' ratio
 RESUME_GOAL = 0.25  # a resume's first new commit within 25% of a fresh run's first commit
-
-
-def log(msg: str) -> None:
-    sys.stderr.write(f"[scale] {msg}\n")
-    sys.stderr.flush()
+log = logger("scale")
 
 
 # -- inputs --------------------------------------------------------------------------------------
 def synthetic_rows(src: Path | None, n: int, dst: Path) -> int:
     """``n`` rows: the chat rows of ``src`` cycled, each copy distinct (its row number in its first user message)."""
     if src is None:
-        import dspark_precompute
-
-        src = Path(dspark_precompute.__file__).parent / "assets" / "embedded_chat.jsonl"
+        src = embedded_data()
     rows = [json.loads(ln) for ln in src.read_text(encoding="utf-8").splitlines() if ln.strip()]
     with open(dst, "w", encoding="utf-8") as fh:
         for k in range(n):
@@ -80,34 +82,6 @@ def synthetic_rows(src: Path | None, n: int, dst: Path) -> int:
                     break
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
     return n
-
-
-def model_overrides(target: str) -> list[str]:
-    """Command-line overrides for a target: a ``scripts/conf/model`` group as its values, else ``model=<target>``."""
-    from omegaconf import OmegaConf
-
-    path = BENCH_CONF / "model" / f"{target}.yaml"
-    if not path.exists():
-        return [f"model={target}"]
-    conf = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    assert isinstance(conf, dict)
-    path = conf.pop("path", "tiny")
-    out = ["model=tiny"] if path == "tiny" else ["model=hf", f"model.path={path}"]
-
-    def flat(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                flat(f"{prefix}.{k}", v)
-        elif isinstance(value, list):
-            out.append(f"{prefix}=[{','.join(str(v) for v in value)}]")
-        elif prefix == "model.tokenizer" and value and not Path(str(value)).is_absolute():
-            out.append(f"{prefix}={(REPO / str(value)).resolve()}")
-        else:
-            out.append(f"{prefix}={'null' if value is None else value}")
-
-    for key, value in conf.items():
-        flat(f"model.{key}", value)
-    return out
 
 
 def command(target: str, data: Path, seq: int, cache: Path, hydra_dir: Path, extra: list[str]) -> list[str]:
@@ -135,9 +109,6 @@ def watched(cmd: list[str], cache: Path, logfile: Path, before: set[str] | None 
     """Run ``cmd`` in its own process group, watching ``cache/commits`` every ``poll_s``: its wall time, the
     time its first commit (its first one not in ``before``) appeared, its process tree's peak memory; with
     ``kill_at_half``, SIGKILL the group once half the units are committed."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench import PeakRSS
-
     before = set(before or ())
     out: dict[str, Any] = {"first_commit_s": None, "first_new_commit_s": None, "killed": False}
     with open(logfile, "w") as logf:
@@ -270,23 +241,11 @@ def capacity_example(samples: int = 1_000_000, mean: int = 330, seq: int = 4096,
 
 # -- the run -----------------------------------------------------------------------------------------
 def machine() -> dict[str, Any]:
-    cpu = "?"
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    """This bench's own ``machine`` record (its keys differ from the others': docs/benchmarks.md reads them)."""
     import platform
 
-    return {"cores": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
+    return {"cores": os.cpu_count(), "cpu": cpu_model(), "python": platform.python_version(),
             "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "load_average_start": os.getloadavg()}
-
-
-def cpu_pressure_total() -> int | None:
-    try:
-        return int(Path("/proc/pressure/cpu").read_text().splitlines()[0].rsplit("total=", 1)[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def one_size(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -296,7 +255,7 @@ def one_size(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for p in (fresh, again):
         shutil.rmtree(p, ignore_errors=True)
     out: dict[str, Any] = {"rows": n}
-    p0, t0 = cpu_pressure_total(), time.monotonic()
+    p0 = cpu_pressure()
     log(f"{n:,} rows: fresh run")
     out["fresh"] = watched(command(args.target, data, args.seq, fresh, work / f"hydra-{n}", args.set), fresh,
                            work / f"fresh-{n}.log")
@@ -323,9 +282,9 @@ def one_size(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         log(f"{n:,} rows: resume's first new commit {out['resumed']['first_new_commit_s']:.1f} s")
         if not args.keep:
             shutil.rmtree(again, ignore_errors=True)
-    p1 = cpu_pressure_total()
-    if p0 is not None and p1 is not None:
-        out["cpu_contention"] = (p1 - p0) / 1e6 / (time.monotonic() - t0)
+    share = contention(p0, cpu_pressure())
+    if share is not None:
+        out["cpu_contention"] = share
     data.unlink(missing_ok=True)
     return out
 
@@ -468,8 +427,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pace", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--keep", action="store_true", help="keep the caches (in --workdir)")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--markdown", type=Path, default=None)
+    output_args(p)
     args = p.parse_args(argv)
     args.rows = sorted(int(x) for x in args.rows.split(",") if x.strip())
     args.data = None if args.data == "embedded" else Path(args.data).expanduser().resolve()
@@ -514,10 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     res["load_average_end"] = os.getloadavg()
     md = markdown(res)
     sys.stdout.write(md)
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1, default=str) + "\n")
-    if args.markdown:
-        args.markdown.write_text(md)
+    save(args, res, md, indent=1)
     return 0
 
 

@@ -12,7 +12,6 @@ and mask, every reject).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchlib import REPO, emit_json, logger, output_args
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 SHARED = REPO.parent / "shared" / "data"
+log = logger("tokenize")
 
 
 def make_data(src: Path, factor: int, out: Path) -> int:
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default=None, help="comma list of worker counts (default: the cores)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", type=Path, default=None)
+    output_args(p, markdown=False)
     args = p.parse_args(argv)
     from dspark_precompute.write.parallel.processes import available_cores
 
@@ -81,17 +80,14 @@ def main(argv: list[str] | None = None) -> int:
                 elif not same(reference, tok):
                     raise SystemExit(f"data.num_workers={n} gave other samples than data.num_workers=0")
                 walls[n].append(wall)
-                sys.stderr.write(f"[tokenize] repeat {r} workers={n}: {wall:.2f} s ({rows / wall:,.0f} rows/s)\n")
+                log(f"repeat {r} workers={n}: {wall:.2f} s ({rows / wall:,.0f} rows/s)")
     med = {n: statistics.median(v) for n, v in walls.items()}
     out = {"command": " ".join(["python", *sys.argv]), "rows": rows, "seq_length": args.seq,
            "machine": {"cores": available_cores(), "load_average": os.getloadavg()},
            "wall_s": {str(n): v for n, v in med.items()}, "all_wall_s": {str(n): v for n, v in walls.items()},
            "rows_per_s": {str(n): rows / v for n, v in med.items()},
            "speedup_vs_one_process": {str(n): med[0] / med[n] for n in counts}, "identical": True}
-    text = json.dumps(out, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    sys.stdout.write(text + "\n")
+    emit_json(args, out)
     return 0
 
 

@@ -18,7 +18,6 @@ reported, so a neighbour's load hits every configuration alike. JSON: ``results[
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -29,20 +28,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchlib import emit_json, logger, output_args
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from dspark_precompute.contract.commits import CommitRecord
+from dspark_precompute.contract.layout import build_layout
+from dspark_precompute.contract.spec import HIDDEN_GROUP
+from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.write.config.schema import StorageConfig
+from dspark_precompute.write.parallel.processes import available_cores
+from dspark_precompute.write.plan.array_specs import token_array_specs
+from dspark_precompute.write.store.allocate import allocate
+from dspark_precompute.write.store.writer import UnitWriter
 
-from dspark_precompute.contract.commits import CommitRecord  # noqa: E402
-from dspark_precompute.contract.layout import build_layout  # noqa: E402
-from dspark_precompute.contract.spec import HIDDEN_GROUP  # noqa: E402
-from dspark_precompute.contract.store import CacheStore  # noqa: E402
-from dspark_precompute.write.config.schema import StorageConfig  # noqa: E402
-from dspark_precompute.write.parallel.processes import available_cores  # noqa: E402
-from dspark_precompute.write.plan.array_specs import token_array_specs  # noqa: E402
-from dspark_precompute.write.store.allocate import allocate  # noqa: E402
-from dspark_precompute.write.store.writer import UnitWriter  # noqa: E402
-
+log = logger("write-path")
 CODECS = {  # name -> (compressor, level, shuffle)
     "blosc_zstd-1": ("blosc_zstd", 1, "byte"),
     "blosc_lz4-1": ("blosc_lz4", 1, "byte"),
@@ -150,7 +148,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fsync", choices=("on", "off", "both"), default="on",
                    help="storage.fsync of the writers; 'both' alternates on and off in the same run and reports what "
                         "fsync costs (give --workdir on a disk: fsync does nothing on tmpfs)")
-    p.add_argument("--json", type=Path, default=None)
+    output_args(p, markdown=False)
     return p.parse_args(argv)
 
 
@@ -174,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     fsyncs = {"on": [True], "off": [False], "both": [True, False]}[args.fsync]
     if args.fsync == "both" and own and base is not None:
-        sys.stderr.write("[write-path] --fsync both on tmpfs measures nothing (fsync is a no-op there): pass "
-                         "--workdir on a disk\n")
+        log("--fsync both on tmpfs measures nothing (fsync is a no-op there): pass --workdir on a disk")
     runs: dict[bool, dict[str, dict[int, list[dict[str, float]]]]] = {
         f: {c: {w: [] for w in writers} for c in codecs} for f in fsyncs}
     limits: dict[str, list[float]] = {c: [] for c in codecs}
@@ -192,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                         res = write_once(workdir, c, w, data, units, args.chunk_tokens, args.unit_tokens, args.slots,
                                          fsync=f)
                         runs[f][c][w].append(res)
-                        sys.stderr.write(f"[write-path] repeat {r} {c} writers={w} fsync={f}: {res['gb_per_s']:.3f} "
-                                         f"GB/s, {res['gb_per_cpu_s']:.3f} GB per writer CPU-s (ratio "
-                                         f"{res['ratio']:.2f}); codec limit {limits[c][-1]:.3f} GB/s\n")
+                        log(f"repeat {r} {c} writers={w} fsync={f}: {res['gb_per_s']:.3f} GB/s, "
+                            f"{res['gb_per_cpu_s']:.3f} GB per writer CPU-s (ratio {res['ratio']:.2f}); "
+                            f"codec limit {limits[c][-1]:.3f} GB/s")
     finally:
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -244,10 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "fsync": args.fsync,
         "fsync_cost": fsync_cost,
     }
-    text = json.dumps(out, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    sys.stdout.write(text + "\n")
+    emit_json(args, out)
     return 0
 
 

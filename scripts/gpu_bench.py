@@ -34,11 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-import bench  # noqa: E402  (scripts/bench.py: the limit, the padded method, case preparation)
+import bench  # (scripts/bench.py: the limit, the padded method, case preparation)
+import benchlib
+from benchlib import logger
 
 SHAPES: dict[str, dict[str, Any]] = {  # Qwen3 geometries (config.json of the public checkpoints)
     "tiny": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -50,9 +48,7 @@ SHAPES: dict[str, dict[str, Any]] = {  # Qwen3 geometries (config.json of the pu
 }
 
 
-def log(msg: str) -> None:
-    sys.stderr.write(f"[gpu-bench {time.strftime('%H:%M:%S')}] {msg}\n")
-    sys.stderr.flush()
+log = logger("gpu-bench", clock=True)
 
 
 def build_checkpoint(shape: str, tokenizer_dir: Path, out: Path, device: str, seed: int = 0) -> float:
@@ -227,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     import torch
 
-    results: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "machine": bench.machine(),
+    results: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "machine": benchlib.machine(),
                                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                                "cores": os.cpu_count(), "shapes": []}
     t0 = time.perf_counter()

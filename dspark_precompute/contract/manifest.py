@@ -50,6 +50,7 @@ from dspark_precompute.contract.spec import (
 )
 from dspark_precompute.contract.vocab import LastState, StorageDtype
 from dspark_precompute.errors import CacheFormatError
+from dspark_precompute.humanize import listing
 
 if TYPE_CHECKING:
     from dspark_precompute.contract.store import CacheStore
@@ -594,12 +595,6 @@ def _hidden_storage(dtypes: dict[str, StorageDtype], columns: int, group: int) -
     return out
 
 
-def listing(head: str, problems: list[str], tail: str) -> str:
-    if len(problems) == 1:
-        return f"{head}: {problems[0]}. {tail}"
-    return f"{head} ({len(problems)} problems):\n" + "\n".join(f"  - {p}" for p in problems) + f"\n{tail}"
-
-
 # -- checks of the raw JSON ---------------------------------------------------------------------
 def _kind(v: Any) -> str:
     return {bool: "a boolean", int: "an integer", str: "a string", float: "a float", list: "a list",
@@ -888,22 +883,4 @@ def manifest_problems(manifest: Any) -> list[str]:
     checked = _Checked(manifest, bad)
     for rule in RULES:
         problems += rule(checked)
-    return problems
-
-
-def weights_problems(shapes: dict[str, tuple[int, ...]], m: Manifest,
-                     metadata: dict[str, str] | None = None) -> list[str]:
-    """What is wrong with the weights file's tensors (names and shapes) for this manifest."""
-    problems = []
-    want = (m.target_vocab_size, m.hidden_size)
-    if "embed_tokens.weight" not in shapes:
-        problems.append(f"{WEIGHTS} has no embed_tokens.weight (keys {sorted(shapes)})")
-    for k, shape in shapes.items():
-        if k in ("embed_tokens.weight", "lm_head.weight") and tuple(shape) != want:
-            problems.append(f"{WEIGHTS}: {k} has shape {list(shape)}, expected [target_vocab_size, hidden_size] "
-                            f"= {list(want)}")
-    tied = (metadata or {}).get("tied")
-    if tied is not None and (tied == "true") != ("lm_head.weight" not in shapes):
-        problems.append(f"{WEIGHTS}: metadata tied={tied} but lm_head.weight is "
-                        f"{'absent' if 'lm_head.weight' not in shapes else 'present'}")
     return problems

@@ -21,10 +21,11 @@ from dspark_precompute.contract.arrays import ArrayMeta
 from dspark_precompute.contract.chunks import ChunkSource, decode_chunk, read_array_metas
 from dspark_precompute.contract.commits import CommitRecord, committed_units
 from dspark_precompute.contract.layout import table_problems
-from dspark_precompute.contract.manifest import Manifest, listing
+from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.spec import TABLES
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, ChecksumError, IncompleteCacheError, MissingChunkError
+from dspark_precompute.humanize import listing
 
 _FIX = "re-create the cache (re-run the precompute command with overwrite=true)"
 

@@ -49,11 +49,12 @@ from dspark_precompute.contract.chunks import ChunkRef, decode_chunk
 from dspark_precompute.contract.commits import committed_units
 from dspark_precompute.contract.fp8 import bf16_bits_to_float32, convert
 from dspark_precompute.contract.layout import SampleIndex
-from dspark_precompute.contract.manifest import listing, weights_problems
 from dspark_precompute.contract.opener import open_stored
 from dspark_precompute.contract.spec import INPUT_IDS, LAST, LOSS_MASK, PRE_NORM, TABLES, WEIGHTS
 from dspark_precompute.contract.vocab import StorageDtype
+from dspark_precompute.contract.weights import weights_problems
 from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, MissingChunkError
+from dspark_precompute.humanize import listing
 from dspark_precompute.read import summary
 
 SAMPLE_KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")

@@ -43,7 +43,7 @@ from dspark_precompute.write.parallel.distributed import Coordinator, Ranks, ass
 from dspark_precompute.write.plan import resume
 from dspark_precompute.write.plan.prepare import Plan, prepare
 from dspark_precompute.write.plan.provenance import run_record, with_loaded_model
-from dspark_precompute.write.samples.data import Reject
+from dspark_precompute.write.samples.normalize import Reject
 from dspark_precompute.write.samples.tokenize import (
     Tokenized,
     ensure_encoded,

@@ -23,7 +23,8 @@ from dspark_precompute.errors import CacheFormatError, ConfigError, DsparkError,
 from dspark_precompute.write.plan.prepare import prepare
 from dspark_precompute.write.run import run
 from dspark_precompute.write.samples.chat import ChatEncoder
-from dspark_precompute.write.samples.data import RawRow, Reject, normalize
+from dspark_precompute.write.samples.normalize import Reject, normalize
+from dspark_precompute.write.samples.rows import RawRow
 from dspark_precompute.write.samples.tokenize import tokenize
 from dspark_precompute.write.target import tiny
 

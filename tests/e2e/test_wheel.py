@@ -56,7 +56,7 @@ def test_the_wheel_installed_outside_the_checkout_runs_the_default_command_from_
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    where = subprocess.run([str(python), "-c", "import dspark_precompute.write.config.schema as c; print(c.__file__); "
+    where = subprocess.run([str(python), "-c", "import dspark_precompute.write.config.compose as c; print(c.__file__); "
                             "print(c.CONF_DIR)"], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
     assert where.returncode == 0, where.stderr[-3000:]
     module, conf_dir = where.stdout.split()

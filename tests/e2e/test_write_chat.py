@@ -13,7 +13,7 @@ from helpers import chat_rows
 from test_chat import _NO_PROMPT, BIG, conv_of, generation_wrapped, nemo_prefix_mask
 
 from dspark_precompute.write.samples.chat import ChatEncoder
-from dspark_precompute.write.samples.data import Conversation, Reject
+from dspark_precompute.write.samples.normalize import Conversation, Reject
 from dspark_precompute.write.target import tiny
 
 

@@ -87,7 +87,7 @@ def test_data_changed_under_the_same_path_is_refused_and_overwrite_replaces(tmp_
 def test_a_sample_with_inf_states_is_dropped_accounted_and_never_read(tmp_path, default_run, monkeypatch):
     from dspark_precompute.read.export import export_nemo
     from dspark_precompute.read.verify import verify_cache
-    from dspark_precompute.write.rerun.recompute import open_stored
+    from dspark_precompute.write.rerun.recompute import open_for_rerun
 
     _, ref = default_run
     poison_second_batch(monkeypatch)
@@ -114,7 +114,7 @@ def test_a_sample_with_inf_states_is_dropped_accounted_and_never_read(tmp_path, 
     assert report.ok, report.problems
     assert export_nemo(result.path, tmp_path / "nemo").num_samples == len(c)
     # the checks that rerun the target (--recompute, --teacher, --precision) never pick the zeroed sample
-    stored, _, problem = open_stored(result.path, model=None, trust_remote_code=False, device=None, what="a check")
+    stored, _, problem = open_for_rerun(result.path, model=None, trust_remote_code=False, device=None, what="a check")
     assert problem is None and sorted(stored.readable.tolist()) == sorted(c.indices.tolist())
 
 

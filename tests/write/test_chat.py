@@ -6,7 +6,8 @@ import numpy as np
 from helpers import chat_rows
 
 from dspark_precompute.write.samples.chat import ChatEncoder
-from dspark_precompute.write.samples.data import Conversation, RawRow, Reject, normalize
+from dspark_precompute.write.samples.normalize import Conversation, Reject, normalize
+from dspark_precompute.write.samples.rows import RawRow
 from dspark_precompute.write.target import tiny
 
 BIG = 1 << 20

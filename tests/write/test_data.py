@@ -19,16 +19,10 @@ from dspark_precompute.errors import ConfigError, DataError, InvalidRowError
 from dspark_precompute.write.config.schema import DataConfig
 from dspark_precompute.write.plan.prepare import prepare
 from dspark_precompute.write.run import run
-from dspark_precompute.write.samples.data import (
-    DataSource,
-    RawRow,
-    Reject,
-    _JsonValues,
-    normalize,
-    read_rows,
-    record_size,
-    resolve_source,
-)
+from dspark_precompute.write.samples.files import DataSource, resolve_source
+from dspark_precompute.write.samples.json_scan import JsonValues
+from dspark_precompute.write.samples.normalize import Reject, normalize
+from dspark_precompute.write.samples.rows import RawRow, read_rows, record_size
 from dspark_precompute.write.samples.tokenize import tokenize
 
 
@@ -485,7 +479,7 @@ def test_the_json_scanner_finds_exactly_the_values_json_loads_finds(values, as_a
     else:  # JSON lines saved as .json (a first value that is an array would be the top-level array)
         assume(not values or not isinstance(values[0], list))
         doc = b"\n".join(enc)
-    got = list(_JsonValues(io.BytesIO(doc), "t.json", limit, chunk=chunk))
+    got = list(JsonValues(io.BytesIO(doc), "t.json", limit, chunk=chunk))
     if not as_array and not values:
         assert got == []
         return
@@ -506,5 +500,5 @@ def test_the_json_scanner_refuses_broken_structure_naming_file_and_line():
                       (b'[{"a": [1, 2}', "ends inside the value that starts at line 1"),
                       (b'[1, 2] 3', "more data after the top-level array")):
         with pytest.raises(DataError, match=re.escape(what)) as err:
-            list(_JsonValues(io.BytesIO(doc), "sub/f.json", 1000, chunk=3))
+            list(JsonValues(io.BytesIO(doc), "sub/f.json", 1000, chunk=3))
         assert "sub/f.json: not valid JSON near line" in str(err.value)

@@ -17,7 +17,8 @@ import pytest
 from helpers import chat_rows, compose, small
 
 from dspark_precompute.write.samples.chat import ChatEncoder
-from dspark_precompute.write.samples.data import Conversation, RawRow, Reject, normalize
+from dspark_precompute.write.samples.normalize import Conversation, Reject, normalize
+from dspark_precompute.write.samples.rows import RawRow
 
 BIG = 1 << 20
 SYSTEM = "You are a helpful assistant."

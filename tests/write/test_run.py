@@ -15,7 +15,9 @@ from dspark_precompute.errors import ConfigError, IncompatibleCacheError
 from dspark_precompute.write.config.schema import DataConfig
 from dspark_precompute.write.run import run
 from dspark_precompute.write.samples.chat import ChatEncoder
-from dspark_precompute.write.samples.data import normalize, read_rows, resolve_source
+from dspark_precompute.write.samples.files import resolve_source
+from dspark_precompute.write.samples.normalize import normalize
+from dspark_precompute.write.samples.rows import read_rows
 from dspark_precompute.write.target import tiny
 
 

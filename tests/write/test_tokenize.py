@@ -13,7 +13,7 @@ from dspark_precompute import faults
 from dspark_precompute.errors import DataError, InvalidRowError
 from dspark_precompute.write.plan.prepare import prepare
 from dspark_precompute.write.samples import tokenize as tk
-from dspark_precompute.write.samples.data import Reject
+from dspark_precompute.write.samples.normalize import Reject
 
 
 def tokenized(tmp_path, workers: int, *extra: str) -> tk.Tokenized:
@@ -133,7 +133,8 @@ class _SlowPool:
 
 
 def _encode_all(plan, workers):
-    from dspark_precompute.write.samples.data import iter_rows, resolve_source
+    from dspark_precompute.write.samples.files import resolve_source
+    from dspark_precompute.write.samples.rows import iter_rows
     rows = enumerate(iter_rows(resolve_source(plan.cfg.data.path), plan.cfg.data))
     return list(tk.encode_selection(plan.encoding, plan.cfg.data, rows, workers=workers))
 

@@ -19,7 +19,7 @@ from dspark_precompute.contract.chunks import ChunkSource, decode_chunk, group_p
 from dspark_precompute.contract.commits import CommitRecord, commit_key, parse_commit_key
 from dspark_precompute.contract.fp8 import is_nan_bits
 from dspark_precompute.contract.layout import SampleIndex, build_layout, table_problems
-from dspark_precompute.contract.manifest import Manifest, manifest_problems, weights_problems
+from dspark_precompute.contract.manifest import Manifest, manifest_problems
 from dspark_precompute.contract.opener import read_tables
 from dspark_precompute.contract.spec import (
     COMMITS,
@@ -33,6 +33,7 @@ from dspark_precompute.contract.spec import (
 )
 from dspark_precompute.contract.store import CacheStore, open_regular
 from dspark_precompute.contract.vocab import Check
+from dspark_precompute.contract.weights import weights_problems
 from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, NotRegularFileError
 from dspark_precompute.read.verify.report import Collector, VerifyReport
 

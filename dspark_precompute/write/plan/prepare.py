@@ -46,8 +46,8 @@ from dspark_precompute.write.config.schema import (
 from dspark_precompute.write.plan.array_specs import ArraySpec, token_array_specs
 from dspark_precompute.write.plan.provenance import plan_capture
 from dspark_precompute.write.samples.chat import mask_rule_problem, resolve_chat_template, sha256_text
-from dspark_precompute.write.samples.data import resolve_source
 from dspark_precompute.write.samples.encode import RowEncoder
+from dspark_precompute.write.samples.files import resolve_source
 from dspark_precompute.write.samples.tokenize import RowEncoding
 from dspark_precompute.write.target.load import (
     TargetInfo,

@@ -26,8 +26,7 @@ from dspark_precompute.contract.chunks import read_slots
 from dspark_precompute.contract.fp8 import E4M3, E4M3_EPS, E4M3_MIN_NORMAL, dequantize
 from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.manifest import Manifest, identity_differences
-from dspark_precompute.contract.opener import OpenedCache
-from dspark_precompute.contract.opener import open_stored as open_cache_files
+from dspark_precompute.contract.opener import OpenedCache, open_stored
 from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, DsparkError
@@ -35,7 +34,9 @@ from dspark_precompute.write.config.compose import from_dict
 from dspark_precompute.write.config.schema import TINY, PrecomputeConfig
 from dspark_precompute.write.plan.prepare import Plan, prepare
 from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
-from dspark_precompute.write.samples.data import Reject, normalize, read_rows, resolve_source
+from dspark_precompute.write.samples.files import resolve_source
+from dspark_precompute.write.samples.normalize import Reject, normalize
+from dspark_precompute.write.samples.rows import read_rows
 from dspark_precompute.write.store.batching import batch_inputs, make_batches
 from dspark_precompute.write.store.transfer import quantize_e4m3
 from dspark_precompute.write.target.capture import HiddenStateCapture
@@ -205,12 +206,12 @@ class StoredRun:
         return self.read(names, a, a + int(self.lengths[s]))
 
 
-def open_stored(path: str | Path, *, model: str | None, trust_remote_code: bool, device: str | None,
+def open_for_rerun(path: str | Path, *, model: str | None, trust_remote_code: bool, device: str | None,
                 what: str) -> tuple[StoredRun | None, list[str], str | None]:
     """The cache at ``path`` for ``what`` (a check that reruns the target): (run, notes, problem); a problem
     when the manifest, its config or the arrays cannot be trusted to rebuild the run."""
     try:
-        opened = open_cache_files(str(path), allow_incomplete=True)
+        opened = open_stored(str(path), allow_incomplete=True)
     except CacheFormatError as exc:
         return None, [], f"skipped: {exc}"
     m = opened.manifest
@@ -296,9 +297,9 @@ class SampledTarget:
 
 def open_sampled(out: CheckResult, path: str | Path, n: int, *, seed: int, device: str | None, model: str | None,
                  trust_remote_code: bool, what: str, gives: str) -> SampledTarget | None:
-    """:func:`open_stored`, :func:`stored_target`, :func:`sample_positions`, then the target loaded; notes and a
+    """:func:`open_for_rerun`, :func:`stored_target`, :func:`sample_positions`, then the target loaded; notes and a
     problem go into ``out``. ``None`` when there is nothing to compare (a problem, or no readable token: a note)."""
-    run, notes, problem = open_stored(path, model=model, trust_remote_code=trust_remote_code, device=device,
+    run, notes, problem = open_for_rerun(path, model=model, trust_remote_code=trust_remote_code, device=device,
                                       what=what)
     out.notes += notes
     if problem or run is None:
@@ -320,7 +321,7 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
               model: str | None = None, trust_remote_code: bool = False) -> RecomputeResult:
     """Rerun ``n`` random readable samples (chosen with ``seed``) of the cache at ``path``; compare."""
     out = RecomputeResult()
-    run, notes, problem = open_stored(path, model=model, trust_remote_code=trust_remote_code, device=device,
+    run, notes, problem = open_for_rerun(path, model=model, trust_remote_code=trust_remote_code, device=device,
                                       what="recompute")
     out.notes += notes
     if problem or run is None:

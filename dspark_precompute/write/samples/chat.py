@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark_precompute.write.samples.data import Conversation, Reason, Reject
+from dspark_precompute.write.samples.normalize import Conversation, Reason, Reject
 
 GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

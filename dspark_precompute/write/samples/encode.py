@@ -20,7 +20,8 @@ from dspark_precompute.errors import DataError
 from dspark_precompute.faults import fault_point
 from dspark_precompute.write.parallel import processes
 from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
-from dspark_precompute.write.samples.data import Conversation, RawRow, Reject, normalize
+from dspark_precompute.write.samples.normalize import Conversation, Reject, normalize
+from dspark_precompute.write.samples.rows import RawRow
 
 
 @dataclass(frozen=True)

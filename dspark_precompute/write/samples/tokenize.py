@@ -22,8 +22,10 @@ from dspark_precompute.write.config.schema import DataConfig
 from dspark_precompute.write.parallel import processes
 from dspark_precompute.write.parallel.distributed import Ranks
 from dspark_precompute.write.samples.chat import Encoded
-from dspark_precompute.write.samples.data import RawRow, Reason, Reject, iter_rows, resolve_source
 from dspark_precompute.write.samples.encode import EncoderPool, RowEncoder
+from dspark_precompute.write.samples.files import resolve_source
+from dspark_precompute.write.samples.normalize import Reason, Reject
+from dspark_precompute.write.samples.rows import RawRow, iter_rows
 
 log = logging.getLogger(__name__)
 
