@@ -24,7 +24,9 @@ from dspark_precompute.write.regenerate.engine import EngineInfo, probe
 from dspark_precompute.write.regenerate.request import Sampling
 from dspark_precompute.write.regenerate.splice import Spliced, splice
 from dspark_precompute.write.regenerate.store import ResumeStore, atomic_write, canonical, row_key
-from dspark_precompute.write.samples.data import Conversation, iter_rows, normalize, resolve_source
+from dspark_precompute.write.samples.files import resolve_source
+from dspark_precompute.write.samples.normalize import Conversation, normalize
+from dspark_precompute.write.samples.rows import iter_rows
 
 log = logging.getLogger(__name__)
 
