@@ -217,3 +217,21 @@ class InterruptedRunError(StoppedBySignal):
 
     def __init__(self, signum: int, path: str, committed: int, total: int):
         super().__init__(signum, f" with {committed}/{total} units committed in {path}")
+
+
+class RegenerateError(DsparkError):
+    """Regeneration cannot start or go on: no server answers, or it serves another model than asked."""
+
+
+class RegenerateResumeError(RegenerateError):
+    """The regenerated rows already on disk were made with other settings: resuming would mix two recipes."""
+
+    def __init__(self, path: str, differences: list[tuple[str, object, object]]):
+        self.path = path
+        self.differences = differences
+        rows = "\n".join(f"  - {k}: recorded {r!r}, requested {q!r}" for k, r, q in differences)
+        super().__init__(
+            f"refusing to resume the regeneration in {path}: its rows were made with other settings.\n{rows}\n"
+            "Re-run with the recorded settings, give another regenerate.output, or delete that directory to "
+            "start the regeneration over."
+        )

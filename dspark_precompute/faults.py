@@ -17,7 +17,8 @@ before the rename), ``write_part`` (after each part of such a file: a kill here 
 ``allocate`` (while arrays are created), ``tokenize_start`` (a tokenizing worker, before it builds its
 encoder), ``tokenize_row`` (before each row is tokenized, in whichever
 process tokenizes it; each process counts its own hits), ``export_sample`` (``dspark-cache export``, after each
-sample is written into the staging directory; ``:enospc`` there is a full disk).
+sample is written into the staging directory; ``:enospc`` there is a full disk), ``regenerate_row`` (after a
+regenerated row is fsynced to the regeneration log).
 """
 
 from __future__ import annotations

@@ -48,11 +48,18 @@ def _app(dcfg: DictConfig) -> None:
             cfg = from_dictconfig(dcfg)
             # Hydra's job logging installed the handlers; the level is the job's (rank 0 only: the others warn)
             log.setLevel(cfg.log_level.upper() if _rank() == 0 else logging.WARNING)
+            for name in ("httpx", "httpx2"):  # the openai client's transport logs every request at INFO
+                logging.getLogger(name).setLevel(logging.WARNING)
             if cfg.dry_run:
                 from dspark_precompute.write.dryrun import dry_run
 
                 sys.stdout.write(dry_run(cfg).table())
                 sys.stdout.flush()
+                return
+            if cfg.regenerate.only:  # regenerate=server regenerate.only=true: the responses, no capture
+                from dspark_precompute.write.plan.regenerated import regenerate_stage
+
+                regenerate_stage(cfg)
                 return
             run(cfg, provenance=provenance)
     except (DsparkError, StoppedBySignal) as exc:

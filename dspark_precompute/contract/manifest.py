@@ -199,6 +199,9 @@ FIELDS: tuple[Field, ...] = (
     Field("provenance.hosts", Kind.STRS, "every host that wrote a unit", required=False, null=True),
     Field("provenance.world_size", Kind.INT, "ranks of the finishing run", required=False, null=True, lo=1,
           hi=1 << 24),
+    Field("provenance.regeneration", Kind.OBJECT, "regenerate=server: the engine and its version, the served "
+          "model and its weights fingerprint, the sampling, the regenerated file's path and sha256, the counts",
+          required=False, null=True),
     Field("bytes_per_token", Kind.INT, "raw bytes per real token (ids, mask, hidden arrays, fp8 scales)",
           required=False, derived=True),
     Field("target_hidden_dim", Kind.INT, "H x len(layer_ids) (NeMo's name)", required=False, derived=True),
@@ -338,12 +341,17 @@ class RunProvenance:
     versions: dict[str, str] = field(default_factory=dict)
     hosts: list[str] = field(default_factory=list)
     world_size: int | None = None
+    # regenerate=server: the engine, its version, the served model and its weights' fingerprint, the sampling,
+    # the regenerated file and its sha256, and the counts (write/regenerate/stage.py builds it)
+    regeneration: dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RunProvenance:
         """From its JSON value (keys this version does not know are dropped)."""
+        regeneration = d.get("regeneration")
         return cls(argv=d.get("argv"), overrides=d.get("overrides"), versions=dict(d.get("versions") or {}),
-                   hosts=list(d.get("hosts") or []), world_size=d.get("world_size"))
+                   hosts=list(d.get("hosts") or []), world_size=d.get("world_size"),
+                   regeneration=dict(regeneration) if isinstance(regeneration, dict) else None)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

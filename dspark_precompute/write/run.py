@@ -95,6 +95,14 @@ def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunR
     if cfg.dry_run:  # planning writes nothing, so it never goes through the run
         raise ConfigError(["dry_run=true plans a run without running it: call dspark_precompute.run(cfg) or "
                            "dspark_precompute.write.dryrun.dry_run(cfg), or drop dry_run to run"])
+    if cfg.regenerate.engine != "none":  # the paper's recipe: the target's own answers first
+        from dspark_precompute.write.plan.regenerated import regenerate_stage
+
+        if cfg.regenerate.only:
+            raise ConfigError(["regenerate.only=true stops before capture: call "
+                               "dspark_precompute.write.plan.regenerated.regenerate_stage(cfg)"])
+        regenerated, cfg = regenerate_stage(cfg)
+        provenance = {**(provenance or {}), "regeneration": regenerated.record}
     ranks = init_ranks()
     clean = False
     try:

@@ -503,6 +503,124 @@ class PlanConfig:
         return []
 
 
+# -- regeneration (regenerate=none|server): the responses rewritten by the target before capture ---------------
+class RegenEngine(StrEnum):
+    """Who writes the responses (``regenerate.engine``): none (the dataset's own) or an OpenAI-compatible server."""
+
+    none = "none"
+    server = "server"
+
+
+class Reasoning(StrEnum):
+    """What regeneration does with thinking (``regenerate.reasoning``)."""
+
+    disable = "disable"  # chat_template_kwargs.enable_thinking=false, the paper's non-thinking recipe
+    save = "save"  # the template's default; the engine's reasoning kept as reasoning_content
+    none = "none"  # the template's default; only the content kept
+
+
+class Turns(StrEnum):
+    """Which assistant turns are regenerated (``regenerate.turns``)."""
+
+    all = "all"  # each one, against the regenerated history
+    last = "last"  # the last one, against the recorded history
+
+
+class OnLength(StrEnum):
+    """What a response cut by regenerate.max_tokens (finish_reason=length) does: counted and kept, or a reject."""
+
+    keep = "keep"
+    reject = "reject"
+
+
+# the settings that change what a regenerated row holds: a resume with other values is refused
+REGEN_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "reasoning", "turns",
+                       "on_length", "return_token_ids")
+
+
+@dataclass
+class RegenerateConfig:
+    """Regenerate every response with the target on a serving engine before capture (the DSpark paper's recipe)."""
+
+    engine: RegenEngine = RegenEngine.none
+    """none: capture the dataset's own responses; server: regenerate them first through OpenAI-compatible servers
+    (vllm serve, SGLang, transformers serve)."""
+    base_urls: list[str] = field(default_factory=list)
+    """The servers' OpenAI base URLs (http://host:8000/v1); several are used as data parallel."""
+    served_model: str | None = None
+    """The model name sent in each request; null: the one model the first server lists at /v1/models."""
+    api_key: str | None = None
+    """The servers' API key; null: $OPENAI_API_KEY, else EMPTY (local servers take any)."""
+    concurrency: int = 8
+    """Requests in flight per server."""
+    timeout: float = 600.0
+    """Seconds one request may take before it is retried."""
+    max_retries: int = 5
+    """Retries of a request that timed out, could not connect or got 408/409/425/429/5xx (exponential backoff);
+    then the row is a request_failed reject, asked again by the next run."""
+    retry_backoff: float = 1.0
+    """Seconds before the first retry (doubled each time, at most 60; a Retry-After header wins)."""
+    temperature: float = 0.0
+    """Sampling temperature (0: greedy, as NeMo AutoModel regenerates)."""
+    top_p: float | None = None
+    """Nucleus sampling; null: not sent (the engine's default)."""
+    top_k: int | None = None
+    """Top-k sampling (vLLM, SGLang); null: not sent (transformers serve refuses it)."""
+    min_p: float | None = None
+    """Min-p sampling (vLLM, SGLang); null: not sent."""
+    max_tokens: int = 2048
+    """Completion tokens per turn; a longer answer is cut (finish_reason=length, see on_length)."""
+    seed: int | None = None
+    """Sampling seed sent with each request, where the engine honours it; null: not sent."""
+    reasoning: Reasoning = Reasoning.disable
+    """disable: thinking off (chat_template_kwargs.enable_thinking=false); save: the template's default, the
+    engine's reasoning kept as reasoning_content; none: the template's default, only the content kept."""
+    turns: Turns = Turns.all
+    """all: each assistant turn regenerated against the regenerated history; last: only the last one."""
+    on_length: OnLength = OnLength.keep
+    """A turn cut by max_tokens: keep (counted) or reject the row (a length reject)."""
+    return_token_ids: bool = False
+    """Ask for the engine's token ids (vLLM's return_token_ids) and check our rendering against them, counting every
+    mismatch; transformers serve refuses the field."""
+    output: str | None = None
+    """The regenerated JSONL of messages; null: beside the cache, <cache path>.regenerated.jsonl."""
+    only: bool = False
+    """Regenerate and stop (no capture)."""
+
+    def sampling(self) -> dict[str, Any]:
+        """The settings a regenerated row depends on (its resume key, and part of the derived cache path)."""
+        out: dict[str, Any] = json.loads(json.dumps({k: getattr(self, k) for k in REGEN_SAMPLING_KEYS}))
+        return out
+
+    def problems(self) -> list[str]:
+        if self.engine == RegenEngine.none:
+            return ["regenerate.only=true needs regenerate=server (and its base_urls): with regenerate=none there "
+                    "is nothing to regenerate"] if self.only else []
+        out = []
+        if not self.base_urls:
+            out.append("regenerate=server needs regenerate.base_urls, e.g. regenerate.base_urls=[http://127.0.0.1:"
+                       "8000/v1] (the servers' OpenAI base URLs)")
+        out += [f"regenerate.base_urls has {u!r}: give an http:// or https:// URL such as http://127.0.0.1:8000/v1"
+                for u in self.base_urls if not str(u).startswith(("http://", "https://"))]
+        for key, lo in (("concurrency", 1), ("max_tokens", 1), ("max_retries", 0)):
+            if getattr(self, key) < lo:
+                out.append(f"regenerate.{key}={getattr(self, key)} must be >= {lo}")
+        for key in ("timeout", "retry_backoff"):
+            if not float(getattr(self, key)) > 0:
+                out.append(f"regenerate.{key}={getattr(self, key)} must be a positive number of seconds")
+        if not 0.0 <= float(self.temperature) <= 2.0:
+            out.append(f"regenerate.temperature={self.temperature} must be in [0, 2]")
+        for key in ("top_p", "min_p"):
+            value = getattr(self, key)
+            if value is not None and not 0.0 <= float(value) <= 1.0:
+                out.append(f"regenerate.{key}={value} must be in [0, 1], or null to leave it to the engine")
+        if self.top_k is not None and self.top_k < -1:
+            out.append(f"regenerate.top_k={self.top_k} must be >= 1 (-1 or 0: off), or null to leave it to the engine")
+        if self.output is not None and ("://" in str(self.output) or not str(self.output).strip()):
+            out.append(f"regenerate.output={self.output!r} must be a local file path (or null: beside the cache)")
+        return out
+
+
 @dataclass
 class PrecomputeConfig:
     """One precompute run. Constructing it validates everything that needs no weights."""
@@ -519,6 +637,8 @@ class PrecomputeConfig:
     """How samples are grouped for the forward."""
     plan: PlanConfig = field(default_factory=PlanConfig)
     """What the dry run assumes."""
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    """Regenerate the responses with the target before capture (regenerate=server)."""
     seq_length: int = 2048
     """Keep the first seq_length tokens of each conversation."""
     overwrite: bool = False
@@ -551,7 +671,7 @@ class PrecomputeConfig:
             )
         if str(self.log_level).upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             out.append(f"log_level={self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
-        for part in (self.model, self.data, self.storage, self.capture, self.batch, self.plan):
+        for part in (self.model, self.data, self.storage, self.capture, self.batch, self.plan, self.regenerate):
             out += part.problems()
         group, hidden = self.storage.fp8_group, self.model.random.hidden_size
         if self.model.path == TINY and isinstance(group, int) and group >= 1 and hidden >= 1 and hidden % group:

@@ -106,6 +106,8 @@ def default_storage_path(cfg: PrecomputeConfig) -> str:
         "seq_length": cfg.seq_length,
         # the default keeps the paths of earlier configurations
         **({"last_state": str(cfg.capture.last_state)} if cfg.capture.last_state != LastState.post_norm else {}),
+        # regenerated responses: another recipe, another cache (the default keeps the paths of earlier caches)
+        **({"regenerate": cfg.regenerate.sampling()} if cfg.regenerate.engine != "none" else {}),
     }
     tag = config_hash(knobs)[:8]
     root = s.root.rstrip("/")

@@ -128,4 +128,5 @@ def run_record(provenance: dict[str, Any], hosts: list[str], world_size: int, st
     argv, overrides = provenance.get("argv"), provenance.get("overrides")
     return RunProvenance(argv=[str(a) for a in argv] if isinstance(argv, list) else None,
                          overrides=[str(o) for o in overrides] if isinstance(overrides, list) else None,
-                         versions=versions(), hosts=sorted(seen), world_size=int(world_size))
+                         versions=versions(), hosts=sorted(seen), world_size=int(world_size),
+                         regeneration=provenance.get("regeneration"))

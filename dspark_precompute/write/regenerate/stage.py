@@ -1,0 +1,226 @@
+"""The regeneration stage: source rows -> servers -> log -> the ordered regenerated JSONL, with its record.
+
+Every cheap check comes first (the servers answer and serve the model, the log's settings match),
+then only the rows the log lacks are sent. Beside the output: ``.rejects.jsonl`` (one line per
+source row without a regenerated row: its row, reason and the engine's message) and ``.meta.json``
+(the engine record and the counts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dspark_precompute.write.config.schema import OnLength, PrecomputeConfig, Reasoning, Turns
+from dspark_precompute.write.regenerate.accounting import RegenCounts, RegenReason, RowRejected
+from dspark_precompute.write.regenerate.boundaries import mismatch
+from dspark_precompute.write.regenerate.client import Pool, Reply, RequestFailed, Server
+from dspark_precompute.write.regenerate.engine import EngineInfo, probe
+from dspark_precompute.write.regenerate.request import Sampling
+from dspark_precompute.write.regenerate.splice import Spliced, splice
+from dspark_precompute.write.regenerate.store import ResumeStore, atomic_write, canonical, row_key
+from dspark_precompute.write.samples.files import resolve_source
+from dspark_precompute.write.samples.normalize import Conversation, normalize
+from dspark_precompute.write.samples.rows import iter_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Regenerated:
+    """What the stage made: the output file, its counts, its record for the manifest, and this run's failures."""
+
+    output: Path
+    counts: RegenCounts
+    record: dict[str, Any]
+    failed: list[dict[str, Any]] = field(default_factory=list)
+
+
+def sibling(output: Path, suffix: str) -> Path:
+    """A file beside the output (``.rejects.jsonl``, ``.meta.json``)."""
+    return output.with_name(output.name.removesuffix(".jsonl") + suffix)
+
+
+@dataclass
+class _Turn:
+    """One row's regeneration, asked on one server."""
+
+    server: Server
+    sampling: Sampling
+    model: str
+    on_length: OnLength
+    cut: int = 0
+
+    def __call__(self, history: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Reply:
+        reply = self.server.ask(self.sampling.kwargs(self.model, history, tools))
+        if reply.refusal or reply.finish_reason == "content_filter":
+            raise RowRejected(RegenReason.REFUSAL, reply.refusal or f"finish_reason={reply.finish_reason}")
+        if reply.finish_reason == "length":
+            self.cut += 1
+            if self.on_length == OnLength.reject:
+                raise RowRejected(RegenReason.LENGTH, f"a turn was cut at regenerate.max_tokens "
+                                                      f"({reply.completion_tokens} tokens)")
+        return reply
+
+
+def _settings(cfg: PrecomputeConfig, info: EngineInfo) -> dict[str, Any]:
+    """What the logged rows depend on: a resume with any other value is refused."""
+    return {"sampling": cfg.regenerate.sampling(), "served_model": info.served_model,
+            "served_weights_fingerprint": info.weights_fingerprint, "target": cfg.model.path,
+            "chat_template": cfg.data.chat_template}
+
+
+class _Checker:
+    """The engine's token ids against our rendering (only when asked for: it needs the tokenizer)."""
+
+    def __init__(self, cfg: PrecomputeConfig):
+        self.tokenizer: Any = None
+        self.template = ""
+        if cfg.regenerate.return_token_ids:
+            from dspark_precompute.write.samples.chat import resolve_chat_template
+            from dspark_precompute.write.target.load import load_tokenizer
+
+            self.tokenizer = load_tokenizer(cfg.model)
+            self.template = resolve_chat_template(self.tokenizer, cfg.data.chat_template)
+
+    def stats(self, spliced: Spliced, tools: list[dict[str, Any]] | None, row: int) -> dict[str, int]:
+        out = {"turns": len(spliced.replies), "token_checked_turns": 0, "token_mismatches": 0,
+               "tool_mismatches": spliced.tool_mismatches,
+               "prompt_tokens": sum(r.prompt_tokens for _, _, r in spliced.replies),
+               "completion_tokens": sum(r.completion_tokens for _, _, r in spliced.replies)}
+        for history, turn, reply in spliced.replies:
+            if self.tokenizer is None or reply.token_ids is None:
+                continue
+            out["token_checked_turns"] += 1
+            why = mismatch(self.tokenizer, self.template, history, turn, reply, tools)
+            if why is not None:
+                out["token_mismatches"] += 1
+                log.warning("row %d: the engine's token ids differ from our template's rendering at %s", row, why)
+        return out
+
+
+def _record(key: str, conv: Conversation, result: Any, checker: _Checker, row: int) -> dict[str, Any] | None:
+    """The log record of one finished row; None for a failed request (not final: asked again next run)."""
+    if isinstance(result, RequestFailed):
+        return None
+    if isinstance(result, RowRejected):
+        return {"key": key, "reject": {"reason": str(result.reason), "message": result.message[:2000]},
+                "stats": result.stats if hasattr(result, "stats") else {}}
+    if isinstance(result, BaseException):
+        raise result
+    spliced, cut = result
+    stats = {**checker.stats(spliced, conv.tools, row), "cut_turns": cut}
+    row_out: dict[str, Any] = {"messages": spliced.messages, **({"tools": conv.tools} if conv.tools else {})}
+    return {"key": key, "row": row_out, "stats": stats}
+
+
+@dataclass
+class _Selection:
+    """The source rows: the key of each valid one (source order), what is left to ask, the invalid ones."""
+
+    keys: list[tuple[int, str]] = field(default_factory=list)  # (selection row, key)
+    jobs: dict[str, tuple[int, Conversation]] = field(default_factory=dict)  # key -> (first row, conversation)
+    invalid: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _select(cfg: PrecomputeConfig, store: ResumeStore) -> _Selection:
+    """Read and normalize the selection as capture would; rows already in the log are not asked again."""
+    source = resolve_source(cfg.data.path, cfg.data.split_slice()[0])
+    sel = _Selection()
+    for i, raw in enumerate(iter_rows(source, cfg.data)):
+        conv = normalize(raw, str(cfg.data.format))
+        if not isinstance(conv, Conversation):
+            sel.invalid.append({"row": i, "file": conv.file, "line": conv.line, "reason": conv.reason,
+                                "message": conv.message})
+            continue
+        key = row_key(raw.record, store.settings_sha)
+        sel.keys.append((i, key))
+        if key not in store.done and key not in sel.jobs:
+            sel.jobs[key] = (i, conv)
+    return sel
+
+
+def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: ResumeStore,
+         sel: _Selection) -> dict[str, str]:
+    """Send the missing rows, logging each finished one as it comes; the failed requests' messages by key."""
+    r = cfg.regenerate
+    sampling, checker = Sampling.of(r), _Checker(cfg)
+    turns, reasoning = Turns(r.turns), Reasoning(r.reasoning)
+
+    def work(server: Server, job: tuple[str, tuple[int, Conversation]]) -> tuple[Spliced, int]:
+        conv = job[1][1]
+        ask = _Turn(server, sampling, info.served_model, OnLength(r.on_length))
+        try:
+            return splice(conv.messages, conv.tools, turns, reasoning, ask), ask.cut
+        except RowRejected as exc:
+            exc.stats = {"cut_turns": ask.cut}  # type: ignore[attr-defined]  # carried to the log record
+            raise
+
+    failed: dict[str, str] = {}
+    total, step = len(sel.jobs), max(1, len(sel.jobs) // 10)
+    log.info("regenerating %d row(s) on %d server(s) (%d already in %s)", total, len(servers),
+             len(sel.keys) - total, store.parts)
+    for n, ((key, (row, conv)), result) in enumerate(Pool(servers, r.concurrency).run(sel.jobs.items(), work), 1):
+        record = _record(key, conv, result, checker, row)
+        if record is None:
+            failed[key] = str(result)
+            log.warning("row %d: %s", row, result)
+        else:
+            store.append(record)
+        if n % step == 0 or n == total:
+            log.info("regenerated %d/%d row(s), %d failed", n, total, len(failed))
+    return failed
+
+
+def _account(sel: _Selection, store: ResumeStore, failed: dict[str, str]) -> tuple[RegenCounts, list[dict[str, Any]]]:
+    """Counts and rejects over every source row (``rows_in = regenerated + rejected``)."""
+    counts = RegenCounts(rows_in=len(sel.keys) + len(sel.invalid), asked_now=len(sel.jobs))
+    rejects = list(sel.invalid)
+    for item in sel.invalid:
+        counts.add_reject(str(item["reason"]))
+    for row, key in sel.keys:
+        if key in failed:
+            counts.add_reject(RegenReason.REQUEST_FAILED)
+            rejects.append({"row": row, "reason": str(RegenReason.REQUEST_FAILED), "message": failed[key]})
+            continue
+        record = store.done[key]
+        counts.add_row(record)
+        if record.get("reject") is not None:
+            rejects.append({"row": row, **record["reject"]})
+    assert counts.rows_in == counts.regenerated + counts.rejected
+    return counts, sorted(rejects, key=lambda x: int(x["row"]))
+
+
+def regenerate(cfg: PrecomputeConfig, output: Path) -> Regenerated:
+    """Regenerate ``cfg``'s selection into ``output`` (resuming what the log beside it holds)."""
+    r = cfg.regenerate
+    key = r.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
+    servers = [Server(u, key, r.timeout, r.max_retries, r.retry_backoff) for u in r.base_urls]
+    info = probe(servers, r.served_model, cfg.model)
+    if (warning := info.warning(cfg.model.path)) is not None:
+        log.warning("WARNING: %s", warning)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    store = ResumeStore(output, _settings(cfg, info)).open()
+    try:
+        sel = _select(cfg, store)
+        failed = _ask(cfg, servers, info, store, sel)
+    finally:
+        store.close()
+    store.build([k for _, k in sel.keys if k not in failed])
+    counts, rejects = _account(sel, store, failed)
+    atomic_write(sibling(output, ".rejects.jsonl"), (canonical(x) + b"\n" for x in rejects))
+    record = {"engine": info.engine, "engine_version": info.version, "served_model": info.served_model,
+              "served_weights_fingerprint": info.weights_fingerprint, "target": cfg.model.path,
+              "target_weights_fingerprint": info.target_fingerprint, "same_model": info.same_model,
+              "warning": warning, "base_urls": list(r.base_urls), "sampling": r.sampling(), "output": str(output),
+              "output_sha256": hashlib.sha256(output.read_bytes()).hexdigest(), "counts": counts.to_json()}
+    atomic_write(sibling(output, ".meta.json"), [json.dumps(record, indent=1, sort_keys=True).encode() + b"\n"])
+    log.info("regenerated %d of %d row(s) into %s (%d rejected: %s; %d turn(s) cut at max_tokens, %d token "
+             "mismatch(es) in %d checked turn(s))", counts.regenerated, counts.rows_in, output, counts.rejected,
+             counts.reasons or "none", counts.cut_turns, counts.token_mismatches, counts.token_checked_turns)
+    return Regenerated(output, counts, record, [x for x in rejects if x["reason"] == RegenReason.REQUEST_FAILED])

@@ -1,0 +1,126 @@
+"""Resume by content: an append-only, fsynced log of finished rows keyed by content, and the ordered output.
+
+Each finished row (regenerated, or finally rejected) is one JSON line of ``<output>.parts/log.jsonl``
+keyed by :func:`row_key` (the source row's bytes and the sampling settings), written and fsynced
+as it completes, in completion order. A kill at any moment leaves at most a torn last line, which
+the next open cuts off; that run asks only the rows whose keys are missing. The output file is
+built from the log in source order at the end, through a temporary file and an atomic rename, so
+it holds exactly one row per source row or is the previous whole file. ``settings.json`` records
+what the rows were made with; a run with other settings is refused, naming each change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from dspark_precompute.errors import RegenerateResumeError, StorageWriteError
+from dspark_precompute.faults import fault_point
+
+log = logging.getLogger(__name__)
+
+LOG = "log.jsonl"
+SETTINGS = "settings.json"
+
+
+def canonical(value: Any) -> bytes:
+    """Sorted-key, compact JSON bytes (the same value gives the same bytes on every machine)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def row_key(record: Any, settings_sha: str) -> str:
+    """The key of a source row under these settings: sha256 of its canonical JSON and of the settings."""
+    return hashlib.sha256(canonical(record) + b"\0" + settings_sha.encode()).hexdigest()
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, lines: Iterable[bytes]) -> None:
+    """Write ``path`` whole or not at all: a temporary file, fsynced, renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            for line in lines:
+                fh.write(line)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StorageWriteError(f"cannot write {path}: {exc}; free space or fix the permissions, then run the same "
+                                "command again (finished rows are kept)") from None
+
+
+class ResumeStore:
+    """The finished rows of one output file (``parts`` directory beside it)."""
+
+    def __init__(self, output: Path, settings: dict[str, Any]):
+        self.output = output
+        self.parts = output.with_name(output.name + ".parts")
+        self.settings = json.loads(json.dumps(settings))
+        self.settings_sha = hashlib.sha256(canonical(self.settings)).hexdigest()
+        self.done: dict[str, dict[str, Any]] = {}
+        self._fh: BinaryIO | None = None
+
+    def open(self) -> ResumeStore:
+        """Read what earlier runs finished (refusing other settings) and open the log for appending."""
+        self.parts.mkdir(parents=True, exist_ok=True)
+        recorded = self.parts / SETTINGS
+        if recorded.is_file():
+            old = json.loads(recorded.read_text(encoding="utf-8"))
+            diffs = [(k, old.get(k), self.settings.get(k)) for k in sorted(set(old) | set(self.settings))
+                     if old.get(k) != self.settings.get(k)]
+            if diffs:
+                raise RegenerateResumeError(str(self.parts), diffs)
+        else:
+            atomic_write(recorded, [canonical(self.settings) + b"\n"])
+        self._load()
+        self._fh = open(self.parts / LOG, "ab")
+        return self
+
+    def _load(self) -> None:
+        path = self.parts / LOG
+        if not path.is_file():
+            return
+        data = path.read_bytes()
+        good = data.rfind(b"\n") + 1  # a kill mid-line leaves a torn tail: cut it off
+        for line in data[:good].splitlines():
+            record = json.loads(line)
+            self.done[record["key"]] = record
+        if good < len(data):
+            log.info("cutting a torn last line (%d bytes) off %s", len(data) - good, path)
+            with open(path, "r+b") as fh:
+                fh.truncate(good)
+                os.fsync(fh.fileno())
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Make one finished row durable (it counts as done only once fsynced)."""
+        assert self._fh is not None, "open() first"
+        self._fh.write(canonical(record) + b"\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self.done[record["key"]] = record
+        fault_point("regenerate_row")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def build(self, keys: list[str]) -> int:
+        """Write the output: the regenerated row of each key, in this (source) order; the rows written."""
+        rows = [self.done[k]["row"] for k in keys if k in self.done and self.done[k].get("row") is not None]
+        atomic_write(self.output, (canonical(r) + b"\n" for r in rows))
+        return len(rows)

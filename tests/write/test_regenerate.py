@@ -1,0 +1,211 @@
+"""The regeneration stage against a misbehaving server of our own: retries, resume by content, splice, rejects.
+
+The fake server (``fake_openai``) answers each history with ``answer(history)``, the oracle every
+regenerated turn is checked against; it fails, stalls, dies or refuses where a test tells it to.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from fake_openai import Fake, answer, completion
+from helpers import compose
+
+from dspark_precompute.errors import ConfigError, RegenerateError, RegenerateResumeError
+from dspark_precompute.write.plan.regenerated import regenerate_stage
+from dspark_precompute.write.regenerate.stage import regenerate, sibling
+from dspark_precompute.write.regenerate.store import ResumeStore
+
+
+def rows_file(tmp_path: Path, n: int = 5, extra: list[dict] | None = None) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"},
+                          {"role": "assistant", "content": f"recorded answer {i}"}]} for i in range(n)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + (extra or [])))
+    return path
+
+
+def config(tmp_path: Path, urls: list[str], data: Path, *extra: str):
+    return compose([f"data.path={data}", f"storage.path={tmp_path / 'cache'}", "regenerate=server",
+                    f"regenerate.base_urls=[{','.join(urls)}]", "regenerate.retry_backoff=0.01",
+                    "regenerate.concurrency=2", *extra])
+
+
+def output_rows(tmp_path: Path) -> list[dict]:
+    text = (tmp_path / "cache.regenerated.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def assert_regenerated(rows: list[dict], source: list[dict]) -> None:
+    """One row per source row, in source order, each assistant turn the server's answer to its history."""
+    assert len(rows) == len(source)
+    for row, src in zip(rows, source):
+        assert [m["role"] for m in row["messages"]] == [m["role"] for m in src["messages"]]
+        for i, m in enumerate(row["messages"]):
+            if m["role"] == "assistant":
+                assert m["content"] == answer(row["messages"][:i])
+            else:
+                assert m["content"] == src["messages"][i]["content"]
+
+
+def test_a_regeneration_that_lost_rows_refuses_to_capture_and_the_same_command_asks_only_those(tmp_path):
+    data = rows_file(tmp_path, 6)
+    failing = {"question 2", "question 4"}
+    with Fake(lambda n, b: (500, b'{"error": "boom"}') if b["messages"][-1]["content"] in failing else None) as f:
+        with pytest.raises(RegenerateError, match="2 of 6 row.*Run the same command again"):
+            regenerate_stage(config(tmp_path, [f.url], data, "regenerate.max_retries=1"))
+        assert len(f.requests) == 4 + 2 * 2  # each failing row: the request and its retry
+    rejects = [json.loads(x) for x in sibling(tmp_path / "cache.regenerated.jsonl", ".rejects.jsonl").read_text()
+               .splitlines()]
+    assert [(r["row"], r["reason"]) for r in rejects] == [(2, "request_failed"), (4, "request_failed")]
+    assert "HTTP 500" in rejects[0]["message"] and "boom" in rejects[0]["message"]
+    with Fake() as healthy:
+        done, capture = regenerate_stage(config(tmp_path, [healthy.url], data))
+        assert sorted(b["messages"][-1]["content"] for b in healthy.requests) == sorted(failing)
+    source = [json.loads(line) for line in data.read_text().splitlines()]
+    assert_regenerated(output_rows(tmp_path), source)
+    assert done.counts.rows_in == done.counts.regenerated == 6 and done.counts.asked_now == 2
+    assert capture.data.path == str(tmp_path / "cache.regenerated.jsonl") and capture.regenerate.engine == "none"
+
+
+def test_500s_429s_garbage_and_a_stalled_answer_are_retried_until_the_row_is_answered(tmp_path):
+    release = threading.Event()
+    script = {1: (500, b"{}"), 2: (429, b"{}"), 3: (200, b"{not json"), 4: "stall"}
+
+    def behave(n, body):
+        what = script.get(n)
+        if what == "stall":
+            release.wait(30)  # the client times out first and asks again
+            return "close"
+        return what
+
+    with Fake(behave) as f:
+        try:
+            done = regenerate(config(tmp_path, [f.url], rows_file(tmp_path, 1), "regenerate.timeout=0.5"),
+                              tmp_path / "out.jsonl")
+        finally:
+            release.set()
+    assert len(f.requests) == 5 and done.counts.regenerated == 1 and not done.failed
+
+
+def test_a_server_that_dies_hands_its_rows_to_the_other_one(tmp_path):
+    data = rows_file(tmp_path, 8)
+    with Fake(lambda n, b: "close" if n > 1 else None) as dying, Fake() as healthy:
+        done = regenerate(config(tmp_path, [dying.url, healthy.url], data, "regenerate.max_retries=1"),
+                          tmp_path / "cache.regenerated.jsonl")
+    assert done.counts.regenerated == 8 and not done.failed
+    assert_regenerated(output_rows(tmp_path), [json.loads(x) for x in data.read_text().splitlines()])
+
+
+def test_refusals_and_cut_turns_are_typed_rejects_and_rows_in_is_regenerated_plus_rejects(tmp_path):
+    def behave(n, body):
+        last = body["messages"][-1]["content"]
+        if last == "question 1":
+            return 200, completion(body, content=None, refusal="I cannot help with that")
+        if last == "question 3":
+            return 200, completion(body, finish="length")
+        return None
+
+    data = rows_file(tmp_path, 5, extra=[{"messages": [{"role": "user", "content": "no answer"}]}])
+    with Fake(behave) as f:
+        done = regenerate(config(tmp_path, [f.url], data, "regenerate.on_length=reject"), tmp_path / "o.jsonl")
+    c = done.counts
+    assert (c.rows_in, c.regenerated, c.rejected) == (6, 3, 3) and c.rows_in == c.regenerated + c.rejected
+    assert c.reasons == {"refusal": 1, "length": 1, "no_assistant_turn": 1} and c.cut_turns == 1
+    rejects = [json.loads(x) for x in sibling(tmp_path / "o.jsonl", ".rejects.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["reason"]) for r in rejects] == [(1, "refusal"), (3, "length"), (5, "no_assistant_turn")]
+    assert rejects[0]["message"] == "I cannot help with that"
+
+
+def test_changed_sampling_refuses_to_resume_naming_the_change(tmp_path):
+    data = rows_file(tmp_path, 2)
+    with Fake() as f:
+        regenerate(config(tmp_path, [f.url], data), tmp_path / "o.jsonl")
+        changed = r"sampling: recorded .*'temperature': 0\.0.*'temperature': 0\.7"
+        with pytest.raises(RegenerateResumeError, match=changed):
+            regenerate(config(tmp_path, [f.url], data, "regenerate.temperature=0.7"), tmp_path / "o.jsonl")
+
+
+def test_a_torn_last_log_line_is_cut_off_and_only_that_row_is_asked_again(tmp_path):
+    data = rows_file(tmp_path, 3)
+    out = tmp_path / "cache.regenerated.jsonl"
+    with Fake() as f:
+        regenerate(config(tmp_path, [f.url], data), out)
+    log = out.with_name(out.name + ".parts") / "log.jsonl"
+    text = log.read_bytes()
+    log.write_bytes(text[: text.rstrip(b"\n").rfind(b"\n") + 1] + text.rstrip(b"\n").rsplit(b"\n", 1)[1][:20])
+    out.unlink()
+    with Fake() as again:
+        done = regenerate(config(tmp_path, [again.url], data), out)
+        assert len(again.requests) == 1
+    assert done.counts.asked_now == 1 and len(log.read_text().splitlines()) == 3
+    assert_regenerated(output_rows(tmp_path), [json.loads(x) for x in data.read_text().splitlines()])
+
+
+def tool_row() -> dict:
+    return {"tools": [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
+            "messages": [
+                {"role": "user", "content": "weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "old-1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "old-1", "content": "sunny, 21C"},
+                {"role": "assistant", "content": "It is sunny."}]}
+
+
+def test_tool_results_are_spliced_back_under_the_regenerated_call_ids(tmp_path):
+    call = {"id": "new-7", "type": "function", "function": {"name": "lookup", "arguments": "{\"city\": \"Paris\"}"}}
+
+    def behave(n, body):
+        if body["messages"][-1]["role"] == "user":
+            return 200, completion(body, content="", tool_calls=[call])
+        return None
+
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps(tool_row()) + "\n")
+    with Fake(behave) as f:
+        done = regenerate(config(tmp_path, [f.url], data), tmp_path / "cache.regenerated.jsonl")
+    second = f.requests[1]["messages"]
+    assert second[-1] == {"role": "tool", "tool_call_id": "new-7", "content": "sunny, 21C"}
+    assert f.requests[0]["tools"] == tool_row()["tools"]
+    msgs = output_rows(tmp_path)[0]["messages"]
+    assert msgs[1]["tool_calls"] == [call] and msgs[2]["tool_call_id"] == "new-7"
+    assert msgs[3]["content"] == "echo: sunny, 21C" and done.counts.tool_mismatches == 0 and done.counts.turns == 2
+
+
+def test_turns_last_keeps_the_recorded_history_and_regenerates_the_last_turn_only(tmp_path):
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps(tool_row()) + "\n")
+    with Fake() as f:
+        done = regenerate(config(tmp_path, [f.url], data, "regenerate.turns=last"), tmp_path / "o.jsonl")
+    assert len(f.requests) == 1 and done.counts.turns == 1
+    msgs = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()][0]["messages"]
+    assert msgs[:3] == tool_row()["messages"][:3] and msgs[3]["content"] == "echo: sunny, 21C"
+
+
+def test_a_store_keeps_one_row_per_source_row_in_source_order_whatever_the_completion_order(tmp_path):
+    store = ResumeStore(tmp_path / "o.jsonl", {"s": 1}).open()
+    for k in ("c", "a", "b"):
+        store.append({"key": k, "row": {"messages": [{"role": "user", "content": k}]}})
+    store.close()
+    assert store.build(["a", "b", "a", "c"]) == 4
+    assert [json.loads(x)["messages"][0]["content"] for x in (tmp_path / "o.jsonl").read_text().splitlines()] == \
+        ["a", "b", "a", "c"]
+
+
+def test_regenerate_server_without_urls_and_only_without_server_are_config_errors():
+    with pytest.raises(ConfigError, match=r"regenerate=server needs regenerate.base_urls"):
+        compose(["regenerate=server"])
+    with pytest.raises(ConfigError, match=r"regenerate.only=true needs regenerate=server"):
+        compose(["regenerate.only=true"])
+    with pytest.raises(ConfigError, match=r"regenerate.temperature=3.0 must be in \[0, 2\]"):
+        compose(["regenerate=server", "regenerate.base_urls=[http://x:1/v1]", "regenerate.temperature=3.0"])
+
+
+def test_a_server_that_does_not_answer_stops_before_any_row_naming_its_url(tmp_path):
+    with Fake() as f:
+        url = f.url
+    with pytest.raises(RegenerateError, match=f"{url}.*does not answer"):
+        regenerate(config(tmp_path, [url], rows_file(tmp_path, 1)), tmp_path / "o.jsonl")
