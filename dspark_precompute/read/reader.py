@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_precompute.contract.chunks import ChunkRef, decode_chunk
+from dspark_precompute.contract.chunks import ChunkRef
 from dspark_precompute.contract.commits import committed_units
 from dspark_precompute.contract.fp8 import bf16_bits_to_float32, convert
 from dspark_precompute.contract.layout import SampleIndex
@@ -292,10 +292,12 @@ class CacheReader:
                 raise self._damaged(exc, jobs) from None
 
         def finish(job: tuple[str, int], raw: bytes | None) -> np.ndarray:
-            meta = self._metas[job[0]]
             if raw is None:
                 raise self._missing(job[0], job[1])
-            return decode_chunk(meta, meta.chunk_index(job[1]), raw, where)
+            try:
+                return self._source.decode(job[0], job[1], raw, where)
+            except DamagedShardError as exc:  # format 3: not the chunk its unit's record binds to this place
+                raise self._damaged(exc, [job]) from None
 
         if threads and len(jobs) > 1:
             return list(self._threads().map(finish, jobs, raws))

@@ -101,7 +101,7 @@ def test_resuming_a_format_1_cache_is_refused_saying_which_version_wrote_it_and_
     overrides = [f"storage.path={cache}", f"seq_length={cfg['seq_length']}", "data.max_samples=5",
                  "storage.chunk_tokens=64", "storage.unit_tokens=256", "progress=false"]
     with pytest.raises(CacheFormatError, match=r"holds a format 1 cache written by dspark-precompute 0.2.0; this "
-                                               r"version writes and resumes format 2 only. It is unfinished: finish it "
+                                               r"version writes and resumes format 3 only. It is unfinished: finish it "
                                                r"with the version that wrote it .*or pass overwrite=true"):
         run(compose(overrides))
     shutil.rmtree(tmp_path / "fp8_e4m3")
