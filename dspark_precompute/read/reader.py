@@ -267,7 +267,7 @@ class CacheReader:
             f"{self.path}: {exc}; it holds {self._named(holds)} of unit(s) {units}. Nothing was decoded from it. Run "
             f"`dspark-cache verify --repair {self.path}` to mark the unit(s) for recomputation, then re-run the "
             "precompute command that wrote the cache.", array=name, shard=exc.shard,
-            samples=tuple(int(i) for i in holds), checksum=exc.checksum)
+            samples=tuple(int(i) for i in holds), checksum=exc.checksum, misplaced=exc.misplaced)
 
     def _chunk_refs(self, jobs: Sequence[tuple[str, int]]) -> list[ChunkRef | None]:
         """Where each chunk's stored bytes are (loading the shard indexes not in hand); None for an absent one."""
