@@ -63,7 +63,11 @@ def read_file(path: Path, limit: int) -> bytes | None:
 
 
 def get_many(store: CacheStore, zstore: Any, keys: list[str], limits: list[int]) -> list[bytes | None]:
-    """Objects ``keys`` of a cache (None for absent ones), at most ``limit + 1`` bytes each, fetched together."""
+    """Objects ``keys`` of a cache (None for absent ones), at most ``limit + 1`` bytes each, fetched together
+    (locally one after the other, never allocating more than a file holds)."""
+    if zstore is None:
+        root = Path(store.root)
+        return [read_file(root / k, lim) for k, lim in zip(keys, limits)]
     return get_ranges(store, zstore, [(k, 0, lim + 1) for k, lim in zip(keys, limits)])
 
 
@@ -220,11 +224,13 @@ class ChunkSource:
             ranges.append((self._shard_key(name, j), max(0, size - want), size))
             todo.append((name, j, size))
         units = self.binder.missing([j for _, j, _ in todo]) if self.binder is not None else []
-        ranges += [(Binder.key(u), 0, MAX_RECORD_BYTES + 1) for u in units]  # fetched with the indexes
+        remote = self.zstore is not None
+        if remote:  # the records in the same round of requests as the indexes
+            ranges += [(Binder.key(u), 0, MAX_RECORD_BYTES + 1) for u in units]
         got = get_ranges(self.store, self.zstore, ranges) if ranges else []
         self.index_reads += len(todo)
-        if self.binder is not None:
-            self.binder.take(units, got[len(todo):])
+        if self.binder is not None and units:
+            self.binder.take(units, got[len(todo):] if remote else self.binder.read([Binder.key(u) for u in units]))
         for (name, j, size), raw in zip(todo, got):
             meta = self.metas[name]
             per = int(meta.shard_chunks or 1)
