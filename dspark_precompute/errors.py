@@ -111,18 +111,21 @@ class MissingChunkError(CacheFormatError):
 
 class DamagedShardError(CacheFormatError):
     """A shard object of a token array cannot be trusted: its index fails its checksum (a flipped byte, a
-    truncated or overwritten object) or points outside the object, or an inner chunk it names is cut short.
+    truncated or overwritten object) or points outside the object, an inner chunk it names is cut short, or
+    (format 3) it, or a chunk in it, is not what its unit's commit record binds to that place.
 
     ``array``, ``shard`` (the object's grid index) and ``samples`` (the sample ids with tokens in it)
-    name it; ``checksum`` says whether the index's own crc32c failed. Nothing is decoded from the shard.
+    name it; ``checksum`` says whether the index's own crc32c failed, ``misplaced`` whether the shard
+    disagrees with its record (moved, copied from another cache, reordered). Nothing is decoded from it.
     """
 
     def __init__(self, message: str, *, array: str | None = None, shard: tuple[int, ...] | None = None,
-                 samples: tuple[int, ...] = (), checksum: bool = False):
+                 samples: tuple[int, ...] = (), checksum: bool = False, misplaced: bool = False):
         self.array = array
         self.shard = shard
         self.samples = tuple(samples)
         self.checksum = checksum
+        self.misplaced = misplaced
         super().__init__(message)
 
 

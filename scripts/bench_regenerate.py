@@ -17,14 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchlib import REPO, machine, median  # noqa: E402
+
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e"), str(REPO / "tests" / "write")]
 
 log = logging.getLogger("bench_regenerate")
@@ -81,8 +81,8 @@ def throughput(args: argparse.Namespace, tmp: Path) -> dict:
                 out = tmp / f"out-{k}.jsonl"
                 results[name].append(ours(url, model, data, out, args) if name == "ours"
                                      else plain(url, model, rows, args))
-    med = {n: {"requests_per_s": statistics.median(args.rows / s for s, _ in r),
-               "completion_tokens_per_s": statistics.median(t / s for s, t in r)} for n, r in results.items()}
+    med = {n: {"requests_per_s": median([args.rows / s for s, _ in r]),
+               "completion_tokens_per_s": median([t / s for s, t in r])} for n, r in results.items()}
     med["ratio_requests"] = med["ours"]["requests_per_s"] / med["plain"]["requests_per_s"]
     med["ratio_tokens"] = med["ours"]["completion_tokens_per_s"] / med["plain"]["completion_tokens_per_s"]
     return med
@@ -151,7 +151,8 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as d:
-        result = {"throughput": throughput(args, Path(d)), "resume": resume_overhead(args, Path(d))}
+        result = {"machine": machine(), "throughput": throughput(args, Path(d)),
+                  "resume": resume_overhead(args, Path(d))}
     text = json.dumps(result, indent=1)
     sys.stdout.write(text + "\n")
     if args.json:

@@ -7,7 +7,10 @@ chunk is reported (``None``) instead of silently read as zeros.
 :class:`ChunkSource` finds an inner chunk's bytes: in format 2 a byte range of its shard,
 from the shard's index (read once, checked by :func:`~dspark_precompute.contract.shards.parse_index`,
 kept); in format 1 a whole object per chunk. Local shards are read with ``pread`` on kept
-file handles, remote ones with range requests, many at once.
+file handles, remote ones with range requests, many at once. In format 3 every shard is also
+checked against what its unit's commit record binds to its place
+(:class:`~dspark_precompute.contract.binding.Binder`): its index when loaded, each chunk when
+decoded (:meth:`ChunkSource.decode`).
 """
 
 from __future__ import annotations
@@ -18,18 +21,20 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dspark_precompute.contract.arrays import ArrayMeta, array_meta_problems, compressed_size_problem, expected_arrays
+from dspark_precompute.contract.binding import Binder, BindingProblem
 from dspark_precompute.contract.fp8 import scale_problem
 from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.shards import ShardIndexProblem, index_nbytes, parse_index
-from dspark_precompute.contract.spec import FORMAT_NAME, GROUPS, MANIFEST, SCALE_GROUP
+from dspark_precompute.contract.spec import FORMAT_NAME, GROUPS, MANIFEST, MAX_RECORD_BYTES, SCALE_GROUP
 from dspark_precompute.contract.store import CacheStore, open_regular
 from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, NotRegularFileError
 
@@ -58,7 +63,11 @@ def read_file(path: Path, limit: int) -> bytes | None:
 
 
 def get_many(store: CacheStore, zstore: Any, keys: list[str], limits: list[int]) -> list[bytes | None]:
-    """Objects ``keys`` of a cache (None for absent ones), at most ``limit + 1`` bytes each, fetched together."""
+    """Objects ``keys`` of a cache (None for absent ones), at most ``limit + 1`` bytes each, fetched together
+    (locally one after the other, never allocating more than a file holds)."""
+    if zstore is None:
+        root = Path(store.root)
+        return [read_file(root / k, lim) for k, lim in zip(keys, limits)]
     return get_ranges(store, zstore, [(k, 0, lim + 1) for k, lim in zip(keys, limits)])
 
 
@@ -153,12 +162,16 @@ class ChunkSource:
     once per shard, checked, kept up to ``max_indexes``); a shard object that does not exist
     makes each of its chunks absent (None), a damaged one raises
     :class:`~dspark_precompute.errors.DamagedShardError` (array and shard named; the caller adds
-    the samples). Format 1 arrays and the tables: one object per chunk.
+    the samples). Format 1 arrays and the tables: one object per chunk. ``bound`` (format 3):
+    each shard is checked against its unit's record too, and one that disagrees is a
+    :class:`~dspark_precompute.errors.DamagedShardError` with ``misplaced`` set.
     """
 
     def __init__(self, store: CacheStore, metas: dict[str, ArrayMeta], zstore: Any = None,
-                 max_indexes: int = 1 << 16, max_files: int = 64):
+                 max_indexes: int = 1 << 16, max_files: int = 64, bound: bool = False):
         self.store, self.metas, self.zstore = store, metas, zstore
+        self.binder = Binder(store, lambda keys: get_many(store, zstore, keys, [MAX_RECORD_BYTES] * len(keys))) \
+            if bound else None
         self._indexes: OrderedDict[tuple[str, int], np.ndarray | None] = OrderedDict()
         self._max_indexes = int(max_indexes)
         self._lock = threading.Lock()
@@ -210,8 +223,14 @@ class ChunkSource:
             want = index_nbytes(int(self.metas[name].shard_chunks or 1))
             ranges.append((self._shard_key(name, j), max(0, size - want), size))
             todo.append((name, j, size))
+        units = self.binder.missing([j for _, j, _ in todo]) if self.binder is not None else []
+        remote = self.zstore is not None
+        if remote:  # the records in the same round of requests as the indexes
+            ranges += [(Binder.key(u), 0, MAX_RECORD_BYTES + 1) for u in units]
         got = get_ranges(self.store, self.zstore, ranges) if ranges else []
-        self.index_reads += len(ranges)
+        self.index_reads += len(todo)
+        if self.binder is not None and units:
+            self.binder.take(units, got[len(todo):] if remote else self.binder.read([Binder.key(u) for u in units]))
         for (name, j, size), raw in zip(todo, got):
             meta = self.metas[name]
             per = int(meta.shard_chunks or 1)
@@ -219,14 +238,22 @@ class ChunkSource:
                 found[(name, j)] = None
                 continue
             try:
-                found[(name, j)] = parse_index(raw, per, size, meta.max_stored_bytes())
-            except ShardIndexProblem as exc:
-                raise DamagedShardError(f"array {name!r} shard {meta.object_index(j * per)} (object "
-                                        f"{self._shard_key(name, j)}) {exc}", array=name,
-                                        shard=meta.object_index(j * per), checksum=exc.checksum) from None
+                found[(name, j)] = index = parse_index(raw, per, size, meta.max_stored_bytes())
+                if self.binder is not None:
+                    self.binder.check_index(name, j, bytes(raw[-4:]), int((index[:, 0] >= 0).sum()))
+            except (ShardIndexProblem, BindingProblem) as exc:
+                raise self._damaged(name, j, str(exc), checksum=getattr(exc, "checksum", False),
+                                    misplaced=isinstance(exc, BindingProblem)) from None
         for key, table in found.items():
             self._keep(key, table)
         return found
+
+    def _damaged(self, name: str, shard: int, why: str, checksum: bool = False, misplaced: bool = False
+                 ) -> DamagedShardError:
+        meta = self.metas[name]
+        where = meta.object_index(shard * int(meta.shard_chunks or 1))
+        return DamagedShardError(f"array {name!r} shard {where} (object {self._shard_key(name, shard)}) {why}",
+                                 array=name, shard=where, checksum=checksum, misplaced=misplaced)
 
     def _keep(self, key: tuple[str, int], table: np.ndarray | None) -> None:
         with self._lock:
@@ -288,10 +315,30 @@ class ChunkSource:
         """Located and fetched: each chunk's stored bytes, None for an absent one."""
         return self.fetch(self.locate(jobs))
 
+    # -- decoding ---------------------------------------------------------------------------
+    def decode(self, name: str, c: int, raw: bytes, where: str = "") -> np.ndarray:
+        """Inner chunk ``c`` of array ``name`` from its stored bytes (:func:`decode_chunk`), in format 3 after
+        checking that it is the chunk its unit's record binds to that place in its shard."""
+        meta = self.metas[name]
+        bound = partial(self._check_chunk, name, c) if self.binder is not None and meta.sharded else None
+        return decode_chunk(meta, meta.chunk_index(c), raw, where, bound)
+
+    def _check_chunk(self, name: str, c: int, crc: bytes) -> None:
+        assert self.binder is not None
+        unit, k = divmod(c, int(self.metas[name].shard_chunks or 1))
+        index = self._index(name, unit)  # kept since the chunk was located (its crc32c already bound to the record)
+        rank = k if index is None else int(np.count_nonzero(index[:k, 0] >= 0))  # its place among present chunks
+        try:
+            self.binder.check_chunk(name, unit, k, rank, crc)
+        except BindingProblem as exc:
+            raise self._damaged(name, unit, str(exc), misplaced=True) from None
+
     def forget(self) -> None:
-        """Drop every kept index and file handle (the cache was rewritten or repaired under us)."""
+        """Drop every kept index, record and file handle (the cache was rewritten or repaired under us)."""
         with self._lock:
             self._indexes.clear()
+        if self.binder is not None:
+            self.binder.forget()
         if self._files is not None:
             self._files.clear()
 
@@ -311,9 +358,12 @@ def _codec(name: str) -> Any:
     return _CODECS[name]
 
 
-def decode_chunk(meta: ArrayMeta, idx: tuple[int, ...], raw: bytes, where: str = "") -> np.ndarray:
+def decode_chunk(meta: ArrayMeta, idx: tuple[int, ...], raw: bytes, where: str = "",
+                 bound: Callable[[bytes], None] | None = None) -> np.ndarray:
     """One stored chunk -> its array of ``meta.chunks``: crc32c checked, header sizes checked, bounded.
 
+    ``bound`` is given the chunk's stored crc32c once it matches the bytes, and raises when it is
+    not the one recorded for the chunk's place (:meth:`ChunkSource.decode`).
     Raises :class:`ChecksumError` when the crc32c does not match and :class:`CacheFormatError`
     when the chunk is larger than the array's chunks can be or its codec header declares
     another size than the chunk's (it is then never decompressed), or when a chunk of an fp8
@@ -332,6 +382,8 @@ def decode_chunk(meta: ArrayMeta, idx: tuple[int, ...], raw: bytes, where: str =
     body = buf[:-4]
     if len(raw) < 4 or int(google_crc32c.value(body)).to_bytes(4, "little") != raw[-4:]:
         raise ChecksumError(name, idx, "Stored and computed checksum do not match")
+    if bound is not None:
+        bound(bytes(raw[-4:]))
     expected = meta.chunk_nbytes
     problem = compressed_size_problem(meta.compressor, body, expected)
     if problem:
@@ -429,7 +481,7 @@ def read_slots(source: ChunkSource, names: list[str], a: int, b: int) -> dict[st
             if raw is None:
                 raise CacheFormatError(f"{source.store.path}: array {name!r} chunk {c} is missing "
                                        f"({meta.object_key(c)})")
-            data = decode_chunk(meta, meta.chunk_index(c), raw)
+            data = source.decode(name, c, raw)
             parts.append(data[max(a, c * ct) - c * ct:min(b, (c + 1) * ct) - c * ct])
         out[name] = np.concatenate(parts) if parts else np.zeros((0, *meta.shape[1:]), dtype=meta.dtype)
     return out

@@ -1,9 +1,10 @@
-"""How many files and directories a format 2 cache holds: exact arithmetic from its layout.
+"""How many files and directories a format 3 cache holds: exact arithmetic from its layout.
 
 A cluster filesystem caps inodes per project and every listing, copy or sync walks them, so
 the count is part of the contract: the dry run prints it (and per TB of raw hidden states),
 and the tests check that a real run holds exactly that many. Per commit unit a cache holds
-one shard per token array and one commit record; everything else is a fixed few dozen.
+one shard per token array and one commit record; everything else is a fixed few dozen (the
+token record ``commits/tokens.json`` among them).
 """
 
 from __future__ import annotations
@@ -35,19 +36,19 @@ class Inventory:
 
 def inventory(token_arrays: int, num_units: int, samples: int, fp8: bool, hydra_files: int = HYDRA_FILES
               ) -> Inventory:
-    """The entries of a finished format 2 cache.
+    """The entries of a finished format 3 cache.
 
     ``token_arrays``: ids, mask and every hidden and scale array; each is a directory with its
     zarr.json and one shard per unit. The sample and unit tables are a directory, a zarr.json
     and one chunk per 2^20 rows each; the groups (``samples``, ``units``, ``hidden_states``, and
-    ``hidden_scales`` with fp8) a directory and a zarr.json; ``commits/`` one record per unit;
-    ``.hydra/`` the run record, when the command line wrote it.
+    ``hidden_scales`` with fp8) a directory and a zarr.json; ``commits/`` one record per unit and
+    the token record; ``.hydra/`` the run record, when the command line wrote it.
     """
     groups = 4 if fp8 else 3
     table_chunks = len(SAMPLE_ARRAYS) * -(-samples // MAX_TABLE_CHUNK_ROWS) \
         + len(UNIT_ARRAYS) * -(-num_units // MAX_TABLE_CHUNK_ROWS)
     tables = len(SAMPLE_ARRAYS) + len(UNIT_ARRAYS)
-    files = (ROOT_FILES + groups + token_arrays * (1 + num_units) + tables + table_chunks + num_units
+    files = (ROOT_FILES + groups + token_arrays * (1 + num_units) + tables + table_chunks + num_units + 1
              + hydra_files)
     directories = groups + token_arrays + tables + 1 + (1 if hydra_files else 0)
     return Inventory(files, directories)

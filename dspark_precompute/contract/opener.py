@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 
 from dspark_precompute.contract.arrays import ArrayMeta
-from dspark_precompute.contract.chunks import ChunkSource, decode_chunk, read_array_metas
+from dspark_precompute.contract.chunks import ChunkSource, read_array_metas
 from dspark_precompute.contract.commits import CommitRecord, committed_units
 from dspark_precompute.contract.layout import table_problems
 from dspark_precompute.contract.manifest import Manifest
-from dspark_precompute.contract.spec import TABLES
+from dspark_precompute.contract.spec import BOUND_FORMAT, TABLES
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.errors import CacheFormatError, ChecksumError, IncompleteCacheError, MissingChunkError
 from dspark_precompute.humanize import listing
@@ -91,7 +91,7 @@ def read_tables(source: ChunkSource) -> tuple[dict[str, np.ndarray], dict[str, l
                                                        "zeros"))
                 continue
             try:
-                parts.append(decode_chunk(meta, idx, raw))
+                parts.append(source.decode(name, c, raw))
             except CacheFormatError as exc:
                 broken.setdefault(name, []).append((c, str(exc)))
         if name not in broken:
@@ -131,7 +131,7 @@ def open_stored(path: str | CacheStore, *, allow_incomplete: bool = False, check
     if problems:
         raise CacheFormatError(listing(f"{store.path}: the arrays disagree with the manifest", problems,
                                        f"Run `dspark-cache verify {store.path}` for a full report; {_FIX}."))
-    source = ChunkSource(store, metas, zstore, max_files=max_files)
+    source = ChunkSource(store, metas, zstore, max_files=max_files, bound=m.format_version >= BOUND_FORMAT)
     tables, broken = read_tables(source)
     for name, found in broken.items():
         _, why = found[0]

@@ -16,11 +16,18 @@ in C order, which for a shard one chunk wide is also zarr's Morton order), and
 :func:`parse_index` checks an index before any offset in it is trusted: its size, its
 crc32c, that every present chunk lies inside the data region and is no larger than a chunk
 of the array can be, and that the present chunks lie in token order without overlapping.
+
+Nothing in a shard's own bytes says where it belongs: each crc32c covers only its own chunk or
+index. :class:`ShardDigest` is what binds it to its place (format 3): the crc32c values a writer
+wrote into the shard (its index's, then each present chunk's, in token order), taken from the
+parts as :class:`EncodedShard` yields them and recorded in the unit's commit record, so a reader
+can check a shard it loads, and each chunk it decodes, against what was written there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,22 +59,94 @@ def encode_index(lengths: Sequence[int], n_chunks: int) -> bytes:
     return raw + _crc(raw)
 
 
-def encode_shard(chunks: Iterable[Sequence[Any]], n_chunks: int) -> Iterator[Any]:
-    """The parts of a shard object, yielded in the order they are written.
+CRC_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ShardDigest:
+    """The crc32c values a writer wrote into one shard: its index's (the shard's last 4 bytes) and each present
+    inner chunk's (each chunk's last 4 bytes), in token order, as stored (little-endian).
+
+    Written in a commit record as one lowercase hex string, the index's 8 digits first, then 8 per
+    chunk (:meth:`hex`): a shard moved to another place, copied from another cache or given a
+    reordered index then disagrees with it, although each of its crc32c values is valid.
+    """
+
+    index: bytes
+    chunks: bytes  # CRC_BYTES per present inner chunk
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks) // CRC_BYTES
+
+    def chunk(self, k: int) -> bytes | None:
+        """The stored crc32c of present inner chunk ``k``; None past the last one written."""
+        return self.chunks[k * CRC_BYTES:(k + 1) * CRC_BYTES] if 0 <= k < self.n_chunks else None
+
+    def hex(self) -> str:
+        return (self.index + self.chunks).hex()
+
+    @classmethod
+    def from_hex(cls, value: Any, max_chunks: int) -> ShardDigest | None:
+        """The digest a record holds; None when ``value`` is not one (not a hex string of 1 + k crc32c values,
+        k at most ``max_chunks``)."""
+        n = 2 * CRC_BYTES
+        if not isinstance(value, str) or not n <= len(value) <= n * (max_chunks + 1) or len(value) % n:
+            return None
+        try:
+            raw = bytes.fromhex(value)
+        except ValueError:
+            return None
+        return cls(raw[:CRC_BYTES], raw[CRC_BYTES:]) if raw.hex() == value else None  # lowercase only
+
+
+def _last_crc(pieces: Sequence[Any]) -> bytes:
+    """The last 4 bytes of a chunk given as its parts (its crc32c as written)."""
+    tail = b""
+    for p in reversed(pieces):
+        tail = bytes(memoryview(p).cast("B")[-(CRC_BYTES - len(tail)):]) + tail
+        if len(tail) == CRC_BYTES:
+            break
+    return tail
+
+
+class EncodedShard:
+    """The parts of a shard object, yielded in the order they are written; then :attr:`digest`.
 
     ``chunks`` are the encoded inner chunks in token order, each given as its parts (``(body,
     crc)`` from :func:`~dspark_precompute.contract.arrays.chunk_encoder`: written as they are,
     never joined); the index goes last. Lazy: a writer holds one chunk at a time, whatever the
-    shard's size.
+    shard's size. The digest is taken from the very parts handed out, so it is what was written,
+    never recomputed from what a read finds later; it exists only once every part was taken.
     """
-    lengths = []
-    for pieces in chunks:
-        n = 0
-        for p in pieces:
-            n += memoryview(p).nbytes
-            yield p
-        lengths.append(n)
-    yield encode_index(lengths, n_chunks)
+
+    def __init__(self, chunks: Iterable[Sequence[Any]], n_chunks: int):
+        self._chunks, self._n = chunks, int(n_chunks)
+        self._digest: ShardDigest | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        lengths, crcs = [], []
+        for pieces in self._chunks:
+            n = 0
+            for p in pieces:
+                n += memoryview(p).nbytes
+                yield p
+            lengths.append(n)
+            crcs.append(_last_crc(pieces))
+        index = encode_index(lengths, self._n)
+        yield index
+        self._digest = ShardDigest(index[-CRC_BYTES:], b"".join(crcs))
+
+    @property
+    def digest(self) -> ShardDigest:
+        if self._digest is None:
+            raise RuntimeError("a shard's digest exists only once all of its parts were written")
+        return self._digest
+
+
+def encode_shard(chunks: Iterable[Sequence[Any]], n_chunks: int) -> EncodedShard:
+    """The parts of a shard object (iterate once, in write order) and, after them, its digest."""
+    return EncodedShard(chunks, n_chunks)
 
 
 class ShardIndexProblem(ValueError):

@@ -1,12 +1,13 @@
 """The cache's names, versions, size limits and naming rules: the facts every other module takes from here.
 
-A cache (format 2) is one zarr v3 group; ``docs/format.md`` is the full specification::
+A cache (format 3) is one zarr v3 group; ``docs/format.md`` is the full specification::
 
     zarr.json                       the group (attributes: format, format_version, manifest)
     manifest.json                   identity, config hash, layout, counts, ``complete``
     target_weights.safetensors      embed_tokens.weight (+ lm_head.weight unless tied)
     rejects.jsonl                   one line per input row that did not become a sample
-    commits/u000000.json ...        one file per committed unit (its data is whole and durable)
+    commits/u000000.json ...        one file per committed unit (its data is whole and durable; its shards' digests)
+    commits/tokens.json             the digests of every unit's input_ids and loss_mask shard, as written
     input_ids/c.<u>                 int32 [token]            ragged: real tokens only, no padding
     loss_mask/c.<u>                 uint8 [token]
     hidden_states/layer_{i}/c.<u>.0 [token, hidden]  per captured layer (``embeddings`` for -1);
@@ -24,7 +25,8 @@ chunks of ``chunk_tokens`` rows, each compressed and crc32c-checksummed, with a 
 index at the shard's end. Sample ``i`` occupies ``[start[i], start[i] + length[i])``.
 
 Format 1 (dspark-precompute 0.2) stored one object per chunk (``c/<k>/0``), units packed
-back to back on the token axis; readers still read and verify it.
+back to back on the token axis; format 2 is format 3 without the shard digests that bind each
+shard to its place (commit records and ``commits/tokens.json``); readers still read and verify both.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ import numpy as np
 from dspark_precompute.contract.vocab import StorageDtype
 
 FORMAT_NAME = "dspark-precompute-cache"
-FORMAT_VERSION = 2  # what this version writes; bump on any change a reader of the old version would misread
-READABLE_FORMATS = (1, 2)  # what this version reads and verifies (it resumes only FORMAT_VERSION)
+FORMAT_VERSION = 3  # what this version writes; bump on any change a reader of the old version would misread
+READABLE_FORMATS = (1, 2, 3)  # what this version reads and verifies (it resumes only FORMAT_VERSION)
+BOUND_FORMAT = 3  # from this version on, commit records bind every shard to its place (a reader checks them)
 MANIFEST = "manifest.json"
 WEIGHTS = "target_weights.safetensors"
 REJECTS = "rejects.jsonl"
 COMMITS = "commits"
+TOKEN_DIGESTS = f"{COMMITS}/tokens.json"
 INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
 HIDDEN_GROUP = "hidden_states"
@@ -78,7 +82,8 @@ OWN_ENTRIES = frozenset({
 TEMPORARY = re.compile(r"^\.(?P<target>[^/]+)\.[a-z0-9_]{8}\.tmp$")
 # what the tool writes inside its own directories: zarr.json, chunks and shards, commit records, the Hydra
 # record, a multi-rank job's failure markers
-_OWN_INNER = re.compile(r"^(zarr\.json|c(\.\d+)+|u\d{6,}\.json|failed-\d+\.json|(config|hydra|overrides)\.yaml)$")
+_OWN_INNER = re.compile(r"^(zarr\.json|c(\.\d+)+|u\d{6,}\.json|tokens\.json|failed-\d+\.json|"
+                        r"(config|hydra|overrides)\.yaml)$")
 
 
 def is_own_temporary(name: str) -> bool:
@@ -113,7 +118,7 @@ _OWN_NESTED = {
     INPUT_IDS: re.compile(rf"^{_ARRAY_FILES}$"), LOSS_MASK: re.compile(rf"^{_ARRAY_FILES}$"),
     HIDDEN_GROUP: re.compile(rf"^{_STATE_FILES}$"), SCALE_GROUP: re.compile(rf"^{_STATE_FILES}$"),
     "samples": re.compile(rf"^{_GROUP_FILES}$"), "units": re.compile(rf"^{_GROUP_FILES}$"),
-    COMMITS: re.compile(r"^u\d{6,}\.json$"), COORD: re.compile(r"^[^/]+/failed-\d+\.json$"),
+    COMMITS: re.compile(r"^(u\d{6,}|tokens)\.json$"), COORD: re.compile(r"^[^/]+/failed-\d+\.json$"),
     HYDRA_RECORD: re.compile(r"^(config|hydra|overrides)\.yaml$"),
 }
 
@@ -248,4 +253,5 @@ MAX_SAMPLE_BYTES = 1 << 36        # one sample padded to seq_length, every array
 MAX_TOKEN_SLOTS = 1 << 48
 MAX_TABLE_CHUNK_ROWS = 1 << 20    # the writer's sample/unit table chunk
 MAX_SHARD_CHUNKS = 1 << 20        # inner chunks per shard (its index is 16 bytes each)
+MAX_RECORD_BYTES = 1 << 26        # one commit record (its shard digests: 8 hex digits per inner chunk)
 MAX_VOCAB_SIZE = 1 << 31

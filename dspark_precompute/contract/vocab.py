@@ -171,6 +171,7 @@ class Check(StrEnum):
     offsets = "offsets"
     commits = "commits"
     checksum = "checksum"
+    binding = "binding"  # format 3: a shard (or a chunk in it) is not what its unit's commit record binds there
     missing_chunk = "missing-chunk"
     values = "values"
     counts = "counts"

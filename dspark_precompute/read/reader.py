@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_precompute.contract.chunks import ChunkRef, decode_chunk
+from dspark_precompute.contract.chunks import ChunkRef
 from dspark_precompute.contract.commits import committed_units
 from dspark_precompute.contract.fp8 import bf16_bits_to_float32, convert
 from dspark_precompute.contract.layout import SampleIndex
@@ -268,7 +268,7 @@ class CacheReader:
             f"{self.path}: {exc}; it holds {self._named(holds)} of unit(s) {units}. Nothing was decoded from it. Run "
             f"`dspark-cache verify --repair {self.path}` to mark the unit(s) for recomputation, then re-run the "
             "precompute command that wrote the cache.", array=name, shard=exc.shard,
-            samples=tuple(int(i) for i in holds), checksum=exc.checksum)
+            samples=tuple(int(i) for i in holds), checksum=exc.checksum, misplaced=exc.misplaced)
 
     def _chunk_refs(self, jobs: Sequence[tuple[str, int]]) -> list[ChunkRef | None]:
         """Where each chunk's stored bytes are (loading the shard indexes not in hand); None for an absent one."""
@@ -293,10 +293,12 @@ class CacheReader:
                 raise self._damaged(exc, jobs) from None
 
         def finish(job: tuple[str, int], raw: bytes | None) -> np.ndarray:
-            meta = self._metas[job[0]]
             if raw is None:
                 raise self._missing(job[0], job[1])
-            return decode_chunk(meta, meta.chunk_index(job[1]), raw, where)
+            try:
+                return self._source.decode(job[0], job[1], raw, where)
+            except DamagedShardError as exc:  # format 3: not the chunk its unit's record binds to this place
+                raise self._damaged(exc, [job]) from None
 
         if threads and len(jobs) > 1:
             return list(self._threads().map(finish, jobs, raws))

@@ -20,11 +20,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_precompute.contract.commits import CommitRecord, committed_units
+from dspark_precompute.contract.commits import CommitRecord, TokenDigests, committed_units
 from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.lock import WriterLock
 from dspark_precompute.contract.manifest import Counts, Manifest
-from dspark_precompute.contract.spec import FORMAT_NAME, FORMAT_VERSION, HYDRA_RECORD, LOCK, MANIFEST, REJECTS, WEIGHTS
+from dspark_precompute.contract.spec import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HYDRA_RECORD,
+    LOCK,
+    MANIFEST,
+    REJECTS,
+    TOKEN_DIGESTS,
+    WEIGHTS,
+)
 from dspark_precompute.contract.store import CacheStore, is_url
 from dspark_precompute.contract.vocab import RejectReason, StorageDtype
 from dspark_precompute.errors import (
@@ -122,6 +131,7 @@ class _Samples:
     tables: dict[str, np.ndarray]
     tok: Tokenized | None = None
     stored: resume.Stored | None = None
+    tokens: TokenDigests | None = None  # the token shards' digests as written (commits/tokens.json)
 
     def ids(self, plan: Plan, units: list[int]) -> Mapping[int, np.ndarray]:
         """Sample id -> input ids, for the samples of ``units``."""
@@ -200,7 +210,7 @@ class _Run:
             self.timing["read_tokens_s"] = time.perf_counter() - t0
             log.info("resuming %s: samples and tokens read back from the cache (%d samples, %.1f s)", self.plan.path,
                      manifest.stored_samples, self.timing["read_tokens_s"])
-            return _Samples(stored.layout, manifest.counts, stored.tables, stored=stored)
+            return _Samples(stored.layout, manifest.counts, stored.tables, stored=stored, tokens=stored.tokens)
         tok = tokenize(self.plan.encoding, self.plan.cfg.data, self.ranks)
         self.timing["tokenize_s"] = time.perf_counter() - t0
         if self.ranks.main:
@@ -224,7 +234,7 @@ class _Run:
         model = self._load_target()
         t0 = time.perf_counter()
         try:
-            loop = ForwardLoop(plan, model, ids, layout, self._device())
+            loop = ForwardLoop(plan, model, ids, layout, self._device(), samples.tokens)
             written = loop.run(mine, coord) if mine else 0
             self.timing.update(loop.stats.as_dict())
         except StoppedBySignal as exc:
@@ -288,13 +298,17 @@ class _Run:
         assert samples.tok is not None
         ensure_encoded(plan.encoding, plan.cfg.data, samples.tok, {int(s) for u in share for s in layout.unit_order[u]})
         try:
-            nbytes = ranks.together(lambda: write_tokens(self.store, layout, plan.cfg.storage, plan.specs,
-                                                         samples.tok.encoded if samples.tok else {}, share))
+            _, digests = ranks.together(lambda: write_tokens(self.store, layout, plan.cfg.storage, plan.specs,
+                                                             samples.tok.encoded if samples.tok else {}, share))
         except OSError as exc:
             raise StorageWriteError(f"writing the token ids of {plan.path} failed: {exc}. Free space or fix the "
                                     "storage, then re-run the same command.") from exc
-        ranks.gather(nbytes)  # every rank's tokens are durable before the manifest says so
+        # every rank's tokens are durable before the record and the manifest say so; each rank takes every digest
+        samples.tokens = TokenDigests.of({u: d for part in ranks.gather(digests) for u, d in part.items()},
+                                         layout.num_units)
         if ranks.main:
+            _put(self.store, TOKEN_DIGESTS, samples.tokens.to_bytes(), plan.cfg.storage.fsync)
+            resume.rebind_tokens(self.store, samples.tokens, plan.cfg.storage.fsync)
             m = plan.manifest(layout, samples.counts, created)
             m.tokens_stored = True
             _write_manifest(self.store, m)

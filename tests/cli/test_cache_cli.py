@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from helpers import compose, drop_chunk, flip_chunk_byte, shard_file, small
+from helpers import compose, drop_chunk, flip_chunk_byte, rebind, shard_file, small
 
 from dspark_precompute import open_cache
 from dspark_precompute.cli.cache import main
@@ -120,6 +120,9 @@ def test_verify_recompute_reproduces_samples_bit_exactly_and_catches_a_value_wit
     row = np.asarray(arr[pos])
     row[7] ^= 0x0040  # a different bf16 value, stored with a fresh (valid) checksum
     arr[pos] = row
+    assert main(["verify", str(cache_copy)]) == 1  # format 3: the shard is not the one its unit committed
+    assert "[binding] array 'hidden_states/layer_2' shard (0, 0)" in capsys.readouterr().out
+    rebind(cache_copy, "hidden_states/layer_2", pos // 1024)  # as a writer with that value would have recorded it
     assert main(["verify", str(cache_copy)]) == 0  # the structure is intact: only a recompute can tell
     capsys.readouterr()
     n = len(t["start"])

@@ -145,7 +145,8 @@ def test_a_format_2_manifest_needs_tokens_stored_and_a_format_1_manifest_does_no
     (2, {"total_token_slots": 1280}, "does not end in the last of layout.num_units = 1 shards"),
     (2, {"unit_tokens": 1000}, "not a multiple of layout.chunk_tokens"),
     (1, {"total_token_slots": 500}, "not a multiple of layout.chunk_tokens"),
-    (3, {}, "format_version 3 is not supported"),
+    (3, {"total_token_slots": 1280}, "does not end in the last of layout.num_units = 1 shards"),
+    (4, {}, "format_version 4 is not supported"),
 ])
 def test_the_layout_rules_follow_the_format_version(version, layout, words):
     data = json.loads(_one().to_bytes())

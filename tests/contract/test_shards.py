@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from dspark_precompute.contract.shards import (
     ABSENT,
+    ShardDigest,
     ShardIndexProblem,
     encode_index,
     encode_shard,
@@ -94,3 +95,30 @@ def test_an_index_with_a_valid_checksum_whose_chunks_overlap_or_are_out_of_order
 def test_an_index_with_a_gap_where_a_chunk_was_marked_absent_still_parses():
     table = parse_index(_index([(0, 100), (ABSENT, ABSENT), (250, 50)]), 3, 1000, max_chunk_bytes=4096)
     assert table.tolist() == [[0, 100], [-1, -1], [250, 50]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(5, 3000), min_size=1, max_size=20), spare=st.integers(0, 4),
+       split=st.booleans())
+def test_a_shards_digest_is_the_crc32c_values_its_written_bytes_hold(sizes, spare, split):
+    """Oracle: the digest read from the shard's bytes alone (its last 4 bytes, each present chunk's last 4)."""
+    n = len(sizes) + spare
+    rng = np.random.default_rng(len(sizes))
+    bodies = [rng.integers(0, 256, s - 4, dtype=np.uint8).tobytes() for s in sizes]
+    chunks = [((b[:len(b) // 2], b[len(b) // 2:] + with_crc(b)[-4:][:2], with_crc(b)[-2:]) if split
+               else (b, with_crc(b)[-4:])) for b in bodies]  # a crc32c spread over parts is taken whole
+    shard = encode_shard(chunks, n)
+    with pytest.raises(RuntimeError, match="only once all of its parts were written"):
+        _ = shard.digest
+    blob = b"".join(bytes(memoryview(p)) for p in shard)
+    table = parse_index(blob[-index_nbytes(n):], n, len(blob), max_chunk_bytes=5000)
+    want = blob[-4:] + b"".join(blob[o + k - 4:o + k] for o, k in table if o >= 0)
+    assert shard.digest.hex() == want.hex() and shard.digest.n_chunks == len(sizes)
+    assert ShardDigest.from_hex(shard.digest.hex(), n) == shard.digest
+    assert [shard.digest.chunk(k) for k in range(len(sizes))] == [with_crc(b)[-4:] for b in bodies]
+    assert shard.digest.chunk(len(sizes)) is None
+
+
+@pytest.mark.parametrize("value", [None, 12, "", "abc", "0" * 7, "0" * 12, "zz" * 4, "AB" * 4, "00" * 4 * 6])
+def test_a_value_that_is_not_a_digest_is_none(value):
+    assert ShardDigest.from_hex(value, max_chunks=4) is None

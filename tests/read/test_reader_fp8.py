@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from helpers import rebind
 from safetensors.torch import load_file
 
 from dspark_precompute import open_cache
@@ -111,6 +112,7 @@ def test_a_scale_that_is_zero_nan_negative_or_inf_is_refused_by_readers_and_name
     slot = int(c.starts()[i]) + 2
     arr = zarr.open_array(str(path / "hidden_scales/layer_2"), mode="r+")
     arr[slot, 1] = bad
+    rebind(path, "hidden_scales/layer_2", slot // c.manifest.layout.unit_tokens)  # as a writer of it would bind it
     fresh = open_cache(path)  # opening reads no chunk: the tables and metadata are fine
     with pytest.raises(CacheFormatError, match=r"hidden_scales/layer_2.*not finite and positive"):
         fresh[i]

@@ -10,6 +10,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import REPO, assert_same_cache, compose, small
 
@@ -101,10 +102,76 @@ def test_resuming_a_format_1_cache_is_refused_saying_which_version_wrote_it_and_
     overrides = [f"storage.path={cache}", f"seq_length={cfg['seq_length']}", "data.max_samples=5",
                  "storage.chunk_tokens=64", "storage.unit_tokens=256", "progress=false"]
     with pytest.raises(CacheFormatError, match=r"holds a format 1 cache written by dspark-precompute 0.2.0; this "
-                                               r"version writes and resumes format 2 only. It is unfinished: finish it "
+                                               r"version writes and resumes format 3 only. It is unfinished: finish it "
                                                r"with the version that wrote it .*or pass overwrite=true"):
         run(compose(overrides))
     shutil.rmtree(tmp_path / "fp8_e4m3")
+
+
+@pytest.mark.parametrize("complete,words", [
+    (True, r"It is complete: read it as it is \(this version reads and verifies it\)"),
+    (False, r"It is unfinished: finish it with the version that wrote it \(pip install 'dspark-precompute==0.3.0', "
+            r"then the same command\)"),
+])
+def test_resuming_a_format_2_cache_is_refused_so_bound_and_unbound_units_never_mix(tmp_path, complete, words):
+    """Format 2 records bind nothing: a resume would commit bound units beside unbound ones. It is refused, saying
+    what to do, before anything is written."""
+    with tarfile.open(REPO / "tests" / "data" / "format2_caches.tgz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    cache = tmp_path / "bf16"
+    m = json.loads((cache / "manifest.json").read_text())
+    m["complete"] = complete
+    (cache / "manifest.json").write_text(json.dumps(m))
+    before = sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*"))
+    overrides = [f"storage.path={cache}", "seq_length=128", "data.max_samples=12", "storage.chunk_tokens=128",
+                 "storage.unit_tokens=256", "progress=false"]
+    with pytest.raises(CacheFormatError, match=r"holds a format 2 cache written by dspark-precompute 0.3.0; this "
+                                               r"version writes and resumes format 3 only. " + words
+                                               + r".*or pass overwrite=true to re-create it in format 3"):
+        run(compose(overrides))
+    assert sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*")) == before
+
+
+def test_a_resume_finds_token_shards_moved_since_the_first_run_and_tokenizes_again(tmp_path, monkeypatch,
+                                                                                  reference):
+    """The ids a resume forwards are read back from the stored shards: two of them swapped between the runs are
+    found by the token record (written from the bytes the first run wrote), so the run tokenizes again and rewrites
+    them, instead of forwarding other samples' tokens."""
+    overrides = interrupted(tmp_path, monkeypatch, 1)
+    cache = tmp_path / "c"
+    import zarr
+
+    g = zarr.open_group(str(cache), mode="r")
+    chunks = -(-(np.asarray(g["units/token_stop"][:]) - np.asarray(g["units/token_start"][:])) // 256)
+    left = sorted(set(range(len(chunks))) - committed_units(CacheStore(cache)))
+    pair = next((u, v) for u in left for v in left if u < v and chunks[u] == chunks[v])  # every chunk reads back
+    a, b = (cache / "input_ids" / f"c.{u}" for u in pair)
+    blob = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(blob)
+    result = run(compose(overrides))
+    assert result.complete and "tokenize_s" in result.timing
+    assert_same_cache(reference, str(cache))
+
+
+def test_a_resume_that_tokenizes_again_rebinds_the_committed_units_to_the_token_shards_it_wrote(tmp_path,
+                                                                                               monkeypatch,
+                                                                                               reference):
+    """A codec that writes other bytes for the same tokens (a library upgraded between the runs) is simulated by a
+    committed record naming other token bytes: the shards written again are what it must bind."""
+    overrides = interrupted(tmp_path, monkeypatch)
+    cache = tmp_path / "c"
+    u = min(committed_units(CacheStore(cache)))
+    f = cache / "commits" / f"u{u:06d}.json"
+    rec = json.loads(f.read_text())
+    rec["shards"]["input_ids"] = "00" * (len(rec["shards"]["input_ids"]) // 2)
+    f.write_text(json.dumps(rec, sort_keys=True))
+    m = json.loads((cache / "manifest.json").read_text())
+    m["tokens_stored"] = False  # what `verify --repair` does for damaged ids or masks
+    (cache / "manifest.json").write_text(json.dumps(m))
+    result = run(compose(overrides))
+    assert result.complete and "tokenize_s" in result.timing
+    assert_same_cache(reference, str(cache))  # the record again binds the shard on disk, byte for byte
 
 
 def _delete(f: Path) -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from helpers import rebind
 
 from dspark_precompute import open_cache
 from dspark_precompute.cli.cache import main
@@ -53,6 +54,9 @@ def _swap_last_for(path, other: str) -> None:
     """Replace the post-norm array's data with another layer's, written through zarr (valid checksums)."""
     g = zarr.open_group(str(path), mode="r+")
     g["hidden_states/layer_3"][:] = np.asarray(g[other][:])
+    units = json.loads((path / "manifest.json").read_text())["layout"]["num_units"]
+    for u in range(units):  # bound as a writer of those bytes would have bound them: only the target can tell
+        rebind(path, "hidden_states/layer_3", u)
 
 
 def test_a_final_state_swapped_for_another_layers_fails_the_teacher_check(cache_copy, capsys):

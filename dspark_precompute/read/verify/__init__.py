@@ -9,8 +9,13 @@ Checks, in order (``checks.py``, one function each):
 * offsets: the sample and unit tables are exactly the layout the recorded lengths imply,
   every sample inside its unit, none overlapping;
 * commits: one record per committed unit, agreeing with the unit table;
+* binding (format 3): ``commits/tokens.json`` binds every unit's token shards, as the commit
+  records do (older formats: a note that nothing binds their shards to their places);
+* entries: every file under the arrays, groups and ``commits/`` is one the cache lists (no
+  stray shard past the last unit, no key an array does not have);
 * chunks: every chunk a committed unit owns exists (a deleted chunk would read back as
-  zeros) and decodes with a matching crc32c; ids in the vocabulary, masks 0/1, states finite
+  zeros) and decodes with a matching crc32c; in format 3 each shard and chunk is the one its
+  unit's commit record binds to its place; ids in the vocabulary, masks 0/1, states finite
   (fp8: no NaN bits, every scale finite and positive);
 * counts: samples, tokens, supervised tokens, rejects and truncations match the manifest;
 * weights: the recorded sha256 (a note when none was recorded) and the manifest's shapes.
@@ -49,6 +54,8 @@ def verify_cache(path: str | Path, *, allow_incomplete: bool = False, max_proble
         if checks.check_manifest(ctx) and checks.check_structure(ctx):
             checks.check_offsets(ctx)
             checks.check_commits(ctx)
+            checks.check_binding(ctx)
+            checks.check_entries(ctx)
             checks.check_chunks(ctx)
             checks.check_counts(ctx)
         if ctx.m is not None:

@@ -14,22 +14,28 @@ from typing import Any
 
 import numpy as np
 
-from dspark_precompute.contract.arrays import ArrayMeta
-from dspark_precompute.contract.chunks import ChunkSource, decode_chunk, group_problems, read_array_metas
-from dspark_precompute.contract.commits import CommitRecord, commit_key, parse_commit_key
+from dspark_precompute.contract.arrays import ArrayMeta, expected_arrays
+from dspark_precompute.contract.chunks import ChunkSource, group_problems, read_array_metas
+from dspark_precompute.contract.commits import CommitRecord, TokenDigests, commit_key, parse_commit_key
 from dspark_precompute.contract.fp8 import is_nan_bits
 from dspark_precompute.contract.layout import SampleIndex, build_layout, table_problems
 from dspark_precompute.contract.manifest import Manifest, manifest_problems
 from dspark_precompute.contract.opener import read_tables
 from dspark_precompute.contract.spec import (
+    BOUND_FORMAT,
     COMMITS,
+    FORMAT_VERSION,
+    GROUPS,
     INPUT_IDS,
     LOSS_MASK,
     MANIFEST,
     REJECTS,
     SAMPLE_ARRAYS,
+    TOKEN_ARRAYS,
+    TOKEN_DIGESTS,
     UNIT_ARRAYS,
     WEIGHTS,
+    is_own_temporary_key,
 )
 from dspark_precompute.contract.store import CacheStore, open_regular
 from dspark_precompute.contract.vocab import Check
@@ -54,6 +60,7 @@ class Context:
     tables: dict[str, np.ndarray] = field(default_factory=dict)
     source: ChunkSource | None = None
     committed: set[int] = field(default_factory=set)
+    records: dict[int, CommitRecord] = field(default_factory=dict)
     offsets_ok: bool = False
     supervised: np.ndarray | None = None
     mask_ok: bool = True
@@ -116,7 +123,7 @@ def check_structure(ctx: Context) -> bool:
     for name, p in problems:
         ctx.bad.add(Check.structure, p, array=name)
     ctx.metas = metas
-    ctx.source = ChunkSource(ctx.store, metas, ctx.zstore)
+    ctx.source = ChunkSource(ctx.store, metas, ctx.zstore, bound=ctx.m.format_version >= BOUND_FORMAT)
     tables, broken = read_tables(ctx.source)
     for name, found in broken.items():
         for c, why in found:
@@ -214,6 +221,8 @@ def check_commits(ctx: Context) -> None:
             continue
         ctx.committed.add(u)
         rec = CommitRecord.parse(data)
+        if rec is not None:
+            ctx.records[u] = rec
         want = {"token_start": int(u_start[u]), "token_stop": int(u_stop[u]), "samples": int((unit == u).sum())}
         for k2, v in want.items():
             got = getattr(rec, k2) if rec is not None else (data.get(k2) if isinstance(data, dict) else data)
@@ -223,6 +232,60 @@ def check_commits(ctx: Context) -> None:
         for u in sorted(set(range(num_units)) - ctx.committed):
             bad.add(Check.commits, f"unit {u} has no commit record {commit_key(u)} although the cache is complete",
                     unit=u)
+
+
+def check_binding(ctx: Context) -> None:
+    """Format 3: the token record binds every unit's token shards, as the commit records do; an older format gets a
+    note that nothing binds its shards to their places (the chunk check then cannot tell a moved shard)."""
+    assert ctx.m is not None
+    m, bad = ctx.m, ctx.bad
+    if m.format_version < BOUND_FORMAT:
+        ctx.report.notes.append(
+            f"format {m.format_version}: its {'shards' if m.format_version >= 2 else 'chunks'} are not bound to their "
+            "places (its commit records hold no digests of what was written), so a shard swapped with another unit's, "
+            "copied from another cache or given a reordered index would pass every check here. Re-create the cache "
+            f"with this version (format {FORMAT_VERSION}) to bind them")
+        return
+    if not m.tokens_stored:
+        return  # the token arrays (and their record) are not all written yet
+    tokens = TokenDigests.read(ctx.store)
+    if tokens is None:
+        bad.add(Check.binding, f"{TOKEN_DIGESTS} is missing or not a token record: nothing binds the token shards of "
+                               "a unit without a commit record (readers of committed units are unaffected: each "
+                               "record binds its own), so a resume would tokenize again. Re-create the cache to "
+                               "restore it")
+        return
+    for name in TOKEN_ARRAYS:
+        if len(tokens.arrays.get(name) or []) != m.layout.num_units:
+            bad.add(Check.binding, f"{TOKEN_DIGESTS} holds {len(tokens.arrays.get(name) or [])} digests of array "
+                                   f"{name!r}, the cache has {m.layout.num_units} units", array=name)
+    for u, rec in sorted(ctx.records.items()):
+        for name, digest in tokens.unit(u).items():
+            if rec.shards.get(name) != digest:
+                bad.add(Check.binding, f"commit record {commit_key(u)} binds array {name!r} to "
+                                       f"{str(rec.shards.get(name))[:16]}..., {TOKEN_DIGESTS} to {digest[:16]}...: one "
+                                       "of them was altered", array=name, unit=u)
+
+
+def check_entries(ctx: Context) -> None:
+    """Every file under the arrays, groups and ``commits/`` is an entry the cache lists: a finished cache holds
+    exactly its listed entries (a stray shard past the last unit, a chunk key no array has, a leftover file)."""
+    assert ctx.m is not None
+    m = ctx.m
+    listed = {f"{g}/zarr.json" for g in GROUPS} | {TOKEN_DIGESTS} | {commit_key(u) for u in range(m.layout.num_units)}
+    for name, meta in ctx.metas.items():
+        per = int(meta.shard_chunks or 1)
+        listed |= {f"{name}/zarr.json", *(meta.object_key(c) for c in range(0, meta.num_chunks, per))}
+    unchecked = tuple(f"{n}/" for n in expected_arrays(m) if n not in ctx.metas)  # already reported as broken
+    tops = [*TOKEN_ARRAYS, *GROUPS, COMMITS]
+    for key in ctx.store.file_keys(t for t in tops if ctx.store.exists(t)):
+        if key in listed or is_own_temporary_key(key) or key.startswith(unchecked) or (
+                key.startswith(f"{COMMITS}/") and parse_commit_key(key) is not None):  # past the units: check_commits
+            continue
+        ctx.bad.add(Check.structure, f"{key} is not an entry of this cache (a finished cache holds exactly its zarr "
+                                     f"metadata, one shard per unit of each token array, its tables' chunks and its "
+                                     f"commit records; this one has {m.layout.num_units} units): it was left by "
+                                     "another run or copied in. Remove it")
 
 
 def _unit_chunks(ctx: Context, meta: ArrayMeta, u: int) -> range:
@@ -238,7 +301,7 @@ def _damaged_shard(ctx: Context, name: str, exc: DamagedShardError, u: int, wher
     meta = ctx.metas[name]
     lo = int(ctx.table("units/token_start")[u])
     holds = where.in_range(lo, int(ctx.table("units/token_stop")[u])) if where is not None else np.zeros(0, np.int64)
-    ctx.bad.add(Check.checksum if exc.checksum else Check.structure,
+    ctx.bad.add(Check.binding if exc.misplaced else Check.checksum if exc.checksum else Check.structure,
                 f"{exc}: unit {u}, {fmt_ids(holds)}. Nothing in it can be read", array=name,
                 chunk=meta.object_index(_unit_chunks(ctx, meta, u).start), unit=u,
                 sample=int(holds[0]) if len(holds) else None)
@@ -298,8 +361,12 @@ def _decoded(ctx: Context, meta: ArrayMeta, c: int, raw: bytes | None, u: int, h
                                          "reads back as zeros, so these samples are silently wrong",
                     array=name, chunk=idx, unit=u, sample=first)
         return None
+    assert ctx.source is not None
     try:
-        return decode_chunk(meta, idx, raw)
+        return ctx.source.decode(name, c, raw)
+    except DamagedShardError as exc:  # format 3: not the chunk its unit's record binds to this place
+        ctx.bad.add(Check.binding, f"{exc}: {place}, token slots [{lo}, {lo + meta.chunks[0]}) of unit {u}, "
+                                   f"{fmt_ids(holds)}", array=name, chunk=idx, unit=u, sample=first)
     except ChecksumError:
         ctx.bad.add(Check.checksum, f"array {name!r} {place} fails its crc32c checksum: the stored bytes are "
                                     f"corrupt; token slots [{lo}, {lo + meta.chunks[0]}) of unit {u}, {fmt_ids(holds)}",

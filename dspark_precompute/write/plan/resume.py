@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from dspark_precompute.contract.chunks import read_slots
+from dspark_precompute.contract.commits import CommitRecord, TokenDigests, commit_key, committed_units
 from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.opener import OpenedCache, open_stored
@@ -169,6 +170,7 @@ class Stored:
 
     opened: OpenedCache
     layout: Layout
+    tokens: TokenDigests | None = None  # commits/tokens.json: what the first run wrote into the token shards
 
     @property
     def tables(self) -> dict[str, np.ndarray]:
@@ -244,4 +246,24 @@ def load_stored(plan: Plan, manifest: Manifest) -> Stored:
         opened.close()
         raise CacheFormatError(f"{plan.path}: the stored tables are not the layout of their lengths; pass "
                                "overwrite=true to re-create the cache")
-    return Stored(opened, layout)
+    return Stored(opened, layout, TokenDigests.read(plan.store))
+
+
+def rebind_tokens(store: CacheStore, tokens: TokenDigests, fsync: bool = True) -> list[int]:
+    """Committed units whose record names other token shards than ``tokens`` (the ones just written) get them;
+    those units.
+
+    Token arrays are rewritten whole when a resume tokenizes again. The bytes are the same for
+    the same tokens and codec, but a codec library that changed since the first run may write
+    others: a committed unit's record must then bind the shards now there (their tokens are the
+    same, the config hash says so), or readers would refuse a sound unit.
+    """
+    changed = []
+    for u in sorted(committed_units(store)):
+        rec = CommitRecord.read(store, u)
+        want = tokens.unit(u)
+        if rec is not None and any(rec.shards.get(k) != v for k, v in want.items()):
+            rec.shards.update(want)
+            store.write_bytes(commit_key(u), rec.to_bytes(), fsync)
+            changed.append(u)
+    return changed

@@ -3,7 +3,9 @@
 :func:`allocate` creates the group and every array at its final shape (zarr writes the
 metadata; format 2 token arrays are sharded, one shard per unit) and writes the sample/unit
 tables. :func:`write_tokens` then writes ``input_ids`` and ``loss_mask`` of the given units,
-one shard per unit, so a resumed run reads them back instead of tokenizing again. Every file
+one shard per unit, so a resumed run reads them back instead of tokenizing again, and returns
+the digest of each shard as written (what binds it to its place: ``commits/tokens.json``, then
+each unit's commit record). Every file
 is made durable (fsync, and the directory after a rename) before the manifest that points at
 it is written, unless ``storage.fsync=false``.
 """
@@ -11,7 +13,7 @@ it is written, unless ``storage.fsync=false``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import numpy as np
 
 from dspark_precompute.contract.arrays import chunk_encoder, codec_chain
 from dspark_precompute.contract.layout import Layout
-from dspark_precompute.contract.shards import encode_shard
+from dspark_precompute.contract.shards import EncodedShard, encode_shard
 from dspark_precompute.contract.spec import INPUT_IDS, KEY_SEPARATOR, LOSS_MASK, MAX_TABLE_CHUNK_ROWS, UNIT_ARRAYS
 from dspark_precompute.contract.store import CacheStore, fsync_dir
 from dspark_precompute.faults import fault_point
@@ -35,9 +37,9 @@ def shard_key(name: str, unit: int, two_d: bool) -> str:
 
 
 def encode_unit_shard(rows: np.ndarray, chunk: int, chunks_per_shard: int,
-                      encode: Callable[[np.ndarray], tuple[Any, bytes]]) -> Iterator[Any]:
+                      encode: Callable[[np.ndarray], tuple[Any, bytes]]) -> EncodedShard:
     """The parts of one unit's shard: ``rows`` (whole chunks, the unit's used slots) as inner chunks, then the index;
-    each chunk is encoded as it is written."""
+    each chunk is encoded as it is written. Once written, its ``digest`` is what was written."""
     return encode_shard((encode(rows[k:k + chunk]) for k in range(0, len(rows), chunk)), chunks_per_shard)
 
 
@@ -97,8 +99,9 @@ def allocate(store: CacheStore, specs: list[ArraySpec], layout: Layout, storage:
 
 
 def write_tokens(store: CacheStore, layout: Layout, storage: StorageConfig, specs: list[ArraySpec],
-                 samples: Any, units: Iterable[int]) -> int:
-    """``input_ids`` and ``loss_mask`` of ``units``: one shard each, from ``samples[s]`` (an Encoded); bytes written.
+                 samples: Any, units: Iterable[int]) -> tuple[int, dict[int, dict[str, str]]]:
+    """``input_ids`` and ``loss_mask`` of ``units``: one shard each, from ``samples[s]`` (an Encoded); the bytes
+    written and, per unit, each array's shard digest (hex) as written.
 
     Slots past a unit's last token (inside its last chunk) hold 0; inner chunks past it are
     absent from the shard.
@@ -107,6 +110,7 @@ def write_tokens(store: CacheStore, layout: Layout, storage: StorageConfig, spec
     by_name = {s.name: s for s in specs}
     encoders = {name: chunk_encoder(*array_codec(storage, by_name[name])) for name in (INPUT_IDS, LOSS_MASK)}
     written = 0
+    digests: dict[int, dict[str, str]] = {}
     for u in units:
         base, n = int(layout.unit_start[u]), int(layout.unit_stop[u] - layout.unit_start[u])
         n_slots = -(-n // chunk) * chunk
@@ -117,8 +121,10 @@ def write_tokens(store: CacheStore, layout: Layout, storage: StorageConfig, spec
             enc = samples[int(s)]
             rows[INPUT_IDS][a:a + len(enc.input_ids)] = enc.input_ids
             rows[LOSS_MASK][a:a + len(enc.loss_mask)] = enc.loss_mask
+        digests[int(u)] = {}
         for name, values in rows.items():
-            written += store.write_parts(shard_key(name, u, two_d=False),
-                                         encode_unit_shard(values, chunk, per, encoders[name]), storage.fsync)
+            shard = encode_unit_shard(values, chunk, per, encoders[name])
+            written += store.write_parts(shard_key(name, u, two_d=False), shard, storage.fsync)
+            digests[int(u)][name] = shard.digest.hex()
         fault_point("tokens_unit")
-    return written
+    return written, digests

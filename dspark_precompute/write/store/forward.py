@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from dspark_precompute import signals
-from dspark_precompute.contract.commits import CommitRecord
+from dspark_precompute.contract.commits import CommitRecord, TokenDigests
 from dspark_precompute.contract.layout import Layout
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import NonFiniteStatesError, StoppedBySignal
@@ -68,8 +68,10 @@ class ForwardStats:
 class ForwardLoop:
     """Forwards units of one run's layout and hands them to the writers."""
 
-    def __init__(self, plan: Plan, model: Any, ids: Mapping[int, np.ndarray], layout: Layout, device: torch.device):
+    def __init__(self, plan: Plan, model: Any, ids: Mapping[int, np.ndarray], layout: Layout, device: torch.device,
+                 tokens: TokenDigests | None = None):
         self.plan, self.model, self.ids, self.layout, self.device = plan, model, ids, layout, device
+        self.tokens = tokens  # the token shards' digests as written, copied into each unit's commit record
         self.lengths = layout.length.astype(np.int64)
         self.stats = ForwardStats()
         self.fills = {s.name: s.fill for s in plan.specs if s.fill}
@@ -137,7 +139,8 @@ class ForwardLoop:
         check = transfer.finish()  # on CUDA: the unit's copies are done
         self.stats.copy_s += time.perf_counter() - c4
         n_tok = int(layout.unit_stop[u] - layout.unit_start[u])
-        record = CommitRecord(u, base, base + n_tok, len(order), socket.gethostname())
+        record = CommitRecord(u, base, base + n_tok, len(order), socket.gethostname(),
+                              shards=self.tokens.unit(u) if self.tokens is not None else {})
         if check.bad_samples:
             names = [a.name for a in self.hidden] + [a.scale for a in self.hidden if a.scale]
             self._drop_nonfinite(check, bufs, base, names, record)

@@ -22,7 +22,7 @@ import os
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from typing import Any, cast
 
@@ -84,10 +84,10 @@ def _writer_main(path: str, slot_list: list[Slot], tasks: Any, done: Any, env: d
             if orphaned():
                 break
             rows = slots[slot][name][:n_slots]
-            store.write_parts(shard_key(name, unit, two_d=rows.ndim == 2),  # one chunk in memory at a time
-                              _parts(encode_unit_shard(rows, chunk, per_shard, encoders[name])), fsync)
+            shard = encode_unit_shard(rows, chunk, per_shard, encoders[name])
+            store.write_parts(shard_key(name, unit, two_d=rows.ndim == 2), _parts(shard), fsync)  # a chunk at a time
             fault_point("writer_array")
-            done.send((Message.done, unit, slot, (rows.nbytes, time.perf_counter() - busy)))
+            done.send((Message.done, unit, slot, (rows.nbytes, time.perf_counter() - busy, name, shard.digest.hex())))
         except (EOFError, OSError) as exc:
             if orphaned():
                 break
@@ -101,7 +101,7 @@ def _writer_main(path: str, slot_list: list[Slot], tasks: Any, done: Any, env: d
         slot_.close()
 
 
-def _parts(parts: Iterator[Any]) -> Iterator[Any]:
+def _parts(parts: Iterable[Any]) -> Iterator[Any]:
     """A shard's parts, with the ``shard_part`` fault point between them (a kill there: half a shard written)."""
     for part in parts:
         yield part
@@ -226,6 +226,7 @@ class UnitWriter:
         self.inflight[w] -= 1
         self.raw_bytes += int(payload[0])
         self.busy_s += float(payload[1])
+        self.records[unit].shards[str(payload[2])] = str(payload[3])  # the digest of the shard as written
         self.waiting[unit] -= 1
         if self.waiting[unit]:
             return False
