@@ -14,7 +14,9 @@ What the machine says about the values (CUDA devices, whether paths exist) is ch
 each job where it runs, before weights load: a SLURM sweep is submitted from a login node.
 
 This module is the only place (with ``dspark-cache``) that changes the process: the job's
-log level and SIGINT/SIGTERM handlers are set here, for the job, never by the library.
+log level and SIGINT/SIGTERM handlers are set here, for the job, never by the library. The
+handlers go in first, before hydra, numpy or torch is imported, so a Ctrl-C at any moment of
+the start-up is one line and 130 (this module imports only the standard library at its top).
 """
 
 from __future__ import annotations
@@ -22,27 +24,28 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
-
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from typing import TYPE_CHECKING, Any
 
 from dspark_precompute.errors import ConfigError, DsparkError, StoppedBySignal
-from dspark_precompute.write.config import CONF_DIR, composition_problem, register_configs
+from dspark_precompute.write import signals
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 log = logging.getLogger("dspark_precompute")
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _app(dcfg: DictConfig) -> None:
-    """One job, in this process or in a launcher's (a submitit task runs this function, not ``main``)."""
-    from dspark_precompute.write import signals
-    from dspark_precompute.write.config import from_dictconfig
-    from dspark_precompute.write.run import run
+    """One job, in this process or in a launcher's (a submitit task runs this function, not ``main``).
 
+    :func:`main` wraps it in ``hydra.main`` once the signal handlers are in place.
+    """
     provenance = _provenance(dcfg)  # in memory, now: Hydra's files on disk may belong to another run
     try:
         with signals.handled():  # a signal stops the job with one line and 128+signal, never a traceback
+            from dspark_precompute.write.config import from_dictconfig
+            from dspark_precompute.write.run import run
+
             cfg = from_dictconfig(dcfg)
             # Hydra's job logging installed the handlers; the level is the job's (rank 0 only: the others warn)
             log.setLevel(cfg.log_level.upper() if _rank() == 0 else logging.WARNING)
@@ -61,6 +64,7 @@ def _app(dcfg: DictConfig) -> None:
 def _provenance(dcfg: DictConfig) -> dict[str, Any]:
     """The command line, Hydra overrides and composed config of this job, as this process holds them."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
     out: dict[str, Any] = {"argv": list(sys.argv)}
     try:
@@ -92,6 +96,8 @@ def _preflight(argv: list[str]) -> None:
     """Check every override (and every value of every sweep) before Hydra launches a job."""
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from dspark_precompute.write.config import composition_problem
 
     args, _ = get_args_parser().parse_known_args(argv)
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
@@ -140,15 +146,18 @@ def _preflight(argv: list[str]) -> None:
 def main() -> None:
     """The ``dspark-precompute`` command: check the overrides, then let Hydra run the job(s).
 
-    ``sys.argv`` is read, never changed: a torchrun rank > 0 hands Hydra a copy with its extra
-    overrides, and the caller's list is back in place when this returns or raises.
+    The signal handlers go in before anything heavy is imported. ``sys.argv`` is read, never
+    changed: a torchrun rank > 0 hands Hydra a copy with its extra overrides, and the caller's
+    list is back in place when this returns or raises.
     """
-    from dspark_precompute.write import signals
-
-    signals.install()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HF tokenizers and our helper processes
     argv = sys.argv
     try:
+        signals.install()
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HF tokenizers and our helper processes
+        import hydra
+
+        from dspark_precompute.write.config import CONF_DIR, register_configs
+
         register_configs()
         if not CONF_DIR.is_dir():
             sys.exit(f"dspark-precompute: config directory {CONF_DIR} is missing; install the project with "
@@ -160,8 +169,8 @@ def main() -> None:
             # "disabled": that one disables every logger that exists, so a rank's warnings and errors vanished).
             sys.argv = [*argv, "hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none",
                         "hydra/hydra_logging=none"]
-        _app()
-    except StoppedBySignal as exc:  # a signal outside the run (while composing, importing)
+        hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_app)()
+    except StoppedBySignal as exc:  # a signal outside the run (while importing, composing)
         sys.stderr.write(f"dspark-precompute: {exc}\n")
         raise SystemExit(exc.exit_code) from None
     except KeyboardInterrupt:  # before the handlers were installed
@@ -169,6 +178,8 @@ def main() -> None:
         raise SystemExit(130) from None
     finally:
         sys.argv = argv
+        if signals.STATE.signum is not None:  # stopped: what a half-imported module logs at exit is noise
+            logging.disable(logging.INFO)
         signals.exiting()  # a second Ctrl-C or SIGTERM during shutdown: exit at once, no traceback
 
 
