@@ -1,6 +1,6 @@
 """``python -m dspark_precompute``: the precompute command (see ``dspark_precompute.cli.precompute``)."""
 
-from dspark_precompute.cli.precompute import main
+from dspark_precompute.cli import precompute_main
 
 if __name__ == "__main__":
-    main()
+    precompute_main()

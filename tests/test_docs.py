@@ -56,3 +56,105 @@ def test_relative_links_of_the_top_level_pages_point_at_files_that_exist(page):
     targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t]
     missing = [t for t in targets if t and not (ROOT / t).exists()]
     assert targets and missing == []
+
+
+# -- every file, test and section the docs and comments name exists --------------------------------------------
+
+PKG, TESTS = ROOT / "dspark_precompute", ROOT / "tests"
+SKIP_DIRS = {".git", ".venv", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".hypothesis", "site"}
+# Another project's files that trainers.md names as read in that project's code, under a folder name we have too
+FOREIGN = {"scripts/data/prepare_target_cache.py": "DeepSpec's writer",
+           "scripts/prepare_hidden_states.py": "SpecForge's writer"}
+PATH_RE = re.compile(r"(?<![\w./~*<>{}:-])((?:[\w.-]+/)*[\w.-]+\.(?:py|md|yaml|yml|toml|sh|ipynb))"
+                     r"((?:::[\w.\[\]-]+)*)")
+DIR_RE = re.compile(r"`((?:[\w.-]+/)+)`")  # a folder, only as code: `tests/e2e/`
+SECTION_RE = re.compile(r"\b(README|CONTRIBUTING)(?:\.md)? \"([^\"]+)\"")  # README "Configuration"
+
+
+def _texts() -> list[tuple[Path, str]]:
+    """The pages (README, CONTRIBUTING, docs/*.md) whole, and the comments of conf/**/*.yaml and pyproject.toml."""
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+    out = [(p, p.read_text(encoding="utf-8")) for p in pages]
+    for f in [*sorted((ROOT / "conf").rglob("*.yaml")), ROOT / "pyproject.toml"]:
+        lines = f.read_text(encoding="utf-8").splitlines()
+        out.append((f, "\n".join(line.split("#", 1)[1] for line in lines if "#" in line)))
+    return [(f, re.sub(r"\S*(?:://|github\.com/)\S*", " ", text)) for f, text in out]  # URLs name others' files
+
+
+def _ours() -> set[str]:
+    """First path components that are this repository's: its top level, the package's and the tests' folders."""
+    return {p.name for base in (ROOT, PKG, TESTS) for p in base.iterdir() if p.name not in SKIP_DIRS}
+
+
+def _basenames() -> set[str]:
+    return {p.name for base in (PKG, TESTS, ROOT / "scripts", ROOT / "docs", ROOT / "examples") for p in base.rglob("*")
+            if not SKIP_DIRS & set(p.parts)} | {p.name for p in ROOT.iterdir()}
+
+
+def _resolve(page: Path, name: str) -> Path | None:
+    """A path as the docs write it: from the checkout, the page's folder, the package or the tests."""
+    for base in (ROOT, page.parent, PKG, TESTS):
+        if (base / name).exists():
+            return base / name
+    return None
+
+
+def _defines(path: Path, names: list[str]) -> bool:
+    """``path`` defines ``names[0]`` (a function or class; a test's parameters in [...] aside), ``names[1]`` inside
+    it, and so on."""
+    import ast
+
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    for name in names:
+        found = [n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                 and n.name == name.split("[")[0]]
+        if not found:
+            return False
+        body = getattr(found[0], "body", [])
+    return True
+
+
+def _broken_references(texts: list[tuple[Path, str]]) -> list[str]:
+    ours, basenames, broken = _ours(), _basenames(), []
+    for page, text in texts:
+        where = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page.name
+        for m in PATH_RE.finditer(text):
+            name, members = m.group(1), [x for x in m.group(2).split("::") if x]
+            first = name.split("/")[0]
+            if name in FOREIGN or (first not in ours if "/" in name else not name.endswith(".py")):
+                continue  # another project's, a cache's (.hydra/config.yaml) or a command's output (bench.md)
+            found = _resolve(page, name) if "/" in name else None
+            if found is None and "/" not in name and name in basenames:
+                continue  # a module named by its file name alone (`spec.py`)
+            if found is None:
+                broken.append(f"{where}: {name} does not exist")
+            elif members and not (found.suffix == ".py" and _defines(found, members)):
+                broken.append(f"{where}: {name} has no {'.'.join(members)}")
+        for m in DIR_RE.finditer(text):
+            if m.group(1).split("/")[0] in ours and _resolve(page, m.group(1)) is None:
+                broken.append(f"{where}: the folder {m.group(1)} does not exist")
+        for m in SECTION_RE.finditer(text):
+            headings = re.findall(r"^#+\s+(.+?)\s*$", (ROOT / f"{m.group(1)}.md").read_text(), re.M)
+            if m.group(2) not in headings:
+                broken.append(f"{where}: {m.group(1)}.md has no section {m.group(2)!r} (its sections: {headings})")
+    return broken
+
+
+def test_every_file_test_and_section_the_docs_and_config_comments_name_exists():
+    """README, CONTRIBUTING, docs/*.md and the comments of conf/ and pyproject.toml: every repository file they name
+    (from the checkout, the page, the package or tests/), every ``path::name`` (a function, class or test defined
+    there) and every README/CONTRIBUTING section quoted by name."""
+    assert _broken_references(_texts()) == []
+
+
+def test_the_reference_check_finds_a_missing_file_test_and_section(tmp_path):
+    """The oracle for the check above: it finds each kind of stale pointer and passes what exists or is not ours."""
+    text = ("`tests/test_docs.py::no_such_test`, `dspark_precompute/write/gone.py`, `tests/nowhere/`, "
+            "see README \"No such section\"; `tests/test_docs.py::test_every_reject_reason_has_a_meaning`, "
+            "`read/test_damage.py`, `contract/spec.py`, `spec.py`, `manifest.json`, `.hydra/config.yaml`, "
+            "`deepspec/data/parser.py`, scripts/data/prepare_target_cache.py, https://github.com/a/b/blob/x/c.py, "
+            "README \"Use it\"")
+    broken = [b.split(": ", 1)[1] for b in _broken_references([(tmp_path / "page.md", text)])]
+    assert broken[:3] == ["tests/test_docs.py has no no_such_test", "dspark_precompute/write/gone.py does not exist",
+                          "the folder tests/nowhere/ does not exist"]
+    assert len(broken) == 4 and broken[3].startswith("README.md has no section 'No such section'"), broken

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from dspark_precompute import signals
 from dspark_precompute.errors import DsparkError, StoppedBySignal
 
 log = logging.getLogger("dspark_precompute")
@@ -284,31 +285,36 @@ def _plot_options(s: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if not logging.getLogger().handlers and not log.handlers:
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        log.addHandler(h)
-    log.setLevel(logging.INFO if args.verbose else logging.WARNING)
-    from dspark_precompute import signals
-
-    previous = signals.install()
+    """The command, callable in-process: the signal handlers are in place from its first line to its last."""
+    previous: dict[int, Any] = {}
+    command = "dspark-cache"
     try:
+        previous = signals.install()  # before the arguments are read and any command's imports run
+        args = build_parser().parse_args(argv)
+        command = f"dspark-cache {args.command}"
+        if not logging.getLogger().handlers and not log.handlers:
+            h = logging.StreamHandler(sys.stderr)
+            h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            log.addHandler(h)
+        log.setLevel(logging.INFO if args.verbose else logging.WARNING)
         return int(args.fn(args))
     except StoppedBySignal as exc:  # Ctrl-C: files are written under temporary names, renamed when whole
-        sys.stderr.write(f"dspark-cache {args.command}: stopped by {signal.Signals(exc.signum).name}; no file was "
+        sys.stderr.write(f"{command}: stopped by {signal.Signals(exc.signum).name}; no file was "
                          "left half-written\n")
         return exc.exit_code
     except DsparkError as exc:
-        sys.stderr.write(f"dspark-cache {args.command}: {exc}\n")
+        sys.stderr.write(f"{command}: {exc}\n")
         return exc.exit_code
     except ValueError as exc:  # bad arguments surfaced by the library (layer ids, shard size, ...)
-        sys.stderr.write(f"dspark-cache {args.command}: {exc}\n")
+        sys.stderr.write(f"{command}: {exc}\n")
         return 2
     except OSError as exc:  # the library types the writes it makes; this is any other (a cache that cannot be read)
-        sys.stderr.write(f"dspark-cache {args.command}: {exc}. Check that path: it exists, its permissions, the "
+        sys.stderr.write(f"{command}: {exc}. Check that path: it exists, its permissions, the "
                          "disk under it\n")
         return 2
+    except KeyboardInterrupt:  # the caller's handler, before ours were installed
+        sys.stderr.write(f"{command}: stopped by SIGINT; no file was left half-written\n")
+        return 130
     finally:
         signals.restore(previous)
 
@@ -319,10 +325,12 @@ def console() -> None:
     Once the command is over, a Ctrl-C or SIGTERM while the interpreter shuts down ends the
     process at once instead of printing a KeyboardInterrupt from an exit hook.
     """
-    code = main()
-    from dspark_precompute import signals
-
-    signals.exiting()
+    try:
+        signals.install()  # main puts these back when it returns: a signal then is still one line
+        code = main()
+        signals.exiting()
+    except (StoppedBySignal, KeyboardInterrupt) as exc:  # between main's return and exiting()
+        code = getattr(exc, "exit_code", 130)
     sys.exit(code)
 
 

@@ -14,7 +14,9 @@ What the machine says about the values (CUDA devices, whether paths exist) is ch
 each job where it runs, before weights load: a SLURM sweep is submitted from a login node.
 
 This module is the only place (with ``dspark-cache``) that changes the process: the job's
-log level and SIGINT/SIGTERM handlers are set here, for the job, never by the library.
+log level and SIGINT/SIGTERM handlers are set here, for the job, never by the library. The
+handlers go in first, before hydra, numpy or torch is imported, so a Ctrl-C at any moment of
+the start-up is one line and 130 (this module imports only the standard library at its top).
 """
 
 from __future__ import annotations
@@ -24,42 +26,43 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
+from dspark_precompute import signals
 from dspark_precompute.errors import ConfigError, DsparkError, StoppedBySignal, StorageWriteError
-from dspark_precompute.write.config.compose import CONF_DIR, composition_problem, register_configs
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 log = logging.getLogger("dspark_precompute")
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _app(dcfg: DictConfig) -> None:
-    """One job, in this process or in a launcher's (a submitit task runs this function, not ``main``)."""
-    from dspark_precompute import signals
-    from dspark_precompute.write.config.compose import from_dictconfig
-    from dspark_precompute.write.run import run
+    """One job, in this process or in a launcher's (a submitit task runs this function, not ``main``).
 
+    :func:`main` wraps it in ``hydra.main`` once the signal handlers are in place.
+    """
     provenance = _provenance(dcfg)  # in memory, now: Hydra's files on disk may belong to another run
     try:
         with signals.handled():  # a signal stops the job with one line and 128+signal, never a traceback
+            from dspark_precompute.write.config.compose import from_dictconfig
+            from dspark_precompute.write.run import run
+
             cfg = from_dictconfig(dcfg)
             # Hydra's job logging installed the handlers; the level is the job's (rank 0 only: the others warn)
             log.setLevel(cfg.log_level.upper() if _rank() == 0 else logging.WARNING)
             for name in ("httpx", "httpx2"):  # the openai client's transport logs every request at INFO
                 logging.getLogger(name).setLevel(logging.WARNING)
+            if cfg.regenerate.only:  # regenerate=server regenerate.only=true: the responses, no capture
+                from dspark_precompute.write.plan.regenerated import regenerate_stage
+
+                regenerate_stage(cfg)
+                return
             if cfg.dry_run:
                 from dspark_precompute.write.dryrun import dry_run
 
                 sys.stdout.write(dry_run(cfg).table())
                 sys.stdout.flush()
-                return
-            if cfg.regenerate.only:  # regenerate=server regenerate.only=true: the responses, no capture
-                from dspark_precompute.write.plan.regenerated import regenerate_stage
-
-                regenerate_stage(cfg)
                 return
             run(cfg, provenance=provenance)
     except (DsparkError, StoppedBySignal) as exc:
@@ -70,6 +73,7 @@ def _app(dcfg: DictConfig) -> None:
 def _provenance(dcfg: DictConfig) -> dict[str, Any]:
     """The command line, Hydra overrides and composed config of this job, as this process holds them."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
     out: dict[str, Any] = {"argv": list(sys.argv)}
     try:
@@ -101,6 +105,8 @@ def _preflight(argv: list[str]) -> None:
     """Check every override (and every value of every sweep) before Hydra launches a job."""
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from dspark_precompute.write.config.compose import composition_problem
 
     args, _ = get_args_parser().parse_known_args(argv)
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
@@ -171,32 +177,35 @@ def _run_dir_problem(argv: list[str]) -> str | None:
 def main() -> None:
     """The ``dspark-precompute`` command: check the overrides, then let Hydra run the job(s).
 
-    ``sys.argv`` is read, never changed: a torchrun rank > 0 hands Hydra a copy with its extra
-    overrides, and the caller's list is back in place when this returns or raises.
+    The signal handlers go in before anything heavy is imported. ``sys.argv`` is read, never
+    changed: a torchrun rank > 0 hands Hydra a copy with its extra overrides, and the caller's
+    list is back in place when this returns or raises.
     """
-    from dspark_precompute import signals
-
-    signals.install()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HF tokenizers and our helper processes
     argv = sys.argv
     try:
+        signals.install()
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # HF tokenizers and our helper processes
+        import hydra
+
+        from dspark_precompute.write.config.compose import CONF_DIR, register_configs
+
         register_configs()
         if not CONF_DIR.is_dir():
             sys.exit(f"dspark-precompute: config directory {CONF_DIR} is missing; install the project with "
                      "`pip install -e .` from its checkout")
-        _preflight(argv[1:])
         problem = _run_dir_problem(argv[1:]) if _rank() == 0 else None
         if problem is not None:
             sys.stderr.write(f"dspark-precompute: {problem}\n")
             raise SystemExit(StorageWriteError.exit_code)
+        _preflight(argv[1:])
         if _rank() > 0 and "-m" not in argv and "--multirun" not in argv:
             # torchrun: every rank composes the same config, only rank 0 writes Hydra's output dir and log.
             # Hydra reads sys.argv: it gets its own list for the call. Logging left unconfigured ("none", not
             # "disabled": that one disables every logger that exists, so a rank's warnings and errors vanished).
             sys.argv = [*argv, "hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none",
                         "hydra/hydra_logging=none"]
-        _app()
-    except StoppedBySignal as exc:  # a signal outside the run (while composing, importing)
+        hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_app)()
+    except StoppedBySignal as exc:  # a signal outside the run (while importing, composing)
         sys.stderr.write(f"dspark-precompute: {exc}\n")
         raise SystemExit(exc.exit_code) from None
     except KeyboardInterrupt:  # before the handlers were installed
@@ -204,6 +213,8 @@ def main() -> None:
         raise SystemExit(130) from None
     finally:
         sys.argv = argv
+        if signals.STATE.signum is not None:  # stopped: what a half-imported module logs at exit is noise
+            logging.disable(logging.INFO)
         signals.exiting()  # a second Ctrl-C or SIGTERM during shutdown: exit at once, no traceback
 
 

@@ -10,11 +10,12 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_cache, compose, small
+from helpers import REPO, assert_same_cache, compose, small
 
 from dspark_precompute.errors import ConfigError, DataError, ForeignDirectoryError, IncompatibleCacheError
 from dspark_precompute.write.config.schema import ModelConfig, RandomTargetConfig
@@ -153,13 +154,86 @@ def test_ctrl_c_while_tokenizing_exits_130_with_the_resume_line(tmp_path):
     assert [ln for ln in (out + err).splitlines() if "stopped by SIGINT" in ln and "resume with the same command" in ln]
 
 
-def test_ctrl_c_before_the_run_starts_is_one_line_too(tmp_path):
-    proc = cli(tmp_path, small(tmp_path, name="c"))
-    time.sleep(1.0)  # importing and composing
+# Installed as sitecustomize in the command's interpreter: at the first audit event that matches $PAUSE_AT
+# ("import:MODULE" as the import starts, "open:NAME" as a file whose path ends with NAME is opened) it writes a
+# line on $READY_FD and waits there for the test's signal, which then arrives inside that import or open.
+PAUSE_HOOK = """
+import os, sys, time
+_at, _fd = os.environ.pop("PAUSE_AT", ""), int(os.environ.pop("READY_FD", "-1"))  # helper processes: no pause
+_kind, _, _name = _at.partition(":")
+_fired = []
+
+def _hook(event, args):
+    if _fired or event != _kind or not args:
+        return
+    what = args[0] if _kind == "import" else os.fsdecode(args[0]) if isinstance(args[0], (str, bytes)) else ""
+    if what == _name if _kind == "import" else what.endswith(_name):
+        _fired.append(event)
+        os.write(_fd, (_at + "\\n").encode())
+        os.close(_fd)
+        time.sleep(120)  # the signal ends this sleep: the handler raises from inside the import or open
+
+if _kind:
+    sys.addaudithook(_hook)
+"""
+
+
+def paused_command(tmp_path, argv, at):
+    """Start ``argv`` (a Python command line) so that it stops at moment ``at`` until signalled; returns it once
+    it is there (the readiness signal: a line on a pipe, never a sleep)."""
+    hook_dir = tmp_path / "hook"
+    hook_dir.mkdir(exist_ok=True)
+    (hook_dir / "sitecustomize.py").write_text(PAUSE_HOOK)
+    r, w = os.pipe()
+    env = {**os.environ, "PAUSE_AT": at, "READY_FD": str(w),
+           "PYTHONPATH": os.pathsep.join([str(hook_dir), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, pass_fds=(w,))
+    os.close(w)
+    with os.fdopen(r, "rb") as ready:
+        line = ready.readline()  # EOF instead if the command never got there
+    assert line.decode().strip() == at, (at, proc.communicate(timeout=120))
+    return proc
+
+
+# The moments of a start-up, earliest first. The one before them, while the interpreter itself starts (about
+# 50 ms on this 2-core VM, before dspark_precompute.cli runs), is Python's own: no line of ours (README, docs).
+STARTUP = [
+    ("import:dspark_precompute.cli.precompute", "before it started"),  # the command's module, before any handler
+    ("import:hydra", "stopped by SIG"),  # the first heavy import, handlers in place
+    ("import:numpy", "stopped by SIG"),
+    ("open:config.yaml", "stopped by SIG"),  # composing the config (the overrides' preflight)
+    ("import:torch", "stopped by SIG"),  # the job's imports, under Hydra's logging
+    ("import:torch._meta_registrations", "stopped by SIG"),  # inside torch's import, its exit hooks registered
+]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(("at", "words"), STARTUP, ids=[at for at, _ in STARTUP])
+def test_ctrl_c_before_the_run_starts_is_one_line_too(tmp_path, at, words, sig):
+    if sig == signal.SIGTERM and at == STARTUP[0][0]:
+        pytest.skip("before the handlers, SIGTERM's default action ends the process (143 in a shell), no line")
+    proc = paused_command(tmp_path, [sys.executable, "-m", "dspark_precompute", *small(tmp_path, name="c")], at)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    lines = [ln for ln in (out + err).splitlines() if ln.strip()]
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert len(lines) == 1 and words in lines[0] and signal.Signals(sig).name in lines[0], lines
+    assert not (tmp_path / "c").exists()  # stopped before it wrote anything
+
+
+@pytest.mark.parametrize("at", ["import:dspark_precompute.cli.cache", "import:dspark_precompute.read.reader"])
+def test_ctrl_c_while_the_cache_command_starts_is_one_line(tmp_path, at):
+    """As the console script runs it (pyproject's [project.scripts] entry), with the handlers or before them."""
+    module, _, function = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"][
+        "dspark-cache"].partition(":")
+    code = f"import sys; from {module} import {function}; sys.argv[0] = 'dspark-cache'; sys.exit({function}())"
+    proc = paused_command(tmp_path, [sys.executable, "-c", code, "info", str(tmp_path / "none")], at)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode in (0, 130), err[-2000:]  # 0 if it already finished
-    assert "Traceback" not in out + err
+    out, err = proc.communicate(timeout=120)
+    lines = [ln for ln in (out + err).splitlines() if ln.strip()]
+    assert proc.returncode == 130, err[-3000:]
+    assert len(lines) == 1 and "dspark-cache" in lines[0] and "stopped by SIGINT" in lines[0], lines
 
 
 # -- a full disk while allocating ------------------------------------------------------------------------

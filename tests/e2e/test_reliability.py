@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from dspark_precompute import open_cache
 from dspark_precompute.contract.lock import WriterLock
 from dspark_precompute.errors import CacheFormatError, ConfigError, DsparkError, LockedError, StorageWriteError
+from dspark_precompute.read.verify import verify_cache
 from dspark_precompute.write.plan.prepare import prepare
 from dspark_precompute.write.run import run
 from dspark_precompute.write.samples.chat import ChatEncoder
@@ -81,6 +82,17 @@ def assert_visible_samples_are_whole(path: str, reference) -> int:
     return len(c)
 
 
+def assert_incomplete_not_damaged(path: str) -> None:
+    """A stopped run's cache is incomplete, never damaged: ``verify --allow-incomplete`` passes it with a note
+    naming what the run writes later, or (stopped before its first manifest) finds no cache there at all."""
+    report = verify_cache(path, allow_incomplete=True)
+    if not (Path(path) / "manifest.json").exists():
+        assert [p.check for p in report.problems] == ["manifest"] and "no manifest.json" in str(report.problems[0])
+        return
+    assert report.ok, report.format()
+    assert [n for n in report.notes if n.startswith("incomplete: ")], report.format()
+
+
 @pytest.mark.parametrize("point,hit", [pytest.param(p, h, marks=() if (p, h) in FAST else pytest.mark.slow)
                                        for p, h in KILL_POINTS])
 def test_a_kill_at_any_point_then_the_same_command_gives_the_uninterrupted_cache(tmp_path, reference, point, hit):
@@ -89,6 +101,7 @@ def test_a_kill_at_any_point_then_the_same_command_gives_the_uninterrupted_cache
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0, err[-2000:]
     assert_visible_samples_are_whole(str(tmp_path / "c"), reference)
+    assert_incomplete_not_damaged(str(tmp_path / "c"))
     again = cli(tmp_path, overrides)
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-3000:]
@@ -107,6 +120,7 @@ def test_a_kill_with_three_writers_then_a_resume_with_one_gives_the_uninterrupte
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0, err[-2000:]
     assert_visible_samples_are_whole(str(tmp_path / "c"), reference)
+    assert_incomplete_not_damaged(str(tmp_path / "c"))
     again = cli(tmp_path, [*overrides, "storage.writers=1"])
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err[-3000:]
@@ -150,6 +164,28 @@ def test_a_full_disk_stops_with_the_path_and_bytes_left_and_the_cache_resumes(tm
     assert "re-run the same command" in msg
     monkeypatch.delenv("DSPARK_FAULT")
     assert run(cfg).resumed_units >= 1
+    assert_same_cache(reference[0], str(tmp_path / "c"))
+
+
+def test_a_full_disk_before_the_weights_are_written_leaves_a_cache_verify_calls_incomplete(tmp_path, reference,
+                                                                                           monkeypatch, capsys):
+    """A full disk while writing the token ids (seen on a 200 KiB tmpfs): 0 units committed, nothing damaged."""
+    from dspark_precompute import faults
+    from dspark_precompute.cli.cache import main as cache_cli
+
+    cfg = compose(small(tmp_path, *UNITS, name="c"))
+    monkeypatch.setenv("DSPARK_FAULT", "tokens_unit=2:enospc")  # two units' token ids written, two not
+    faults.reload()
+    with pytest.raises(StorageWriteError, match="No space left on device"):
+        run(cfg)
+    monkeypatch.delenv("DSPARK_FAULT")
+    faults.reload()
+    assert not (tmp_path / "c" / "target_weights.safetensors").exists()
+    assert cache_cli(["verify", str(tmp_path / "c"), "--allow-incomplete"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK") and "incomplete: 0 of 4 unit(s) committed" in out
+    assert "not written yet: " in out and "target_weights.safetensors" in out.split("not written yet: ")[1], out
+    run(cfg)
     assert_same_cache(reference[0], str(tmp_path / "c"))
 
 

@@ -420,6 +420,43 @@ def test_a_cache_without_a_recorded_weights_checksum_reads_and_verifies_with_a_n
     assert out.startswith("OK") and "note: no weights checksum recorded" in out
 
 
+def _as_interrupted_before_the_weights(path: Path) -> None:
+    """What a run stopped while writing the token ids leaves (docs/format.md, section 9): steps 1-2 of 5 begun."""
+    edit_manifest(path, lambda m: m.update(complete=False, tokens_stored=False, weights_sha256=None) and None)
+    for name in ("target_weights.safetensors", ".hydra"):
+        p = path / name
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    for record in (path / "commits").iterdir():
+        record.unlink()
+
+
+def test_an_incomplete_cache_stopped_before_its_weights_were_written_verifies_as_incomplete_naming_what_is_missing(
+        cache_copy, capsys):
+    _as_interrupted_before_the_weights(cache_copy)
+    assert main(["verify", str(cache_copy), "--allow-incomplete"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK") and "target_weights.safetensors is missing" not in out
+    assert "incomplete: 0 of 4 unit(s) committed (0 samples, 0 tokens readable)" in out
+    assert re.search(r"written: the tables, rejects\.jsonl, the manifest; not written yet: every unit's input_ids "
+                     r"and loss_mask, target_weights\.safetensors, the hidden states and commit records of 4 unit",
+                     out), out
+    assert main(["verify", str(cache_copy), "--json"]) == 1  # without --allow-incomplete: the one problem there is
+    assert [p["check"] for p in json.loads(capsys.readouterr().out)["problems"]] == ["manifest"]
+
+
+def test_missing_weights_beside_a_committed_unit_and_a_missing_rejects_file_are_damage_in_an_incomplete_cache(
+        cache_copy, default_run, capsys):
+    """The run writes the weights before the first unit and rejects.jsonl before the first manifest."""
+    _as_interrupted_before_the_weights(cache_copy)
+    shutil.copy(Path(default_run[1].path) / "commits" / "u000001.json", cache_copy / "commits")
+    (cache_copy / "rejects.jsonl").unlink()
+    assert main(["verify", str(cache_copy), "--allow-incomplete", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert sorted((p["check"], p["message"].split(":")[0]) for p in report["problems"]) == [
+        ("structure", "rejects.jsonl is missing"), ("weights", "target_weights.safetensors is missing")]
+    assert any("incomplete: 1 of 4 unit(s) committed" in n for n in report["notes"])
+
+
 # -- siblings -------------------------------------------------------------------------------------
 def test_repr_reads_only_what_is_in_hand(default_run, monkeypatch):
     from dspark_precompute.contract.store import CacheStore

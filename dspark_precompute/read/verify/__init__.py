@@ -18,7 +18,10 @@ Checks, in order (``checks.py``, one function each):
   unit's commit record binds to its place; ids in the vocabulary, masks 0/1, states finite
   (fp8: no NaN bits, every scale finite and positive);
 * counts: samples, tokens, supervised tokens, rejects and truncations match the manifest;
-* weights: the recorded sha256 (a note when none was recorded) and the manifest's shapes.
+* weights: the recorded sha256 (a note when none was recorded) and the manifest's shapes;
+  an incomplete cache whose run stopped before writing them (no unit committed) lacks them
+  without damage;
+* progress (an incomplete cache): a note saying what its run has written and what it writes later.
 
 Recomputing samples with the target (``dspark-cache verify --recompute N``) is the write
 side's (``dspark_precompute.write.rerun.recompute``); ``repair`` marks damaged units for the next run.
@@ -60,6 +63,7 @@ def verify_cache(path: str | Path, *, allow_incomplete: bool = False, max_proble
             checks.check_counts(ctx)
         if ctx.m is not None:
             checks.check_weights(ctx)
+            checks.note_progress(ctx)
     except Exception as exc:  # noqa: BLE001 - a crafted cache must end in a report, not a traceback
         log.debug("verify stopped", exc_info=True)
         bad.add("verify", f"verify stopped at {type(exc).__name__}: {exc}; the cache is malformed in a way the "

@@ -16,7 +16,13 @@ import numpy as np
 
 from dspark_precompute.contract.arrays import ArrayMeta, expected_arrays
 from dspark_precompute.contract.chunks import ChunkSource, group_problems, read_array_metas
-from dspark_precompute.contract.commits import CommitRecord, TokenDigests, commit_key, parse_commit_key
+from dspark_precompute.contract.commits import (
+    CommitRecord,
+    TokenDigests,
+    commit_key,
+    committed_units,
+    parse_commit_key,
+)
 from dspark_precompute.contract.fp8 import is_nan_bits
 from dspark_precompute.contract.layout import SampleIndex, build_layout, table_problems
 from dspark_precompute.contract.manifest import Manifest, manifest_problems
@@ -411,9 +417,12 @@ def _check_values(ctx: Context, name: str, idx: tuple[int, ...], data: np.ndarra
 
 
 def check_counts(ctx: Context) -> None:
-    """Samples, tokens, supervised tokens, truncations and rejects match the manifest (complete caches)."""
+    """Samples, tokens, supervised tokens, truncations and rejects match the manifest (complete caches); rejects.jsonl
+    is there (every cache)."""
     assert ctx.m is not None
     m, store, bad = ctx.m, ctx.store, ctx.bad
+    if not store.exists(REJECTS):  # written before the first manifest: an incomplete cache has it too
+        bad.add(Check.structure, f"{REJECTS} is missing")
     if not m.complete:
         return
     length, untrunc = ctx.table("samples/length"), ctx.table("samples/untruncated_length")
@@ -437,8 +446,6 @@ def check_counts(ctx: Context) -> None:
         lines = [ln for ln in blob.decode("utf-8", "replace").splitlines() if ln.strip()] if blob is not None else []
         if blob is not None and counts.rejected != len(lines):
             bad.add(Check.counts, f"manifest counts.rejected = {counts.rejected!r}, {REJECTS} has {len(lines)} lines")
-    else:
-        bad.add(Check.structure, f"{REJECTS} is missing")
     if counts.rows_in != n + counts.rejected:
         bad.add(Check.counts, f"manifest counts.rows_in = {counts.rows_in!r}, but samples + rejected = "
                           f"{n + counts.rejected}")
@@ -449,6 +456,8 @@ def check_weights(ctx: Context) -> None:
     assert ctx.m is not None
     m, store, bad = ctx.m, ctx.store, ctx.bad
     if not store.exists(WEIGHTS):
+        if not m.complete and not _committed(ctx):  # the run writes it after the token ids, before the first unit
+            return
         bad.add(Check.weights, f"{WEIGHTS} is missing: training cannot initialise the draft's embedding and head. "
                            "Re-run the precompute command to rewrite it")
         return
@@ -488,3 +497,38 @@ def check_weights(ctx: Context) -> None:
         return
     for p in weights_problems(shapes, m, meta):
         bad.add(Check.weights, p)
+
+
+def _committed(ctx: Context) -> set[int]:
+    """The units with a commit record: what :func:`check_commits` found, or the store's records when it did not run."""
+    assert ctx.m is not None
+    return ctx.committed or committed_units(ctx.store, ctx.m.layout.num_units)
+
+
+def note_progress(ctx: Context) -> None:
+    """An incomplete cache: what its run has written and what it writes later (docs/format.md, section 9), as a note.
+
+    What a run writes after the point it stopped at is missing, not damaged: only what it writes
+    before a file that is there counts as damage (the checks above report that).
+    """
+    m, store = ctx.m, ctx.store
+    if m is None or m.complete:
+        return
+    done, n = _committed(ctx), m.layout.num_units
+    unit = ctx.tables.get("samples/unit")
+    length = ctx.tables.get("samples/length")
+    readable = ""
+    if unit is not None and length is not None and len(unit) == len(length):
+        mine = np.isin(unit.astype(np.int64), sorted(done))
+        readable = f" ({int(mine.sum())} samples, {int(length[mine].astype(np.int64).sum())} tokens readable)"
+    there: list[str] = ["the tables", "the manifest"]
+    later: list[str] = []
+    if store.exists(REJECTS):  # its absence is damage (check_counts): the run writes it before the manifest
+        there.insert(1, REJECTS)
+    (there if m.tokens_stored else later).append("every unit's input_ids and loss_mask")
+    (there if store.exists(WEIGHTS) else later).append(WEIGHTS)
+    later.append(f"the hidden states and commit records of {n - len(done)} unit(s)")
+    ctx.report.notes.append(
+        f"incomplete: {len(done)} of {n} unit(s) committed{readable}; written: {', '.join(there)}; not written yet: "
+        f"{', '.join(later)}, then the final manifest. Re-run the precompute command that wrote it (same "
+        "overrides) to finish it")
