@@ -190,6 +190,8 @@ FIELDS: tuple[Field, ...] = (
     Field("capture.weights_fingerprint", Kind.STR, "the identity's fingerprint of every weight file",
           required=False, null=True),
     Field("capture.fingerprint_kind", Kind.STR, "full | sampled", required=False, null=True),
+    Field("capture.stream_reduction", Kind.STR, "mean: a layer emitting several hyper-connection streams (DeepSeek "
+          "V4) is stored as their mean, NeMo AutoModel's rule; absent: one stream", required=False, null=True),
     Field("provenance", Kind.OBJECT, "which command, software and hosts wrote the cache (never hashed)",
           required=False, null=True),
     Field("provenance.argv", Kind.STRS, "command line of the run that finished it", required=False, null=True),
@@ -198,6 +200,8 @@ FIELDS: tuple[Field, ...] = (
     Field("provenance.hosts", Kind.STRS, "every host that wrote a unit", required=False, null=True),
     Field("provenance.world_size", Kind.INT, "ranks of the finishing run", required=False, null=True, lo=1,
           hi=1 << 24),
+    Field("provenance.parallel", Kind.COUNTS, "the finishing run's sharded layout of the target (fsdp, ep, tp: "
+          "never a stored value's cause); absent: one copy per rank", required=False, null=True),
     Field("bytes_per_token", Kind.INT, "raw bytes per real token (ids, mask, hidden arrays, fp8 scales)",
           required=False, derived=True),
     Field("target_hidden_dim", Kind.INT, "H x len(layer_ids) (NeMo's name)", required=False, derived=True),
@@ -313,6 +317,7 @@ class Capture:
     target_weights_dtype: str | None = None  # the checkpoint's floating dtype (safetensors headers, else config)
     weights_fingerprint: str | None = None  # the identity's fingerprint of every weight file
     fingerprint_kind: str | None = None  # full (every byte) or sampled
+    stream_reduction: str | None = None  # mean: a layer's hyper-connection streams averaged (DeepSeek V4, NeMo's rule)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Capture:
@@ -337,12 +342,15 @@ class RunProvenance:
     versions: dict[str, str] = field(default_factory=dict)
     hosts: list[str] = field(default_factory=list)
     world_size: int | None = None
+    parallel: dict[str, int] | None = None  # the finishing run's sharded layout (fsdp, ep, tp); absent: one copy
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RunProvenance:
         """From its JSON value (keys this version does not know are dropped)."""
+        par = d.get("parallel")
         return cls(argv=d.get("argv"), overrides=d.get("overrides"), versions=dict(d.get("versions") or {}),
-                   hosts=list(d.get("hosts") or []), world_size=d.get("world_size"))
+                   hosts=list(d.get("hosts") or []), world_size=d.get("world_size"),
+                   parallel=dict(par) if isinstance(par, dict) else None)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
