@@ -92,12 +92,20 @@ def final_norm_of(model: Any) -> Any | None:
     return None
 
 
+def model_class_name(module: Any) -> str:
+    """The model's own class of ``module``: FSDP2 wraps each sharded module in a class of its own (``FSDPX(X)``)."""
+    name = type(module).__name__
+    if name.startswith("FSDP") and any(c.__name__ == name[4:] for c in type(module).__mro__):
+        return name[4:]
+    return name
+
+
 def with_loaded_model(capture: Capture | None, model: Any) -> Capture | None:
     """``capture`` with the final norm's class and the streams' reduction taken from the loaded target."""
     if capture is None:
         return None
     norm = final_norm_of(model)
-    return dataclasses.replace(capture, final_norm_class=type(norm).__name__ if norm is not None else None,
+    return dataclasses.replace(capture, final_norm_class=model_class_name(norm) if norm is not None else None,
                                stream_reduction=stream_reduction(getattr(model, "config", None)))
 
 

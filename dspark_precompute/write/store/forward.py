@@ -192,29 +192,46 @@ class ForwardLoop:
     def _tell_group(self, exc: BaseException, coord: Coordinator) -> None:
         """Lockstep: this rank failed between forwards; its peers learn it at their next agreement, then stop.
 
-        Not from inside a collective (a forward or an agreement): the peers are in that one, and
-        this rank's exit (its sockets closing) is what ends it for them.
+        It waits (:meth:`_meet`) until they have stopped, so its exit cannot cut their writers
+        short. Not from inside a collective (a forward or an agreement): the peers are in that
+        one, and this rank's exit (its sockets closing) is what ends it for them.
         """
         if self.lockstep is None or self.halt is not None or self._in_collective:
             return
         coord.fail(f"{type(exc).__name__}: {exc}")  # the message the peers report
         code = exc.signum if isinstance(exc, StoppedBySignal) else ERROR
         try:
-            self.lockstep.agree(False, int(code))
+            self.halt = self.lockstep.agree(False, int(code))
         except RuntimeError:  # a peer is gone as well: nothing to tell
-            pass
+            return
+        self._meet()
+
+    def _meet(self) -> None:
+        """Lockstep, after a stop: every rank waits here until all have drained their writers."""
+        if self.lockstep is not None:
+            try:
+                self.lockstep.agree(False)
+            except RuntimeError:  # a peer is gone: nothing to wait for
+                pass
 
     def _group_stopped(self, coord: Coordinator) -> None:
-        """Lockstep: raise on this rank what stopped the group (a peer's failure or signal)."""
-        if self.halt is None:
+        """Lockstep: raise on this rank what stopped the group (a peer's failure, or a signal), once all have met."""
+        if self.halt is None or self.lockstep is None:
             return
-        failed = {r: c for r, c in self.halt.stops.items() if c == ERROR}
-        if failed:
-            coord.check()  # raises with the failing rank's own message when its marker is readable
-            r = min(failed)
-            raise RankFailedError(f"rank {r} failed, so rank {self.lockstep.ranks.rank if self.lockstep else 0} "
-                                  "stops too (its units committed so far are kept; re-run the same command)")
-        raise StoppedBySignal(min(self.halt.stops.values()))
+        failed = sorted(r for r, c in self.halt.stops.items() if c == ERROR)
+        if not failed:
+            self._meet()
+            raise StoppedBySignal(min(self.halt.stops.values()))
+        exc: BaseException
+        try:
+            coord.check()  # the failing rank's own message, when its marker is readable
+            exc = RankFailedError(f"rank {failed[0]} failed, so rank {self.lockstep.ranks.rank} stops too "
+                                  "(its committed units are kept; re-run the same command)")
+        except RankFailedError as err:
+            exc = err
+        coord.fail(f"{type(exc).__name__}: {exc}")
+        self._meet()
+        raise exc
 
     def _drop_nonfinite(self, check: UnitCheck, bufs: dict[str, np.ndarray], base: int, names: list[str],
                         record: CommitRecord) -> None:
