@@ -327,8 +327,7 @@ def inspect_target(cfg: ModelConfig, tokenizer: Any, fingerprint: bool = True) -
         weights_fingerprint=fingerprint_files(weights, cfg.fingerprint) if fingerprint else "",
         local_dir=local,
         tied=bool(text.get("tie_word_embeddings", cdict.get("tie_word_embeddings", True))),
-        weight_files=weights,
-        extra=sharding.shape_facts(cdict),
+        weight_files=weights, extra=sharding.shape_facts(cdict),
     )
 
 

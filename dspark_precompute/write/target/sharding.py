@@ -120,6 +120,7 @@ def load_tiny_sharded(model: Any, kwargs: dict[str, Any], par: ParallelConfig, w
 
     # not save_pretrained: under torch.distributed it coordinates the ranks' writes (collectives this
     # rank's private copy must not join)
+    kwargs = {**kwargs, "attn_implementation": model.config._attn_implementation}  # the one-copy build's own
     with tempfile.TemporaryDirectory(prefix="dspark-tiny-") as tmp:
         model.config.to_json_file(str(Path(tmp) / "config.json"))
         save_model(model, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})

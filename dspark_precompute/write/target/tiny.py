@@ -115,7 +115,7 @@ def _moe_config(rc: RandomTargetConfig, vocab_size: int) -> Any:
         "glm_moe_dsa": dict(intermediate_size=rc.intermediate_size, n_routed_experts=rc.num_experts,
                             kv_lora_rank=rc.head_dim, q_lora_rank=2 * rc.head_dim, qk_rope_head_dim=half,
                             qk_nope_head_dim=half, v_head_dim=rc.head_dim, index_topk=8, index_head_dim=rc.head_dim,
-                            index_n_heads=2, first_k_dense_replace=1),
+                            index_n_heads=2, first_k_dense_replace=1, num_key_value_heads=rc.num_attention_heads),
     }
     return AutoConfig.for_model(rc.model_type, **{**common, **extra[rc.model_type]})
 
