@@ -1,7 +1,8 @@
 """Named fault points for crash tests: ``DSPARK_FAULT="point=N"`` kills the process (SIGKILL)
 on the N-th time it reaches ``point``; ``point=N:raise`` raises instead, ``point=N:enospc``
 raises ``OSError(ENOSPC)``, ``point=N:sleep`` sleeps half a second at every hit from the
-N-th on (to give a signal time to arrive). ``DSPARK_FAULT_RANK=r`` limits faults to one torchrun rank.
+N-th on (to give a signal time to arrive), ``point=N:term`` sends the process SIGTERM (a signal that
+reaches one rank only). ``DSPARK_FAULT_RANK=r`` limits faults to one torchrun rank.
 Unset (always, outside tests), a point costs a dict lookup. A process reads the variable at its
 first fault point, never at import (a malformed value cannot break ``import``); :func:`reload`
 reads it again (each helper process does, as it starts).
@@ -30,7 +31,7 @@ import time
 
 from dspark_precompute.errors import ConfigError
 
-ACTIONS = ("kill", "raise", "enospc", "sleep")
+ACTIONS = ("kill", "raise", "enospc", "sleep", "term")
 _counts: dict[str, int] = {}
 _PLAN: dict[str, tuple[int, str]] | None = None  # read from the environment at the first fault point
 
@@ -77,4 +78,4 @@ def fault_point(name: str) -> None:
         raise RuntimeError(f"injected fault at {name} (hit {n})")
     if action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGTERM if action == "term" else signal.SIGKILL)

@@ -84,10 +84,11 @@ def data_files(path: str) -> dict[str, bytes]:
             if p.is_file() and p.name != fmt.MANIFEST and fmt.HYDRA_RECORD not in p.relative_to(root).parts}
 
 
-def assert_same_cache(a: str, b: str, *, process_counts: bool = False) -> None:
+def assert_same_cache(a: str, b: str, *, process_counts: bool = False, layout: bool = False) -> None:
     """Byte-identical files (every shard, table, commit record, zarr.json, the weights and rejects) and the
     same arrays as zarr reads them; the same manifest apart from timing and the path (and, with
-    ``process_counts``, the writer and tokenizer process counts, which change how a cache is made, not what)."""
+    ``process_counts``, the writer and tokenizer process counts, which change how a cache is made, not what;
+    with ``layout``, the recorded ``parallel`` layout of the target's weights)."""
     fa, fb = data_files(a), data_files(b)
     assert sorted(fa) == sorted(fb)
     for k in fa:
@@ -102,6 +103,8 @@ def assert_same_cache(a: str, b: str, *, process_counts: bool = False) -> None:
         m["config"]["storage"].pop("path")
         if process_counts:
             m["config"]["storage"].pop("writers"), m["config"]["data"].pop("num_workers")
+        if layout:
+            m["config"].pop("parallel")
     assert ma == mb
 
 

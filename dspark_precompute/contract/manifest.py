@@ -191,6 +191,8 @@ FIELDS: tuple[Field, ...] = (
     Field("capture.weights_fingerprint", Kind.STR, "the identity's fingerprint of every weight file",
           required=False, null=True),
     Field("capture.fingerprint_kind", Kind.STR, "full | sampled", required=False, null=True),
+    Field("capture.stream_reduction", Kind.STR, "mean: a layer emitting several hyper-connection streams (DeepSeek "
+          "V4) is stored as their mean, NeMo AutoModel's rule; absent: one stream", required=False, null=True),
     Field("provenance", Kind.OBJECT, "which command, software and hosts wrote the cache (never hashed)",
           required=False, null=True),
     Field("provenance.argv", Kind.STRS, "command line of the run that finished it", required=False, null=True),
@@ -202,6 +204,8 @@ FIELDS: tuple[Field, ...] = (
     Field("provenance.regeneration", Kind.OBJECT, "regenerate=server: the engine and its version, the served "
           "model and its weights fingerprint, the sampling, the regenerated file's path and sha256, the counts",
           required=False, null=True),
+    Field("provenance.parallel", Kind.COUNTS, "the finishing run's sharded layout of the target (fsdp, ep, tp: "
+          "never a stored value's cause); absent: one copy per rank", required=False, null=True),
     Field("bytes_per_token", Kind.INT, "raw bytes per real token (ids, mask, hidden arrays, fp8 scales)",
           required=False, derived=True),
     Field("target_hidden_dim", Kind.INT, "H x len(layer_ids) (NeMo's name)", required=False, derived=True),
@@ -317,6 +321,7 @@ class Capture:
     target_weights_dtype: str | None = None  # the checkpoint's floating dtype (safetensors headers, else config)
     weights_fingerprint: str | None = None  # the identity's fingerprint of every weight file
     fingerprint_kind: str | None = None  # full (every byte) or sampled
+    stream_reduction: str | None = None  # mean: a layer's hyper-connection streams averaged (DeepSeek V4, NeMo's rule)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Capture:
@@ -344,14 +349,16 @@ class RunProvenance:
     # regenerate=server: the engine, its version, the served model and its weights' fingerprint, the sampling,
     # the regenerated file and its sha256, and the counts (write/regenerate/stage.py builds it)
     regeneration: dict[str, Any] | None = None
+    parallel: dict[str, int] | None = None  # the finishing run's sharded layout (fsdp, ep, tp); absent: one copy
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RunProvenance:
         """From its JSON value (keys this version does not know are dropped)."""
-        regeneration = d.get("regeneration")
+        regeneration, par = d.get("regeneration"), d.get("parallel")
         return cls(argv=d.get("argv"), overrides=d.get("overrides"), versions=dict(d.get("versions") or {}),
                    hosts=list(d.get("hosts") or []), world_size=d.get("world_size"),
-                   regeneration=dict(regeneration) if isinstance(regeneration, dict) else None)
+                   regeneration=dict(regeneration) if isinstance(regeneration, dict) else None,
+                   parallel=dict(par) if isinstance(par, dict) else None)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

@@ -31,7 +31,7 @@ from dspark_precompute.write.plan import resume
 from dspark_precompute.write.plan.prepare import Plan, prepare
 from dspark_precompute.write.samples.tokenize import reason_counts, tokenize, warn_about_rejects
 from dspark_precompute.write.store.batching import make_batches
-from dspark_precompute.write.target.load import parameter_count
+from dspark_precompute.write.target.load import parameter_count, rank_weight_bytes, weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,9 @@ class DryRunPlan:
     files: int = 0  # the finished cache's files and directories (exact; .hydra/ as the command line writes it)
     directories: int = 0
     entries_per_tb: float = 0.0  # files and directories per 10^12 bytes of raw hidden states
+    weight_bytes: int = 0  # the target's parameters at the compute dtype (safetensors headers)
+    rank_weight_bytes: int = 0  # what one rank holds of them under parallel.* (all of them: one copy)
+    weights_layout: str = ""  # parallel.* as the report shows it
 
     def rows(self) -> list[tuple[str, str]]:
         """The plan as (label, value) lines: the CLI's table and the log's report."""
@@ -157,6 +160,10 @@ class DryRunPlan:
                             "plus a few KB of metadata)"),
             ("uncompressed", f"{self.raw_bytes:,} B ({human_bytes(self.raw_bytes)}), exact"),
             ("on disk (estimate)", f"about {human_bytes(self.estimated_bytes)} ({self.estimate_note})"),
+            ("weights per rank", f"{self.rank_weight_bytes:,} B ({human_bytes(self.rank_weight_bytes)}) of "
+                                 f"{self.weight_bytes:,} B ({human_bytes(self.weight_bytes)}) under "
+                                 f"{self.weights_layout} (exact, from the headers; the FSDP root's embedding, final "
+                                 "norm and lm_head are gathered after the first forward)"),
             ("time (estimate)", f"about {_duration(self.estimated_seconds)} at {self.tokens_per_second:,.0f} "
                                 f"tokens/s ({self.rate_note}); weights loading and tokenization come on top"),
         ]
@@ -275,12 +282,22 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
     files = inventory(len(plan.specs), u, n, any(spec.scale_of for spec in plan.specs))
     hidden_raw = sum(a.raw_bytes for a in arrays if a.name not in (INPUT_IDS, LOSS_MASK))
     out.files, out.directories, out.entries_per_tb = files.files, files.directories, files.per_tb(hidden_raw)
+    out.weight_bytes, out.rank_weight_bytes, out.weights_layout = weights_per_rank(plan)
     for k, v in out.rows():
         log.info("dry run: %s: %s", k, v)
     for a in arrays:
         log.info("dry run: array %s: %s x %d B = %s B uncompressed, about %s stored", a.name, f"{a.rows:,}",
                  a.row_bytes, f"{a.raw_bytes:,}", human_bytes(a.estimated_bytes))
     return out
+
+
+def weights_per_rank(plan: Plan) -> tuple[int, int, str]:
+    """(the target's weight bytes, one rank's share under ``parallel.*``, the layout in words)."""
+    par = plan.cfg.parallel
+    whole = weight_bytes(plan.cfg.model, plan.target, plan.compute_dtype)
+    layout = (f"parallel.fsdp={par.fsdp} parallel.ep={par.ep} ({par.group} ranks per copy)" if par.sharded
+              else "one copy per rank")
+    return whole, rank_weight_bytes(whole, par), layout
 
 
 def array_plans(plan: Plan, layout: Layout, slots: int, tokens: int) -> tuple[list[ArrayPlan], set[str]]:

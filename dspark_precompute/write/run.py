@@ -48,7 +48,7 @@ from dspark_precompute.errors import (
 from dspark_precompute.faults import fault_point
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.write.config.schema import PrecomputeConfig
-from dspark_precompute.write.parallel.distributed import Coordinator, Ranks, assign_units, init_ranks
+from dspark_precompute.write.parallel.distributed import Coordinator, Lockstep, Ranks, assign_units, init_ranks
 from dspark_precompute.write.plan import resume
 from dspark_precompute.write.plan.prepare import Plan, prepare
 from dspark_precompute.write.plan.provenance import run_record, with_loaded_model
@@ -112,7 +112,8 @@ def run(cfg: PrecomputeConfig, provenance: dict[str, Any] | None = None) -> RunR
                                "dspark_precompute.write.plan.regenerated.regenerate_stage(cfg)"])
         regenerated, cfg = regenerate_stage(cfg)
         provenance = {**(provenance or {}), "regeneration": regenerated.record}
-    ranks = init_ranks()
+    ranks = init_ranks(cuda_collectives=cfg.parallel.sharded and cfg.model.device != "cpu"
+                       and torch.cuda.is_available())
     clean = False
     try:
         result = _Run(cfg, ranks, provenance or {}).execute()
@@ -157,7 +158,7 @@ class _Run:
         self.cfg, self.ranks, self.provenance = cfg, ranks, provenance
         self.t_start = time.perf_counter()
         self.timing: dict[str, float] = {}
-        self.plan = prepare(cfg)
+        self.plan = prepare(cfg, world=ranks.world)
         self.store: CacheStore = self.plan.store
         self.lock = WriterLock(self.store.root) if ranks.main and not is_url(self.plan.path) else None
 
@@ -235,7 +236,8 @@ class _Run:
         t0 = time.perf_counter()
         try:
             loop = ForwardLoop(plan, model, ids, layout, self._device(), samples.tokens)
-            written = loop.run(mine, coord) if mine else 0
+            lockstep = Lockstep(ranks, self.cfg.parallel.sharded)  # a rank without units still joins the forwards
+            written = loop.run(mine, coord, lockstep) if mine or lockstep.enabled else 0
             self.timing.update(loop.stats.as_dict())
         except StoppedBySignal as exc:
             coord.fail(f"{type(exc).__name__}: {exc}")
@@ -322,11 +324,17 @@ class _Run:
 
     def _load_target(self) -> Any:
         plan, t0 = self.plan, time.perf_counter()
-        model = self.ranks.together(lambda: load_target(self.cfg.model, plan.target, len(plan.tokenizer),
-                                                        self._device(), plan.compute_dtype))
+        ranks = self.ranks
+        model = ranks.together(lambda: load_target(self.cfg.model, plan.target, len(plan.tokenizer), self._device(),
+                                                   plan.compute_dtype, self.cfg.parallel, ranks.world, ranks.rank))
         self.timing["load_target_s"] = time.perf_counter() - t0
-        if self.ranks.main and not self.store.exists(WEIGHTS):
-            _write_weights(plan, model)
+        if not self.cfg.parallel.sharded:
+            if ranks.main and not self.store.exists(WEIGHTS):
+                _write_weights(plan, model)
+        elif ranks.broadcast(not self.store.exists(WEIGHTS) if ranks.main else None):
+            tensors = export_weights(model)  # sharded: an all-gather every rank joins, rank 0 writes
+            if ranks.main:
+                _write_weights(plan, tensors)
         return model
 
     def _finish(self, samples: _Samples, created: str, done: set[int], written: int, hosts: list[str],
@@ -351,7 +359,7 @@ class _Run:
             final.nonfinite_values = _nonfinite_totals(dropped)
         final.capture = with_loaded_model(final.capture, model)
         final.mark_complete(self.timing, store.sha256(WEIGHTS),
-                            run_record(self.provenance, hosts, self.ranks.world, store, done))
+                            run_record(self.provenance, hosts, self.ranks.world, store, done, self.cfg.parallel))
         _write_manifest(store, final)
         result = RunResult.of(plan.path, counts, store.nbytes(), self.timing["wall_s"], written, len(done), True,
                               self.timing, finalized=True)
@@ -441,10 +449,12 @@ def _write_manifest(store: CacheStore, manifest: Manifest) -> None:
 
 
 def _write_weights(plan: Plan, model: Any) -> None:
+    """The target's embedding (and untied lm_head) into target_weights.safetensors; ``model`` may be those tensors."""
     from safetensors.torch import save
 
     dtype = torch_dtype(StorageDtype(plan.cfg.storage.dtype).output)  # an fp8 cache's weights are bf16
-    tensors = {k: v.to("cpu", dtype).contiguous() for k, v in export_weights(model).items()}
+    whole = model if isinstance(model, dict) else export_weights(model)
+    tensors = {k: v.to("cpu", dtype).contiguous() for k, v in whole.items()}
     fault_point("weights")
     # One metadata key only: safetensors orders several keys differently from run to run,
     # and the file must be byte-identical across resumes. Tying is recorded in the manifest.

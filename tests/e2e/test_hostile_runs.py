@@ -18,7 +18,7 @@ import torch
 from helpers import REPO, assert_same_cache, compose, small
 
 from dspark_precompute.errors import ConfigError, DataError, ForeignDirectoryError, IncompatibleCacheError
-from dspark_precompute.write.config.schema import ModelConfig, RandomTargetConfig
+from dspark_precompute.write.config.schema import ModelConfig, ParallelConfig, RandomTargetConfig
 from dspark_precompute.write.plan.prepare import prepare
 from dspark_precompute.write.run import run
 from dspark_precompute.write.target import tiny
@@ -363,8 +363,8 @@ QWEN_DIMS = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 300}
 
 
 @pytest.mark.parametrize("config,words", [
-    ({"model_type": "deepseek_v4", **QWEN_DIMS}, "distributed"),
-    ({"model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], **QWEN_DIMS}, "GLM-5.2"),
+    ({"model_type": "deepseek_v41", **QWEN_DIMS}, "distributed"),
+    ({"model_type": "kimi_k3", "architectures": ["KimiK3ForCausalLM"], **QWEN_DIMS}, "Kimi K3"),
     ({"model_type": "minimax_m3_vl", **QWEN_DIMS}, "multimodal"),
     ({"model_type": "my_custom_lm", "auto_map": {"AutoModelForCausalLM": "modeling.MyLM"}, **QWEN_DIMS},
      "model.trust_remote_code=true"),
@@ -395,12 +395,17 @@ def test_weights_that_do_not_fit_in_memory_are_refused_before_loading(tmp_path, 
     assert safetensors_parameter_bytes(info.weight_files, 2) == need // 2
     assert fit_problem(cfg, info, torch.device("cpu"), torch.float32, {"host": need * 2}) is None
     assert "GiB of host memory" in fit_problem(cfg, info, torch.device("cpu"), torch.float32, {"host": need // 2})
+    # bf16 weights are need // 2: a GPU of need // 4 holds them over 4 ranks (1/4 <= 80% of its memory)
     gpu = fit_problem(cfg, info, torch.device("cuda", 0), torch.bfloat16,
                       {"host": 1 << 40, "device": need // 4, "all_gpus": need})
-    assert "model.device_map=auto" in gpu
+    assert "parallel.fsdp=4" in gpu and "docs/scaling.md" in gpu
+    assert fit_problem(cfg, info, torch.device("cuda", 0), torch.bfloat16,
+                       {"host": 1 << 40, "device": need // 4}, par=ParallelConfig(fsdp=4)) is None
     gpu = fit_problem(cfg, info, torch.device("cuda", 0), torch.bfloat16,
-                      {"host": 1 << 40, "device": need // 8, "all_gpus": need // 4})
-    assert "larger than one node" in gpu
+                      {"host": 1 << 40, "device": need // 64, "all_gpus": need // 8})
+    assert "parallel.fsdp=64" in gpu and "(8 nodes of 8 GPUs)" in gpu
+    assert "per rank (1/2 of" in fit_problem(cfg, info, torch.device("cuda", 0), torch.bfloat16,
+                                            {"host": 1 << 40, "device": need // 8}, par=ParallelConfig(fsdp=2))
     monkeypatch.setattr("dspark_precompute.write.target.load._host_available", lambda: need // 3)
     monkeypatch.setattr("dspark_precompute.write.run.load_target", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(ConfigError, match="host memory"):

@@ -121,3 +121,15 @@ def test_the_run_function_refuses_a_dry_run_and_the_package_entry_point_plans_it
         run(cfg)
     assert isinstance(dspark_precompute.run(cfg), DryRunPlan)
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_dry_run_reports_each_ranks_share_of_the_weights_for_the_layout(tmp_path):
+    """Planned on one process (a login node): the layout's world size is not checked, its share is reported."""
+    moe = ["model.random.model_type=qwen3_moe", "model.dtype=bf16"]
+    one = dry_run(compose(small(tmp_path, *moe, "dry_run=true")))
+    model = tiny.build_target(compose(small(tmp_path, *moe)).model.random, len(tiny.build_tokenizer()))
+    whole = sum(p.numel() for p in model.parameters()) * 2  # bf16: the oracle is the built model itself
+    assert one.weight_bytes == one.rank_weight_bytes == whole and "one copy per rank" in one.weights_layout
+    four = dry_run(compose(small(tmp_path, *moe, "dry_run=true", "parallel.fsdp=4", "parallel.ep=2")))
+    assert four.weight_bytes == whole and four.rank_weight_bytes == -(-whole // 4)
+    assert "parallel.fsdp=4 parallel.ep=2 (4 ranks per copy)" in dict(four.rows())["weights per rank"]

@@ -37,6 +37,8 @@ from dspark_precompute.write.config.layers import LAYER_PRESETS, layer_id_proble
 
 EMBEDDED = "embedded"  # data.path value: the chat set shipped inside the package
 TINY = "tiny"  # model.path value: a random-weight Qwen3 built from model.random
+# model.random.model_type values: the decoder families the tiny builder knows (tests, benchmarks)
+TINY_MODEL_TYPES = ("qwen3", "qwen3_moe", "deepseek_v4", "glm_moe_dsa")
 
 FP8 = StorageDtype.fp8_e4m3
 
@@ -127,9 +129,18 @@ class RandomTargetConfig:
     """Whether lm_head shares the embedding's weights."""
     seed: int = 0
     """Seed of the random weights (the same seed gives the same target, bit for bit)."""
+    model_type: str = "qwen3"
+    """Which decoder family to build: qwen3 (dense), qwen3_moe, deepseek_v4 (hyper-connections) or glm_moe_dsa
+    (GLM-5.2); the MoE ones have num_experts routed experts, 2 per token."""
+    num_experts: int = 8
+    """Routed experts of an MoE model_type (ignored by qwen3)."""
 
     def problems(self) -> list[str]:
         out = []
+        if self.model_type not in TINY_MODEL_TYPES:
+            out.append(f"model.random.model_type={self.model_type!r} is not one of {list(TINY_MODEL_TYPES)}")
+        if self.num_experts < 2:
+            out.append(f"model.random.num_experts={self.num_experts} must be >= 2 (2 experts are routed per token)")
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "intermediate_size"):
             if getattr(self, name) < 1:
@@ -488,6 +499,50 @@ class BatchConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the target's weights are spread over the ranks (not part of the identity, except tp).
+
+    The default (all 1) keeps one whole copy per rank. Under fsdp and ep every rank still runs
+    its own batches and writes its own units; the ranks of a group only meet in the forward.
+    """
+
+    fsdp: int = 1
+    """Ranks sharing one FSDP2-sharded copy of the weights (each holds 1/fsdp of them); must divide the world
+    size. The stored values are bit-identical to one copy."""
+    ep: int = 1
+    """Expert-parallel size of an MoE target: the routed experts are split over ep ranks (tokens exchanged
+    all-to-all); must divide fsdp x tp and the number of routed experts. Bit-identical to one copy in bf16."""
+    tp: int = 1
+    """Tensor-parallel size. Refused above 1 for now: its bf16 values are not bit-identical to one copy (partial
+    sums are rounded before the reduction: 46-49% of elements off by more than one bf16 step, measured) and it needs
+    tp <= the key/value heads; parallel.fsdp (with parallel.ep for an MoE) shards as far with the values of one
+    copy."""
+
+    @property
+    def group(self) -> int:
+        """Ranks that hold one copy of the weights together."""
+        return self.fsdp * self.tp
+
+    @property
+    def sharded(self) -> bool:
+        return self.group > 1 or self.ep > 1
+
+    def problems(self) -> list[str]:
+        out = [f"parallel.{k}={getattr(self, k)} must be >= 1" for k in ("fsdp", "ep", "tp") if getattr(self, k) < 1]
+        if out:
+            return out
+        if self.tp > 1:
+            out.append(f"parallel.tp={self.tp}: tensor parallel is not offered, because its bf16 hidden states differ "
+                       "from one copy's (partial sums are rounded before the reduction); use parallel.fsdp (and "
+                       "parallel.ep for an MoE) instead: the same memory per GPU, bit-identical values")
+        if self.ep > 1 and (self.ep % self.tp or self.group % self.ep):
+            out.append(f"parallel.ep={self.ep} must be a multiple of parallel.tp={self.tp} and divide parallel.fsdp x "
+                       f"parallel.tp={self.group} (the experts are split within one sharded copy); e.g. "
+                       f"parallel.fsdp={self.ep} parallel.ep={self.ep}")
+        return out
+
+
+@dataclass
 class PlanConfig:
     """What ``dry_run=true`` assumes when it estimates a run's time (not part of the cache identity)."""
 
@@ -639,6 +694,8 @@ class PrecomputeConfig:
     """What the dry run assumes."""
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     """Regenerate the responses with the target before capture (regenerate=server)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the weights are sharded over the ranks (FSDP2, expert and tensor parallel)."""
     seq_length: int = 2048
     """Keep the first seq_length tokens of each conversation."""
     overwrite: bool = False
@@ -671,8 +728,12 @@ class PrecomputeConfig:
             )
         if str(self.log_level).upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             out.append(f"log_level={self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
-        for part in (self.model, self.data, self.storage, self.capture, self.batch, self.plan, self.regenerate):
+        for part in (self.model, self.data, self.storage, self.capture, self.batch, self.plan, self.regenerate,
+                     self.parallel):
             out += part.problems()
+        if self.parallel.sharded and self.model.device_map:
+            out.append(f"model.device_map={self.model.device_map!r} and parallel.fsdp/ep/tp both place the weights; "
+                       "drop model.device_map to shard over the ranks, or set parallel.* to 1 for one copy per node")
         group, hidden = self.storage.fp8_group, self.model.random.hidden_size
         if self.model.path == TINY and isinstance(group, int) and group >= 1 and hidden >= 1 and hidden % group:
             out.append(fp8_group_problem(group, hidden))

@@ -1,7 +1,10 @@
 """Data-parallel ranks: torchrun or SLURM (submitit) processes that share one cache.
 
-Collectives (gloo, CPU objects only) are used during setup; the forward loop itself
-needs none. Every rank writes only its own units; rank 0 allocates the arrays, writes
+Collectives (gloo, CPU objects only) are used during setup; with one copy of the target per
+rank the forward loop itself needs none. A sharded target (``parallel.*``) makes every forward
+a collective: :class:`Lockstep` keeps the ranks running the same number of forwards and agreeing
+to stop together (on CUDA its weights move over NCCL; the flags stay on gloo).
+Every rank writes only its own units; rank 0 allocates the arrays, writes
 the manifest and marks it complete once every rank has reported done. A rank that fails
 leaves a marker in the cache, so the others stop after their current unit, and a rank that
 dies outright makes the final gloo barrier fail at once instead of hanging.
@@ -94,8 +97,11 @@ class Ranks:
             self.initialized_here = False
 
 
-def init_ranks() -> Ranks:
-    """Ranks from torchrun's environment, or from SLURM/submitit's, else a single process."""
+def init_ranks(cuda_collectives: bool = False) -> Ranks:
+    """Ranks from torchrun's environment, or from SLURM/submitit's, else a single process.
+
+    ``cuda_collectives`` (a sharded target on GPUs) adds NCCL for CUDA tensors beside gloo for CPU ones.
+    """
     env = os.environ
     if "WORLD_SIZE" not in env and "SUBMITIT_EXECUTOR" in env:
         try:  # a submitit task (SLURM or local): export MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK
@@ -116,7 +122,8 @@ def init_ranks() -> Ranks:
     if not dist.is_initialized():
         # Long timeout: the end barrier waits for the slowest rank's last unit. A rank that dies
         # closes its sockets, which fails the collective at once, whatever the timeout.
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(hours=48))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda_collectives else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(hours=48))
         here = True
     return Ranks(rank, world, local, here)
 
@@ -160,3 +167,40 @@ class Coordinator:
 
     def cleanup(self) -> None:
         self.store.delete(COORD)
+
+
+# Lockstep stop codes: 0 goes on, a signal number (SIGINT, SIGTERM) stops as that signal, ERROR as a failure.
+ERROR = 255
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed before one forward: each stopping rank's code, and whether any rank has work left."""
+
+    stops: dict[int, int]
+    busy: bool
+
+
+class Lockstep:
+    """Ranks whose forwards are collectives (a sharded target): one agreement before every forward.
+
+    Each rank puts its stop code (0, a signal, :data:`ERROR`) in its slot and whether it still
+    has a batch; one MAX all-reduce tells every rank the same answer at the same step, so all
+    stop together, or a rank without batches runs a dummy forward while another still has one.
+    """
+
+    def __init__(self, ranks: Ranks, enabled: bool):
+        self.ranks, self.enabled = ranks, enabled and ranks.world > 1
+
+    def agree(self, has_work: bool, code: int = 0) -> Agreement:
+        if not self.enabled:
+            return Agreement({0: code} if code else {}, has_work)
+        import torch
+        import torch.distributed as dist
+
+        flags = torch.zeros(self.ranks.world + 1, dtype=torch.int64)
+        flags[self.ranks.rank] = code
+        flags[-1] = int(has_work)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        values = flags.tolist()
+        return Agreement({r: int(c) for r, c in enumerate(values[:-1]) if c}, bool(values[-1]))

@@ -49,6 +49,7 @@ from dspark_precompute.write.samples.chat import mask_rule_problem, resolve_chat
 from dspark_precompute.write.samples.encode import RowEncoder
 from dspark_precompute.write.samples.files import resolve_source
 from dspark_precompute.write.samples.tokenize import RowEncoding
+from dspark_precompute.write.target import sharding
 from dspark_precompute.write.target.load import (
     TargetInfo,
     fit_problem,
@@ -170,11 +171,12 @@ class Plan:
         return int(pad if pad is not None else (getattr(self.tokenizer, "eos_token_id", None) or 0))
 
 
-def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
+def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None = None) -> Plan:
     """Resolve paths, tokenizer, template and target identity; validate it all together.
 
     ``fingerprint=False`` (a dry run) leaves the weight files unhashed: the identity then
-    lacks their fingerprint and must not be compared with a cache's.
+    lacks their fingerprint and must not be compared with a cache's. ``world`` (the run's
+    ranks) is checked against ``parallel.*``; None (a dry run on a login node) skips that.
     """
     path = cfg.storage.path or default_storage_path(cfg)
     data_sha, tokenizer, template, target, problems = _resolve_inputs(cfg, fingerprint)
@@ -184,6 +186,8 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True) -> Plan:
     device = resolve_device(cfg.model.device)
     compute_dtype = resolve_compute_dtype(cfg.model.dtype, device)
     if target is not None:
+        problems += sharding.layout_problems(cfg.parallel, target.model_type, target.extra,
+                                             cfg.parallel.group if world is None else world)
         _target_storage_problems(cfg, target, device, compute_dtype, problems)
     if problems:
         raise ConfigError(problems)
@@ -263,7 +267,7 @@ def _target_storage_problems(cfg: PrecomputeConfig, target: TargetInfo, device: 
         problems.append(fp8_group_problem(group, target.hidden_size))
     if not problems:
         try:
-            problem = fit_problem(cfg.model, target, device, compute_dtype)
+            problem = fit_problem(cfg.model, target, device, compute_dtype, par=cfg.parallel)
         except TargetError as exc:
             problem = str(exc)
         if problem:

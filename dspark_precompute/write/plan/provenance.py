@@ -19,9 +19,9 @@ from dspark_precompute.contract.manifest import Capture, MaskPolicy, RunProvenan
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import LastState
 from dspark_precompute.version import __version__
-from dspark_precompute.write.config.schema import TINY, DataConfig, ModelConfig
+from dspark_precompute.write.config.schema import TINY, DataConfig, ModelConfig, ParallelConfig
 from dspark_precompute.write.samples.chat import GENERATION_RE, SPAN_RULES
-from dspark_precompute.write.target.capture import decoder_of
+from dspark_precompute.write.target.capture import decoder_of, stream_reduction
 from dspark_precompute.write.target.load import TargetInfo, safetensors_numel_by_dtype
 
 # safetensors dtype -> torch's name for it
@@ -92,12 +92,21 @@ def final_norm_of(model: Any) -> Any | None:
     return None
 
 
+def model_class_name(module: Any) -> str:
+    """The model's own class of ``module``: FSDP2 wraps each sharded module in a class of its own (``FSDPX(X)``)."""
+    name = type(module).__name__
+    if name.startswith("FSDP") and any(c.__name__ == name[4:] for c in type(module).__mro__):
+        return name[4:]
+    return name
+
+
 def with_loaded_model(capture: Capture | None, model: Any) -> Capture | None:
-    """``capture`` with the final norm's class taken from the loaded target."""
+    """``capture`` with the final norm's class and the streams' reduction taken from the loaded target."""
     if capture is None:
         return None
     norm = final_norm_of(model)
-    return dataclasses.replace(capture, final_norm_class=type(norm).__name__ if norm is not None else None)
+    return dataclasses.replace(capture, final_norm_class=model_class_name(norm) if norm is not None else None,
+                               stream_reduction=stream_reduction(getattr(model, "config", None)))
 
 
 def versions() -> dict[str, str]:
@@ -112,7 +121,8 @@ def versions() -> dict[str, str]:
 
 
 def run_record(provenance: dict[str, Any], hosts: list[str], world_size: int, store: CacheStore | None = None,
-               earlier_units: set[int] | frozenset[int] = frozenset()) -> RunProvenance:
+               earlier_units: set[int] | frozenset[int] = frozenset(),
+               parallel: ParallelConfig | None = None) -> RunProvenance:
     """The run record of the run that finishes a cache.
 
     ``provenance`` is the entry point's (``argv``, ``overrides``; its Hydra ``files`` go to
@@ -129,4 +139,6 @@ def run_record(provenance: dict[str, Any], hosts: list[str], world_size: int, st
     return RunProvenance(argv=[str(a) for a in argv] if isinstance(argv, list) else None,
                          overrides=[str(o) for o in overrides] if isinstance(overrides, list) else None,
                          versions=versions(), hosts=sorted(seen), world_size=int(world_size),
-                         regeneration=provenance.get("regeneration"))
+                         regeneration=provenance.get("regeneration"),
+                         parallel=({"fsdp": parallel.fsdp, "ep": parallel.ep, "tp": parallel.tp}
+                                   if parallel is not None and parallel.sharded else None))

@@ -6,6 +6,12 @@ flight, lets the writers finish the units they already hold, and raises
 :class:`~dspark_precompute.errors.StoppedBySignal`; a second one raises at once. Everything
 the loop builds (hooks, writers, buffers, the transfer stream) is owned by one ``ExitStack``,
 so a constructor that fails leaves nothing behind.
+
+Under a sharded target every forward is a collective, so the ranks move in lockstep
+(:class:`~dspark_precompute.write.parallel.distributed.Lockstep`): before each batch they agree
+whether to go on; a rank whose units are done runs 1-token dummy forwards while another still
+has batches; a signal, a bad batch, a full disk or any error on one rank stops every rank at that
+step (each drops its unit in flight and lets its writers finish the units they hold).
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ from dspark_precompute import signals
 from dspark_precompute.contract.commits import CommitRecord, TokenDigests
 from dspark_precompute.contract.layout import Layout
 from dspark_precompute.contract.vocab import StorageDtype
-from dspark_precompute.errors import NonFiniteStatesError, StoppedBySignal
+from dspark_precompute.errors import NonFiniteStatesError, RankFailedError, StoppedBySignal
 from dspark_precompute.faults import fault_point
 from dspark_precompute.progress import Progress
-from dspark_precompute.write.parallel.distributed import Coordinator
+from dspark_precompute.write.parallel.distributed import ERROR, Agreement, Coordinator, Lockstep
 from dspark_precompute.write.plan.array_specs import ArraySpec
 from dspark_precompute.write.plan.prepare import Plan
 from dspark_precompute.write.store.batching import batch_inputs, make_batches
@@ -76,10 +82,14 @@ class ForwardLoop:
         self.stats = ForwardStats()
         self.fills = {s.name: s.fill for s in plan.specs if s.fill}
         self.hidden = state_arrays(plan.specs)
+        self.lockstep: Lockstep | None = None  # set by run(): a sharded target's ranks move together
+        self.halt: Agreement | None = None  # the group's agreement to stop (lockstep only)
+        self._in_collective = False
 
-    def run(self, todo: list[int], coord: Coordinator) -> int:
+    def run(self, todo: list[int], coord: Coordinator, lockstep: Lockstep | None = None) -> int:
         """Forward every unit in ``todo``; the number handed to the writers and committed."""
         cfg = self.plan.cfg
+        self.lockstep = lockstep if lockstep is not None and lockstep.enabled else None
         n_writers = resolve_writers(cfg.storage.writers)
         with ExitStack() as stack:
             capture = stack.enter_context(HiddenStateCapture(self.model, self.plan.layer_ids,
@@ -95,12 +105,18 @@ class ForwardLoop:
             stack.callback(progress.close)
             stop = signals.STATE
             with signals.graceful():
-                for u in todo:
-                    if stop.signum is not None:
-                        break
-                    coord.check()
-                    self._unit(u, capture, writer, transfer, progress)
+                try:
+                    for u in todo:
+                        if stop.signum is not None or self.halt is not None:
+                            break
+                        coord.check()
+                        self._unit(u, capture, writer, transfer, progress)
+                    self._idle(capture)
+                except BaseException as exc:
+                    self._tell_group(exc, coord)
+                    raise
                 writer.drain()
+            self._group_stopped(coord)
             if stop.signum is not None and len(writer.committed) < len(todo):
                 raise StoppedBySignal(stop.signum)
             progress.update(bytes_total=writer.raw_bytes)
@@ -111,22 +127,22 @@ class ForwardLoop:
     def _unit(self, u: int, capture: HiddenStateCapture, writer: UnitWriter, transfer: UnitTransfer,
               progress: Progress) -> None:
         """One unit: its batches forwarded into a free buffer, checked, handed to the writers."""
-        cfg, layout, stop = self.plan.cfg, self.layout, signals.STATE
+        cfg, layout = self.plan.cfg, self.layout
         slot = writer.acquire()
         bufs = writer.buffers(slot)
         transfer.start(bufs)
         base = int(layout.unit_start[u])
         order = layout.unit_order[u]
         for batch in make_batches(order, self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples):
-            if stop.signum is not None:
-                transfer.finish()
-                writer.release(slot)  # drop the unit in flight, keep the ones the writers hold
-                return
             c0 = time.perf_counter()
             blens = self.lengths[batch]
             ids, _ = batch_inputs(self.ids, batch, self.lengths, self.plan.pad_id, self.device)
+            if not self._go():
+                transfer.finish()
+                writer.release(slot)  # drop the unit in flight, keep the ones the writers hold
+                return
             c1 = time.perf_counter()
-            states, last = capture(ids)
+            states, last = self._forward(capture, ids)
             c2 = time.perf_counter()
             transfer.add(batch, blens, ids.shape[1], states, last, int(layout.start[batch[0]]) - base)
             c3 = time.perf_counter()
@@ -146,6 +162,80 @@ class ForwardLoop:
             self._drop_nonfinite(check, bufs, base, names, record)
         writer.submit(u, slot, n_tok, record)
         fault_point("unit_submitted")
+
+    def _go(self, has_work: bool = True) -> bool:
+        """Whether to run the next forward: this rank's signal flag, or (lockstep) what every rank agreed."""
+        signum = signals.STATE.signum
+        if self.lockstep is None:
+            return signum is None
+        if self.halt is not None:
+            return False
+        self._in_collective = True
+        agreed = self.lockstep.agree(has_work, signum or 0)
+        self._in_collective = False
+        if agreed.stops:
+            self.halt = agreed
+            return False
+        return agreed.busy
+
+    def _forward(self, capture: HiddenStateCapture, ids: torch.Tensor) -> tuple[dict[int, torch.Tensor],
+                                                                                torch.Tensor]:
+        self._in_collective = self.lockstep is not None
+        out = capture(ids)
+        self._in_collective = False
+        return out
+
+    def _idle(self, capture: HiddenStateCapture) -> None:
+        """Lockstep: dummy 1-token forwards while another rank still has batches (their collectives need ours)."""
+        if self.lockstep is None or self.halt is not None:
+            return
+        dummy = torch.full((1, 1), self.plan.pad_id, dtype=torch.long, device=self.device)
+        while self._go(has_work=False):
+            self._forward(capture, dummy)
+
+    def _tell_group(self, exc: BaseException, coord: Coordinator) -> None:
+        """Lockstep: this rank failed between forwards; its peers learn it at their next agreement, then stop.
+
+        It waits (:meth:`_meet`) until they have stopped, so its exit cannot cut their writers
+        short. Not from inside a collective (a forward or an agreement): the peers are in that
+        one, and this rank's exit (its sockets closing) is what ends it for them.
+        """
+        if self.lockstep is None or self.halt is not None or self._in_collective:
+            return
+        coord.fail(f"{type(exc).__name__}: {exc}")  # the message the peers report
+        code = exc.signum if isinstance(exc, StoppedBySignal) else ERROR
+        try:
+            self.halt = self.lockstep.agree(False, int(code))
+        except RuntimeError:  # a peer is gone as well: nothing to tell
+            return
+        self._meet()
+
+    def _meet(self) -> None:
+        """Lockstep, after a stop: every rank waits here until all have drained their writers."""
+        if self.lockstep is not None:
+            try:
+                self.lockstep.agree(False)
+            except RuntimeError:  # a peer is gone: nothing to wait for
+                pass
+
+    def _group_stopped(self, coord: Coordinator) -> None:
+        """Lockstep: raise on this rank what stopped the group (a peer's failure, or a signal), once all have met."""
+        if self.halt is None or self.lockstep is None:
+            return
+        failed = sorted(r for r, c in self.halt.stops.items() if c == ERROR)
+        if not failed:
+            self._meet()
+            raise StoppedBySignal(min(self.halt.stops.values()))
+        exc: BaseException
+        try:
+            coord.check()  # the failing rank's own message, when its marker is readable
+            exc = RankFailedError(f"rank {failed[0]} failed, so rank {self.lockstep.ranks.rank} stops too "
+                                  "(its committed units are kept; re-run the same command)")
+        except RankFailedError as err:
+            exc = err
+        coord.fail(f"{type(exc).__name__}: {exc}")
+        self._meet()
+        raise exc
 
     def _drop_nonfinite(self, check: UnitCheck, bufs: dict[str, np.ndarray], base: int, names: list[str],
                         record: CommitRecord) -> None:

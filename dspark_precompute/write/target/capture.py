@@ -4,6 +4,14 @@ Never the vocabulary projection. Forward hooks collect id ``-1`` from the embedd
 output and ``0..N-2`` from decoder layer outputs; ``N-1`` is the decoder's own post-norm
 output (HF ``output_hidden_states[-1]``). With ``pre_norm`` the last decoder layer's own
 output (before the final norm) is kept too, under key ``N``.
+
+A target with hyper-connections (DeepSeek V4, ``hc_mult`` residual streams) emits
+``[B, T, hc_mult, H]`` from every decoder layer; such a state is reduced to ``[B, T, H]`` by
+the mean over its streams, NeMo AutoModel's rule (its final ``hc_head`` is trained for the
+last layer only, and the post-norm state is already collapsed by it). The manifest records
+the rule (``capture.stream_reduction``). Under a sharded layout every forward is a
+collective, run under ``no_grad`` (FSDP2 refuses ``inference_mode`` when a mesh dimension
+has size 1).
 """
 
 from __future__ import annotations
@@ -14,6 +22,10 @@ from typing import Any
 import torch
 
 from dspark_precompute.errors import TargetError
+from dspark_precompute.write.target.sharding import full_tensor, is_sharded
+
+# capture.stream_reduction of a target whose layers emit several residual streams
+STREAM_MEAN = "mean"
 
 
 def decoder_of(model: Any) -> Any:
@@ -35,6 +47,7 @@ class HiddenStateCapture:
         self.keys = self.layer_ids + ([self.num_layers] if pre_norm else [])
         self._store: dict[int, torch.Tensor] = {}
         self._handles: list[Any] = []
+        self._grad_off = torch.no_grad if is_sharded(model) else torch.inference_mode
         try:
             for lid in self.keys:
                 if lid == self.num_layers - 1:
@@ -47,11 +60,16 @@ class HiddenStateCapture:
 
     def _hook(self, lid: int) -> Callable[[Any, tuple[Any, ...], Any], None]:
         def fn(_module: Any, _inputs: tuple[Any, ...], output: Any) -> None:
-            self._store[lid] = output[0] if isinstance(output, tuple) else output
+            state = output[0] if isinstance(output, tuple) else output
+            self._store[lid] = reduce_streams(state)
         return fn
 
-    @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+                 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        with self._grad_off():
+            return self._forward(input_ids, attention_mask)
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                  ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         self._store = {}
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -77,11 +95,27 @@ class HiddenStateCapture:
         self.close()
 
 
+def reduce_streams(state: torch.Tensor) -> torch.Tensor:
+    """A layer's ``[B, T, streams, H]`` hyper-connection output as ``[B, T, H]`` (their mean); others unchanged."""
+    return state.mean(dim=2) if state.dim() == 4 else state
+
+
+def stream_reduction(config: Any) -> str | None:
+    """``capture.stream_reduction`` for a target config: the rule for several residual streams, else None."""
+    text = getattr(config, "text_config", None) or config
+    streams = getattr(text, "hc_mult", None)
+    return STREAM_MEAN if isinstance(streams, int) and streams > 1 else None
+
+
 def export_weights(model: Any) -> dict[str, torch.Tensor]:
-    """``embed_tokens.weight`` and ``lm_head.weight`` (the latter omitted when tied)."""
-    emb = model.get_input_embeddings().weight.detach()
-    out = {"embed_tokens.weight": emb}
+    """``embed_tokens.weight`` and ``lm_head.weight`` (the latter omitted when tied), whole.
+
+    A sharded weight is all-gathered: a collective, so under ``parallel.*`` every rank calls this.
+    """
+    emb_param = model.get_input_embeddings().weight
+    out = {"embed_tokens.weight": full_tensor(emb_param.detach())}
     head = model.get_output_embeddings()
-    if head is not None and head.weight.data_ptr() != emb.data_ptr():
-        out["lm_head.weight"] = head.weight.detach()
+    tied = head is None or head.weight is emb_param or bool(getattr(model.config, "tie_word_embeddings", False))
+    if not tied:
+        out["lm_head.weight"] = full_tensor(head.weight.detach())
     return out

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from dspark_precompute.errors import TargetError
-from dspark_precompute.write.config.schema import TINY, ModelConfig
-from dspark_precompute.write.target import tiny
+from dspark_precompute.write.config.schema import TINY, ModelConfig, ParallelConfig
+from dspark_precompute.write.target import sharding, tiny
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _tiny_info(cfg: ModelConfig, tokenizer: Any) -> TargetInfo:
     cdict.pop("transformers_version", None)
     return TargetInfo(
         path=TINY,
-        model_type="qwen3",
+        model_type=cfg.random.model_type,
         num_hidden_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,
@@ -156,6 +156,7 @@ def _tiny_info(cfg: ModelConfig, tokenizer: Any) -> TargetInfo:
         # Deterministic from (config, seed, init recipe): the fingerprint names them.
         weights_fingerprint=_sha256_json({"config": cdict, "seed": cfg.random.seed, "init": "tiny-v1"}),
         tied=bool(config.tie_word_embeddings),
+        extra=sharding.shape_facts(cdict),
     )
 
 
@@ -178,20 +179,18 @@ def resolve_local_dir(path: str, revision: str | None = None) -> Path:
 
 # Targets a plain single-process ``AutoModelForCausalLM`` cannot run, with the route to take
 # (NeMo AutoModel's precompute refuses the same ones before loading).
-_ROUTE_DISTRIBUTED = ("it needs expert-parallel loading that a single-process transformers model cannot do; "
+_ROUTE_DISTRIBUTED = ("transformers (this version) does not define it, so it cannot be loaded or sharded here; "
                       "train its draft online with NeMo AutoModel's distributed DSpark recipe, or precompute with "
                       "NeMo's distributed precompute entry point")
+# DeepSeek V4 (deepseek_v4) and GLM-5.2 (glm_moe_dsa) are transformers causal LMs: sharded by parallel.*.
 UNSUPPORTED_TARGETS = {
-    "deepseek_v4": f"DeepSeek V4 (MoE with compressed sparse attention): {_ROUTE_DISTRIBUTED}",
     "deepseek_v41": f"DeepSeek V4.1 (MoE, native DSpark module): {_ROUTE_DISTRIBUTED}",
-    "glm_moe_dsa": f"GLM-5.2 (MoE with DeepSeek sparse attention): {_ROUTE_DISTRIBUTED}",
     "minimax_m3_vl": "MiniMax M3 is a multimodal (vision-language) checkpoint: this tool captures text-only "
                      "causal LMs; train its draft online with NeMo AutoModel's DSpark recipe",
     "kimi_k3": f"Kimi K3 (multimodal MoE): {_ROUTE_DISTRIBUTED}",
 }
 UNSUPPORTED_ARCHITECTURES = {
-    "DeepseekV4ForCausalLM": "deepseek_v4", "DeepseekV41ForCausalLM": "deepseek_v41",
-    "GlmMoeDsaForCausalLM": "glm_moe_dsa", "MiniMaxM3SparseForConditionalGeneration": "minimax_m3_vl",
+    "DeepseekV41ForCausalLM": "deepseek_v41", "MiniMaxM3SparseForConditionalGeneration": "minimax_m3_vl",
     "KimiK3ForCausalLM": "kimi_k3", "KimiK3ForConditionalGeneration": "kimi_k3",
 }
 
@@ -259,11 +258,14 @@ def parameter_count(cfg: ModelConfig, info: TargetInfo) -> int:
     """The target's parameters (elements of every stored tensor; a meta-device build for ``tiny``)."""
     if info.weight_files:
         return sum(safetensors_numel_by_dtype(info.weight_files).values())
-    config = tiny.build_config(cfg.random, info.vocab_size)
-    from transformers import Qwen3ForCausalLM
+    return _tiny_numel(cfg, info)
 
+
+def _tiny_numel(cfg: ModelConfig, info: TargetInfo) -> int:
+    """Parameters of the built-in random target (a meta-device build: no memory, no init)."""
+    config = tiny.build_config(cfg.random, info.vocab_size)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
+        model = tiny.causal_lm_class(config)(config)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -325,7 +327,7 @@ def inspect_target(cfg: ModelConfig, tokenizer: Any, fingerprint: bool = True) -
         weights_fingerprint=fingerprint_files(weights, cfg.fingerprint) if fingerprint else "",
         local_dir=local,
         tied=bool(text.get("tie_word_embeddings", cdict.get("tie_word_embeddings", True))),
-        weight_files=weights,
+        weight_files=weights, extra=sharding.shape_facts(cdict),
     )
 
 
@@ -334,12 +336,12 @@ def weight_bytes(cfg: ModelConfig, info: TargetInfo, dtype: torch.dtype) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     if info.weight_files:
         return safetensors_parameter_bytes(info.weight_files, itemsize)
-    config = tiny.build_config(cfg.random, info.vocab_size)
-    from transformers import Qwen3ForCausalLM
+    return _tiny_numel(cfg, info) * itemsize
 
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    return sum(p.numel() for p in model.parameters()) * itemsize
+
+def rank_weight_bytes(total: int, par: ParallelConfig) -> int:
+    """What one rank holds of ``total`` weight bytes under ``par``: 1/(fsdp x tp) of them (experts included)."""
+    return -(-total // par.group)
 
 
 def available_memory(device: torch.device) -> dict[str, int]:
@@ -363,37 +365,45 @@ def _host_available() -> int:
 
 
 def fit_problem(cfg: ModelConfig, info: TargetInfo, device: torch.device, dtype: torch.dtype,
-                memory: dict[str, int] | None = None) -> str | None:
-    """Why the target's weights cannot fit where this rank would load them, or None.
+                memory: dict[str, int] | None = None, par: ParallelConfig | None = None) -> str | None:
+    """Why this rank's share of the target's weights cannot fit where it would load them, or None.
 
-    Only the weights are counted (activations of one batch come on top), so a refusal
-    here is certain, not a guess.
+    Only the weights are counted (activations of one batch come on top), so a refusal here is
+    certain, not a guess. Under ``parallel.*`` a rank holds 1/(fsdp x tp) of them.
     """
-    need = weight_bytes(cfg, info, dtype)
+    par = par or ParallelConfig()
+    whole = weight_bytes(cfg, info, dtype)
+    need = rank_weight_bytes(whole, par)
     mem = memory if memory is not None else available_memory(device)
     gib = 1 << 30
     dname = str(dtype).replace("torch.", "")
+    what = (f"model.path={cfg.path!r} needs {need / gib:.1f} GiB of weights in {dname} per rank"
+            + (f" (1/{par.group} of {whole / gib:.1f} GiB)" if par.group > 1 else ""))
     if cfg.device_map:
         room = mem.get("all_gpus", 0) + mem["host"]
         if need > room:
-            return (f"model.path={cfg.path!r} needs {need / gib:.1f} GiB of weights in {dname}, more than this "
-                    f"node's GPUs and host memory together ({room / gib:.1f} GiB); targets larger than one node "
-                    "are out of scope (use NeMo AutoModel's distributed path)")
+            return (f"{what}, more than this node's GPUs and host memory together ({room / gib:.1f} GiB); "
+                    f"{shard_hint(whole, mem.get('device', mem['host']))}")
         return None
     if device.type == "cuda":
         if need <= mem["device"]:
             return None
-        hint = ("; it fits across this node's GPUs: add model.device_map=auto (pip install "
-                "'dspark-precompute[accelerate]') and run one rank per node"
-                if need <= mem.get("all_gpus", 0) else
-                "; it does not fit in this node's GPUs either: targets larger than one node are out of scope")
-        return (f"model.path={cfg.path!r} needs {need / gib:.1f} GiB of weights in {dname} but {device} has "
-                f"{mem['device'] / gib:.1f} GiB{hint}")
+        return f"{what} but {device} has {mem['device'] / gib:.1f} GiB; {shard_hint(whole, mem['device'])}"
     if need > mem["host"]:
-        return (f"model.path={cfg.path!r} needs {need / gib:.1f} GiB of weights in {dname} but only "
-                f"{mem['host'] / gib:.1f} GiB of host memory is available; run it on a GPU (model.device=cuda) "
-                "or free memory")
+        return (f"{what} but only {mem['host'] / gib:.1f} GiB of host memory is available; run it on GPUs "
+                f"(model.device=cuda), free memory, or {shard_hint(whole, mem['host'])}")
     return None
+
+
+def shard_hint(whole: int, room: int, headroom: float = 0.8) -> str:
+    """The smallest FSDP layout whose share of ``whole`` bytes fits in ``headroom`` of ``room`` (one GPU's memory)."""
+    ranks = 1
+    while rank_weight_bytes(whole, ParallelConfig(fsdp=ranks)) > headroom * room and ranks < 1 << 16:
+        ranks *= 2
+    nodes = "" if ranks <= 8 else f" ({-(-ranks // 8)} nodes of 8 GPUs)"
+    return (f"shard it over {ranks} GPUs{nodes}: parallel.fsdp={ranks} (add parallel.ep=<a divisor of the routed "
+            "experts> for an MoE) under torchrun or SLURM, one rank per GPU; "
+            f"{sharding.INSTALL}; see docs/scaling.md")
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:
@@ -437,20 +447,40 @@ def resolve_compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_target(cfg: ModelConfig, info: TargetInfo, vocab_size: int, device: torch.device,
-                dtype: torch.dtype) -> Any:
-    """The CausalLM in eval mode with gradients off (its lm_head is kept only for export)."""
-    if cfg.path == TINY:
-        return tiny.build_target(cfg.random, vocab_size, dtype).to(device)
-    from transformers import AutoModelForCausalLM
+                dtype: torch.dtype, par: ParallelConfig | None = None, world: int = 1, rank: int = 0) -> Any:
+    """The CausalLM in eval mode with gradients off (its lm_head is kept only for export).
 
+    The one seam through which a target loads: one copy on ``device``, or under a sharded
+    ``par`` (every rank calls this together) transformers' DistributedConfig layout.
+    """
+    par = par or ParallelConfig()
+    if cfg.path == TINY and not par.sharded:
+        return tiny.build_target(cfg.random, vocab_size, dtype).to(device)
     # safetensors only: a pickled .bin checkpoint would run arbitrary code on load.
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, "use_safetensors": True}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    if par.sharded:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        try:
+            if cfg.path == TINY:
+                model: Any = sharding.load_tiny_sharded(tiny.build_target(cfg.random, vocab_size, dtype), kwargs, par,
+                                                   world)
+            else:
+                model = sharding.load_sharded(str(info.local_dir or cfg.path), kwargs, par, world)
+        except Exception as exc:
+            raise TargetError(f"cannot load the target from {cfg.path!r} sharded as parallel.fsdp={par.fsdp} "
+                              f"parallel.ep={par.ep} parallel.tp={par.tp}: {exc}") from exc
+        sharding.check_loaded(model, rank)
+        sharding.warm_up(model)
+        return model
+    from transformers import AutoModelForCausalLM
+
     if cfg.device_map:
         kwargs["device_map"] = cfg.device_map
     try:
-        model: Any = AutoModelForCausalLM.from_pretrained(str(info.local_dir or cfg.path), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(info.local_dir or cfg.path), **kwargs)
     except Exception as exc:
         raise TargetError(f"cannot load the target from {cfg.path!r}: {exc}") from exc
     if not cfg.device_map:

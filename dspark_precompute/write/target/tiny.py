@@ -1,4 +1,4 @@
-"""The built-in random-weight target: a tiny Qwen3 and a byte-level ChatML tokenizer.
+"""The built-in random-weight target: a tiny Qwen3 (or Qwen3-MoE, DeepSeek V4, GLM-5.2) and a byte-level tokenizer.
 
 Used by the embedded default run, the tests and the benchmarks (no model hub here).
 Everything is deterministic: the tokenizer has a fixed byte vocabulary and no merges,
@@ -76,6 +76,9 @@ def build_tokenizer() -> Any:
 
 
 def build_config(rc: RandomTargetConfig, vocab_size: int) -> Any:
+    """The transformers config of the random target (``model.random.model_type`` picks the family)."""
+    if rc.model_type != "qwen3":
+        return _moe_config(rc, vocab_size)
     from transformers import Qwen3Config
 
     return Qwen3Config(
@@ -92,14 +95,45 @@ def build_config(rc: RandomTargetConfig, vocab_size: int) -> Any:
     )
 
 
-def build_target(rc: RandomTargetConfig, vocab_size: int, dtype: torch.dtype = torch.float32) -> Any:
-    """A Qwen3ForCausalLM with seeded random weights (identical on every machine with this torch)."""
-    from transformers import Qwen3ForCausalLM
+def _moe_config(rc: RandomTargetConfig, vocab_size: int) -> Any:
+    """A tiny MoE config of ``rc.model_type``: 2 of ``rc.num_experts`` routed experts per token."""
+    from transformers import AutoConfig
 
+    common: dict[str, Any] = dict(
+        vocab_size=int(rc.vocab_size or vocab_size), hidden_size=rc.hidden_size,
+        num_hidden_layers=rc.num_hidden_layers, num_attention_heads=rc.num_attention_heads,
+        num_key_value_heads=rc.num_key_value_heads, head_dim=rc.head_dim, tie_word_embeddings=rc.tie_word_embeddings,
+        max_position_embeddings=32768, num_experts_per_tok=2, moe_intermediate_size=max(1, rc.intermediate_size // 4))
+    half = max(1, rc.head_dim // 2)
+    extra: dict[str, dict[str, Any]] = {
+        "qwen3_moe": dict(intermediate_size=rc.intermediate_size, num_experts=rc.num_experts, decoder_sparse_step=1),
+        # hyper-connections (4 residual streams), compressed sparse attention, hash-routed MoE
+        "deepseek_v4": dict(n_routed_experts=rc.num_experts, n_shared_experts=1, q_lora_rank=2 * rc.head_dim,
+                            o_lora_rank=2 * rc.head_dim, o_groups=2, index_n_heads=2, index_head_dim=rc.head_dim,
+                            index_topk=8, sliding_window=16, num_key_value_heads=1, hc_mult=4, hc_sinkhorn_iters=3),
+        # DeepSeek sparse attention (MLA + indexer), one dense layer first, then MoE
+        "glm_moe_dsa": dict(intermediate_size=rc.intermediate_size, n_routed_experts=rc.num_experts,
+                            kv_lora_rank=rc.head_dim, q_lora_rank=2 * rc.head_dim, qk_rope_head_dim=half,
+                            qk_nope_head_dim=half, v_head_dim=rc.head_dim, index_topk=8, index_head_dim=rc.head_dim,
+                            index_n_heads=2, first_k_dense_replace=1, num_key_value_heads=rc.num_attention_heads),
+    }
+    return AutoConfig.for_model(rc.model_type, **{**common, **extra[rc.model_type]})
+
+
+def causal_lm_class(config: Any) -> Any:
+    """The CausalLM class transformers maps ``config`` to (Qwen3ForCausalLM for a Qwen3Config, ...)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def build_target(rc: RandomTargetConfig, vocab_size: int, dtype: torch.dtype = torch.float32) -> Any:
+    """The CausalLM with seeded random weights (identical on every machine with this torch)."""
     config = build_config(rc, vocab_size)
+    cls = causal_lm_class(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(rc.seed)
-        model = Qwen3ForCausalLM(config)
+        model = cls(config)
         # The default init (std 0.02) makes a random net nearly constant; a wider spread
         # keeps activations varied so tests compare meaningful numbers.
         with torch.no_grad():

@@ -1,0 +1,164 @@
+"""Sharded targets: the ``parallel`` layout, its checks before any weights load, and the loading through transformers.
+
+The weights are spread by transformers' own ``DistributedConfig`` (FSDP2, expert and tensor
+parallel: ``from_pretrained(..., distributed_config=...)``, accelerate installed), never by a
+sharder of ours. Under FSDP every weight is all-gathered for its layer's compute, so the
+arithmetic, and every stored value, is that of one copy; the ranks only have to meet in each
+forward (:class:`~dspark_precompute.write.parallel.distributed.Lockstep` keeps them together).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark_precompute.errors import TargetError
+from dspark_precompute.write.config.schema import ParallelConfig
+
+log = logging.getLogger(__name__)
+
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+INSTALL = "pip install 'dspark-precompute[distributed]'"
+
+
+def shape_facts(cdict: dict[str, Any]) -> dict[str, int]:
+    """What the layout checks need from a config.json (text part): KV heads and routed experts."""
+    text = cdict.get("text_config", cdict)
+    out = {}
+    kv = text.get("num_key_value_heads", text.get("num_attention_heads"))
+    if isinstance(kv, int):
+        out["num_key_value_heads"] = kv
+    experts = next((text[k] for k in _EXPERT_KEYS if isinstance(text.get(k), int)), None)
+    if experts:
+        out["num_experts"] = int(experts)
+    return out
+
+
+def ships_plan(model_type: str, kind: str) -> bool:
+    """Whether transformers' config class of ``model_type`` ships a ``base_model_{kind}_plan`` (ep, tp)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        return False
+    return bool(getattr(cls, f"base_model_{kind}_plan", None))
+
+
+def layout_problems(par: ParallelConfig, model_type: str, facts: dict[str, int], world: int) -> list[str]:
+    """Why ``par`` cannot shard this target over ``world`` ranks (read from config.json alone), each with the route."""
+    if not par.sharded:
+        return []
+    out = []
+    if world % par.group:
+        out.append(f"parallel.fsdp x parallel.tp = {par.group} must divide the world size {world}: start "
+                   f"{par.group} x k ranks (torchrun --nproc-per-node {par.group}, or srun --ntasks), or lower "
+                   "parallel.fsdp")
+    if par.ep > 1:
+        experts = facts.get("num_experts")
+        if not ships_plan(model_type, "ep"):
+            out.append(f"parallel.ep={par.ep}: transformers ships no expert-parallel plan for model_type "
+                       f"{model_type!r}; run it with parallel.ep=1 (FSDP alone shards the experts too)")
+        elif experts and experts % par.ep:
+            out.append(f"parallel.ep={par.ep} does not divide the target's {experts} routed experts; choose an ep "
+                       f"that divides {experts}")
+    if par.tp > 1:
+        kv = facts.get("num_key_value_heads")
+        if not ships_plan(model_type, "tp"):
+            out.append(f"parallel.tp={par.tp}: transformers ships no tensor-parallel plan for model_type "
+                       f"{model_type!r}; use parallel.fsdp instead (bit-identical, too)")
+        elif kv is not None and (par.tp > kv or kv % par.tp):
+            out.append(f"parallel.tp={par.tp} must divide the target's {kv} key/value heads (each TP rank needs "
+                       f"whole heads); use parallel.tp<={kv}, or parallel.fsdp, which has no such limit")
+    try:
+        import accelerate  # noqa: F401  (transformers' distributed loading needs it)
+    except ImportError:
+        out.append(f"parallel.* shards the target through transformers, which needs accelerate: {INSTALL}")
+    return out
+
+
+def distributed_config(par: ParallelConfig, world: int) -> Any:
+    """transformers' ``DistributedConfig`` for ``par`` on ``world`` ranks (the groups replicated world/group times)."""
+    from transformers import DistributedConfig
+
+    return DistributedConfig(fsdp_size=par.fsdp, tp_size=par.tp, ep_size=par.ep,
+                             dp_replicate_size=world // par.group)
+
+
+def load_sharded(source: str, kwargs: dict[str, Any], par: ParallelConfig, world: int) -> Any:
+    """``from_pretrained`` with the layout's DistributedConfig (each rank reads and keeps its shards only)."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(source, distributed_config=distributed_config(par, world),
+                                                      **kwargs)
+    return model.eval().requires_grad_(False)
+
+
+def warm_up(model: Any) -> None:
+    """One 1-token forward through the root module (every rank together).
+
+    FSDP2 refuses a forward of a sub-module (the decoder, as the capture runs it) before the
+    root has run once ("FSDP requires a single root module"). After it the root's own
+    parameters (embedding, final norm, lm_head) stay gathered on every rank.
+    """
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+
+
+def load_tiny_sharded(model: Any, kwargs: dict[str, Any], par: ParallelConfig, world: int) -> Any:
+    """The built-in random target, sharded: saved to a private temporary directory, then loaded as a checkpoint.
+
+    Its buffers are the built model's: the one-copy tiny target is cast to the compute dtype as
+    a whole (rotary ``inv_freq`` included), which ``from_pretrained`` would keep in float32.
+    """
+    from safetensors.torch import save_model
+
+    # not save_pretrained: under torch.distributed it coordinates the ranks' writes (collectives this
+    # rank's private copy must not join)
+    kwargs = {**kwargs, "attn_implementation": model.config._attn_implementation}  # the one-copy build's own
+    with tempfile.TemporaryDirectory(prefix="dspark-tiny-") as tmp:
+        model.config.to_json_file(str(Path(tmp) / "config.json"))
+        save_model(model, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        loaded = load_sharded(tmp, kwargs, par, world)
+    for name, buf in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        module = loaded.get_submodule(owner)
+        if isinstance(getattr(module, leaf, None), torch.Tensor):
+            setattr(module, leaf, buf.to(getattr(module, leaf).device))
+    return loaded
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether ``model`` was loaded with a distributed layout (its forwards are collectives)."""
+    dc = getattr(getattr(model, "config", None), "distributed_config", None)
+    return dc is not None and (dc.tp_size > 1 or dc.dp_size > 1 or dc.ep_size > 1)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: a sharded DTensor is all-gathered (a collective: every rank of the mesh must call it)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def local_parameter_bytes(model: Any) -> tuple[int, int]:
+    """(bytes of the parameters this rank holds, bytes of the whole parameters)."""
+    mine = whole = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        mine += local.numel() * local.element_size()
+        whole += p.numel() * p.element_size()
+    return mine, whole
+
+
+def check_loaded(model: Any, rank: int) -> None:
+    """Log what this rank holds; a target transformers did not shard is refused (it would run as one copy each)."""
+    if not is_sharded(model):
+        raise TargetError(f"{type(model).__name__} was not sharded by transformers' DistributedConfig; set "
+                          "parallel.fsdp=1 parallel.ep=1 parallel.tp=1 to run one copy per rank")
+    mine, whole = local_parameter_bytes(model)
+    log.info("rank %d holds %d of %d parameter bytes (%.3f)", rank, mine, whole, mine / max(1, whole))

@@ -1,0 +1,145 @@
+"""Sharded targets (parallel.fsdp / parallel.ep) under torchrun + gloo: caches bit-identical to one copy.
+
+Each torchrun run is as small as a run can be (2 layers, seq_length 128, a dozen rows) because
+this machine has 2 cores; 4-rank layouts, the kill matrix and every model type are ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import assert_same_cache, compose
+from test_distributed import torchrun
+
+from dspark_precompute.write.run import run
+
+BASE = ("seq_length=128", "batch.max_tokens=256", "data.max_samples=12", "progress=false", "log_level=INFO",
+        "model.dtype=bf16", "model.random.num_hidden_layers=2", "storage.chunk_tokens=128", "storage.unit_tokens=256")
+
+
+def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    keys = {x.split("=", 1)[0] for x in extra}
+    return [f"storage.path={tmp_path / name}", *(b for b in BASE if b.split("=", 1)[0] not in keys), *extra]
+
+
+def one_copy(tmp_path: Path, *extra: str) -> str:
+    """The reference: one process, one whole copy of the same target."""
+    run(compose(overrides(tmp_path, "one", *extra)))
+    return str(tmp_path / "one")
+
+
+def sharded(tmp_path: Path, n: int, name: str, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return torchrun(tmp_path, n, overrides(tmp_path, name, *extra), env=env)
+
+
+def held_fraction(proc: subprocess.CompletedProcess) -> float:
+    """Rank 0's share of the parameter bytes, as it logs it after loading."""
+    m = re.search(r"rank 0 holds (\d+) of (\d+) parameter bytes", proc.stdout + proc.stderr)
+    assert m, (proc.stdout + proc.stderr)[-3000:]
+    return int(m.group(1)) / int(m.group(2))
+
+
+def test_fsdp2_writes_a_cache_bit_identical_to_one_copy_and_each_rank_holds_half_the_weights(tmp_path):
+    ref = one_copy(tmp_path)
+    proc = sharded(tmp_path, 2, "fsdp2", "parallel.fsdp=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_cache(ref, str(tmp_path / "fsdp2"), layout=True)
+    assert held_fraction(proc) <= 1 / 2 + 0.05
+    m = json.loads((tmp_path / "fsdp2" / "manifest.json").read_text())
+    assert m["provenance"]["parallel"] == {"fsdp": 2, "ep": 1, "tp": 1}
+    assert m["config"]["parallel"]["fsdp"] == 2
+    assert "parallel" not in json.loads((tmp_path / "one" / "manifest.json").read_text())["provenance"]
+
+
+def test_a_fault_on_one_rank_stops_both_at_a_unit_boundary_and_the_cache_resumes_bit_identical(tmp_path):
+    proc = sharded(tmp_path, 2, "fsdp2", "parallel.fsdp=2",
+                   env={"DSPARK_FAULT": "unit_submitted=1:raise", "DSPARK_FAULT_RANK": "1"})  # timeout: 600 s
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "injected fault" in out
+    # rank 0 stopped on the agreed flag (not a broken socket, nor torchrun's SIGTERM) and said why
+    marker, = (tmp_path / "fsdp2" / "coord").glob("*/failed-0.json")
+    assert "rank 1 failed, so rank 0 stops too" in json.loads(marker.read_text())["error"]
+    resumed = run(compose(overrides(tmp_path, "fsdp2")))  # one copy finishes what the sharded run began
+    assert resumed.complete and resumed.resumed_units >= 1
+    assert_same_cache(one_copy(tmp_path), str(tmp_path / "fsdp2"))
+
+
+def test_an_expert_parallel_moe_writes_a_cache_bit_identical_to_one_copy(tmp_path):
+    moe = ("model.random.model_type=qwen3_moe",)
+    ref = one_copy(tmp_path, *moe)
+    proc = sharded(tmp_path, 2, "ep2", *moe, "parallel.fsdp=2", "parallel.ep=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_cache(ref, str(tmp_path / "ep2"), layout=True)
+    assert held_fraction(proc) <= 1 / 2 + 0.05
+
+
+def test_a_layout_that_does_not_fit_the_ranks_or_the_target_is_refused_before_weights_load(tmp_path, monkeypatch):
+    from dspark_precompute.errors import ConfigError
+
+    monkeypatch.setattr("dspark_precompute.write.run.load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ConfigError, match="must divide the world size 1"):
+        run(compose(overrides(tmp_path, "c", "parallel.fsdp=2")))
+    with pytest.raises(ConfigError, match="ships no expert-parallel plan for model_type 'qwen3'"):
+        run(compose(overrides(tmp_path, "c", "parallel.fsdp=2", "parallel.ep=2")))
+    with pytest.raises(ConfigError, match="does not divide the target's 6 routed experts"):
+        run(compose(overrides(tmp_path, "c", "model.random.model_type=qwen3_moe", "model.random.num_experts=6",
+                              "parallel.fsdp=4", "parallel.ep=4")))
+    with pytest.raises(ConfigError, match="tensor parallel is not offered"):
+        compose(overrides(tmp_path, "c", "parallel.tp=2"))
+
+
+# ---- slow: 4 ranks, kills, every model type ----
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("parallel.fsdp=4",), ("parallel.fsdp=4", "parallel.ep=4"),
+                                    ("parallel.fsdp=4", "parallel.ep=2")])
+def test_four_rank_layouts_are_bit_identical_to_one_copy(tmp_path, layout):
+    moe = ("model.random.model_type=qwen3_moe",) if any("ep" in x for x in layout) else ()
+    ref = one_copy(tmp_path, *moe)
+    proc = sharded(tmp_path, 4, "four", *moe, *layout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_cache(ref, str(tmp_path / "four"), layout=True)
+    assert held_fraction(proc) <= 1 / 4 + 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "glm_moe_dsa"])
+def test_deepseek_v4_and_glm_5_2_under_fsdp_and_ep_match_their_one_copy_run(tmp_path, model_type):
+    kind = (f"model.random.model_type={model_type}",)
+    ref = one_copy(tmp_path, *kind)
+    proc = sharded(tmp_path, 2, "sharded", *kind, "parallel.fsdp=2", "parallel.ep=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_cache(ref, str(tmp_path / "sharded"), layout=True)
+    capture = json.loads((tmp_path / "one" / "manifest.json").read_text())["capture"]
+    assert capture["stream_reduction"] == ("mean" if model_type == "deepseek_v4" else None)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_rank_then_the_same_command_then_another_layout_give_a_bit_identical_cache(tmp_path):
+    moe = ("model.random.model_type=qwen3_moe", "data.max_samples=32")  # units enough for two kills
+    proc = sharded(tmp_path, 2, "s", *moe, "parallel.fsdp=2", "parallel.ep=2",
+                   env={"DSPARK_FAULT": "unit_submitted=2", "DSPARK_FAULT_RANK": "1"})
+    assert proc.returncode != 0
+    proc = sharded(tmp_path, 2, "s", *moe, "parallel.fsdp=2", "parallel.ep=2",
+                   env={"DSPARK_FAULT": "unit_submitted=1", "DSPARK_FAULT_RANK": "0"})
+    assert proc.returncode != 0
+    proc = sharded(tmp_path, 4, "s", *moe, "parallel.fsdp=4", "parallel.ep=2")  # another layout finishes it
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_cache(one_copy(tmp_path, *moe), str(tmp_path / "s"), layout=True)
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_stops_every_rank_with_the_interrupted_error_and_the_cache_resumes(tmp_path):
+    """The signal reaches rank 1 only (not through torchrun); the agreed flag stops rank 0 as well."""
+    proc = sharded(tmp_path, 2, "t", "parallel.fsdp=2", env={"DSPARK_FAULT": "unit_submitted=1:term",
+                                                             "DSPARK_FAULT_RANK": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("stopped by SIGTERM") >= 2, out[-4000:]  # both ranks, each with the typed message
+    assert run(compose(overrides(tmp_path, "t"))).complete
+    assert_same_cache(one_copy(tmp_path), str(tmp_path / "t"))
