@@ -122,7 +122,7 @@ def _broken_references(texts: list[tuple[Path, str]]) -> list[str]:
             name, members = m.group(1), [x for x in m.group(2).split("::") if x]
             first = name.split("/")[0]
             if name in FOREIGN or (first not in ours if "/" in name else not name.endswith(".py")):
-                continue  # another project's, a cache's (.hydra/config.yaml) or a command's output (--markdown bench.md)
+                continue  # another project's, a cache's (.hydra/config.yaml), a command's output (--markdown x.md)
             found = _resolve(page, name) if "/" in name else None
             if found is None and "/" not in name and name in basenames:
                 continue  # a module named by its file name alone (`spec.py`)
