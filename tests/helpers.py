@@ -90,11 +90,11 @@ def assert_same_cache(a: str, b: str, *, process_counts: bool = False, layout: b
     ``process_counts``, the writer and tokenizer process counts, which change how a cache is made, not what;
     with ``layout``, the recorded ``parallel`` layout of the target's weights)."""
     fa, fb = data_files(a), data_files(b)
-    assert sorted(fa) == sorted(fb)
+    assert fa and sorted(fa) == sorted(fb)
     for k in fa:
         assert fa[k] == fb[k], k
     xa, xb = arrays_of(a), arrays_of(b)
-    assert sorted(xa) == sorted(xb)
+    assert xa and sorted(xa) == sorted(xb)
     for k in xa:
         assert np.array_equal(xa[k], xb[k]), k
     assert (Path(a) / fmt.WEIGHTS).read_bytes() == (Path(b) / fmt.WEIGHTS).read_bytes()
@@ -124,6 +124,30 @@ def poison_second_batch(monkeypatch) -> None:
             states[k][0, 0, 0] = float("inf")
         return states, last
     monkeypatch.setattr(HiddenStateCapture, "__call__", poisoned)
+
+
+def refuse_building_weights(monkeypatch) -> None:
+    """Fail the test if any target model gets real weights: loaded (``from_pretrained``) or built (the tiny target).
+
+    Guarded at transformers itself, not at a name of ours, so it holds wherever the loading code lives; a
+    build on the meta device (counting parameters, no weights) is allowed.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    init = PreTrainedModel.__init__
+
+    def guarded_init(self, *args, **kwargs):
+        if torch.get_default_device().type != "meta":
+            pytest.fail(f"{type(self).__name__} was built with real weights")
+        init(self, *args, **kwargs)
+
+    def guarded_load(cls, *args, **kwargs):
+        pytest.fail(f"{cls.__name__}.from_pretrained loaded weights")
+
+    monkeypatch.setattr(PreTrainedModel, "__init__", guarded_init)
+    for cls in (PreTrainedModel, AutoModelForCausalLM):
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(guarded_load))
 
 
 # -- shards, read and damaged without our code (the zarr v3 sharding layout: chunks, then the index) -----------

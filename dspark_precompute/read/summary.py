@@ -90,7 +90,8 @@ def regeneration_lines(regen: dict[str, Any] | None) -> list[str]:
 
 
 def provenance_lines(c: CacheReader) -> list[str]:
-    """``describe()``'s provenance lines (``not recorded`` for what an older cache lacks)."""
+    """``describe()``'s provenance lines (``not recorded`` for what an older cache lacks, ``not yet`` for the run
+    record of an unfinished one)."""
     p = provenance(c)
     unknown = "not recorded"
     norm = p["final_norm_class"] or "norm class not recorded"
@@ -122,6 +123,8 @@ def provenance_lines(c: CacheReader) -> list[str]:
     else:
         written = unknown
     command = " ".join(p["argv"]) if p["argv"] else unknown
+    if not c.manifest.complete and not p["argv"] and not p["versions"]:  # recorded with the final manifest
+        written = command = "not yet: recorded when the run finishes"
     return [
         f"  last state  {last}; layer preset {p['layer_preset'] or unknown}",
         f"  masks       {masks}",

@@ -20,6 +20,7 @@ Speed ratios depend on the machine and are only reported by the full bench
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -136,7 +137,7 @@ def test_the_reader_bench_reports_every_loader_nemo_and_the_decode_limit(default
     # the decode limit decoded every stored chunk of every token array once: each unit's tokens up to its last
     # chunk's end (format 2 leaves the chunks past a unit's last token out of its shard)
     ct = reader.chunk_tokens
-    stored = sum(-(-int(b - a) // ct) * ct for a, b in zip(reader._unit_start, reader._unit_stop))
+    stored = sum(-(-int(b - a) // ct) * ct for a, b in zip(reader._unit_start, reader._unit_stop, strict=True))
     assert stored <= reader.manifest.layout.total_token_slots  # a unit's chunks past its last token are not read
     assert res["decode_limit_bytes"] == [stored * c["token_bytes"]] * 2
     # random single-sample reads, format 2 against format 1, the same count each, the ratio from the same repeats
@@ -145,7 +146,7 @@ def test_the_reader_bench_reports_every_loader_nemo_and_the_decode_limit(default
     assert (rr["format 2 cache"]["format_version"], rr["format 1 cache"]["format_version"]) == (3, 1)
     for name in ("format 2", "format 1"):
         assert rr["samples_per_s"][name] == pytest.approx(30 / (sum(rr["seconds"][name]) / 2))  # median of 2
-    ratios = [a / b for a, b in zip(rr["seconds"]["format 2"], rr["seconds"]["format 1"])]
+    ratios = [a / b for a, b in zip(rr["seconds"]["format 2"], rr["seconds"]["format 1"], strict=True)]
     assert rr["format 2_time_over_format 1_paired"] == pytest.approx(sum(ratios) / 2)
     assert "Random single-sample reads" in proc.stdout
     cases = {k["case"]: k for k in res["cases"]}
@@ -182,6 +183,7 @@ def test_the_scale_bench_counts_the_files_the_contract_says_each_cache_holds(sca
     import numpy as np
 
     res, md, work = scale_run
+    assert [size["rows"] for size in res["sizes"]] == [20, 40]  # the sizes asked for
     for size in res["sizes"]:
         facts, path = size["cache"], work / f"fresh-{size['rows']}"
         files = dirs = 0
@@ -193,7 +195,7 @@ def test_the_scale_bench_counts_the_files_the_contract_says_each_cache_holds(sca
         assert (len(c), int(c.lengths().sum()), c.num_units) == (facts["samples"], facts["tokens"], facts["units"])
         assert c.manifest.counts.rows_in == size["rows"]  # every synthetic row read, each its own
         ct, hidden_arrays = c.chunk_tokens, facts["token_arrays"] - 2
-        slots = sum(-(-int(b - a) // ct) * ct for a, b in zip(c._unit_start, c._unit_stop))
+        slots = sum(-(-int(b - a) // ct) * ct for a, b in zip(c._unit_start, c._unit_stop, strict=True))
         assert facts["raw_hidden_bytes"] == slots * hidden_arrays * c.hidden_size * 2  # bf16
         assert facts["entries_per_tb"] == pytest.approx((files + dirs) * 1e12 / facts["raw_hidden_bytes"])
         assert facts["units"] >= -(-facts["tokens"] // facts["unit_tokens"]) > 1
@@ -220,11 +222,31 @@ def test_the_scale_bench_growth_table_is_the_largest_size_over_the_smallest(scal
     assert "**ratio**" in md
 
 
+def _figures(text: str, pattern: str) -> tuple[str, ...]:
+    found = re.search(pattern, " ".join(text.split()))  # the figures of a sentence, wherever its lines break
+    assert found, pattern
+    return found.groups()
+
+
 def test_the_readme_capacity_example_holds_at_most_5000_entries_per_tb_of_hidden_states(scale_run):
-    """1M samples of Qwen3-8B (330M tokens, 5 bf16 arrays of hidden 4096), by the dry run's own arithmetic."""
+    """The README's (and scaling.md's) capacity figures are what the bench computes for 1M samples of Qwen3-8B
+    (330M tokens, 5 bf16 arrays of hidden 4096) by the dry run's own arithmetic."""
     from dspark_precompute.contract.inventory import inventory
 
+    readme, scaling = (REPO / "README.md").read_text(), (REPO / "docs" / "scaling.md").read_text()
+    per_token, per_tb = _figures(readme, r"\*\*([\d,]+) bytes per real token\*\* .*? about \*\*([\d,]+) files and "
+                                         r"directories per TB\*\*")
+    millions, length, tb, entries = _figures(readme, r"(\d+)M conversations of (\d+) tokens are ([\d.]+) TB in "
+                                                     r"([\d,]+) entries")
+    units, entries_again, per_tb_again = _figures(scaling, r"([\d,]+) units: \*\*([\d,]+)\*\* \(about ([\d,]+) per TB")
     cap = scale_run[0]["capacity"]
+    (case,) = [c for c in cap["cases"].values() if c["tokens"] == cap["samples"] * int(length)]  # every sample 330
+    assert cap["samples"] == int(millions) * 1_000_000 and cap["hidden"] == 4096 and cap["hidden_arrays"] == 5
+    assert cap["bytes_per_token"] == int(per_token.replace(",", ""))
+    assert f"{case['tokens'] * cap['bytes_per_token'] / 1e12:.1f}" == tb
+    assert case["entries"] == int(entries.replace(",", "")) == int(entries_again.replace(",", ""))
+    assert case["units"] == int(units.replace(",", ""))
+    assert round(case["entries_per_tb"], -1) == int(per_tb.replace(",", "")) == int(per_tb_again.replace(",", ""))
     for case in cap["cases"].values():
         assert case["units"] >= case["tokens"] / cap["unit_tokens"]
         assert case["entries"] == inventory(7, case["units"], cap["samples"], fp8=False).entries

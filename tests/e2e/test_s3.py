@@ -17,21 +17,19 @@ import sys
 import uuid
 from pathlib import Path
 
+import moto.server as moto_server  # s3fs and moto[server] are in the [test] extra: a missing one fails, never skips
 import numpy as np
 import pytest
+import s3fs
 import torch
+from helpers import compose
 
-pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-from helpers import compose  # noqa: E402
-
-from dspark_precompute import open_cache  # noqa: E402
-from dspark_precompute.contract import spec as fmt  # noqa: E402
-from dspark_precompute.contract.commits import parse_commit_key  # noqa: E402
-from dspark_precompute.contract.store import CacheStore, storage_options  # noqa: E402
-from dspark_precompute.errors import MissingChunkError  # noqa: E402
-from dspark_precompute.write.run import run  # noqa: E402
+from dspark_precompute import open_cache
+from dspark_precompute.contract import spec as fmt
+from dspark_precompute.contract.commits import parse_commit_key
+from dspark_precompute.contract.store import CacheStore, storage_options
+from dspark_precompute.errors import MissingChunkError
+from dspark_precompute.write.run import run
 
 SECRET = "s3cr3t-" + uuid.uuid4().hex  # must never show up in a log, a repr or the cache
 
@@ -75,8 +73,6 @@ def s3_endpoint():
 @pytest.fixture
 def bucket(s3_endpoint):
     """A fresh, empty bucket for one test."""
-    import s3fs
-
     name = f"dspark-{uuid.uuid4().hex[:10]}"
     s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir(name)
     return name
@@ -118,7 +114,7 @@ def assert_same_through_the_reader(url: str, local: str) -> None:
     a, b = open_cache(url), open_cache(local)
     assert a.complete and b.complete and len(a) == len(b) > 0
     xa, xb = every_array(a), every_array(b)
-    assert sorted(xa) == sorted(xb)
+    assert xa and sorted(xa) == sorted(xb)
     for name in xa:
         assert xa[name].dtype == xb[name].dtype and np.array_equal(xa[name], xb[name]), name
     for i in range(len(b)):
@@ -300,7 +296,7 @@ def test_the_loader_reads_a_bucket_ahead_into_the_same_batches_as_on_disk(bucket
             loader.set_epoch(0)
             got = list(loader)
             assert len(got) == len(local) > 2
-            for a, b in zip(got, local):
+            for a, b in zip(got, local, strict=True):
                 assert all(torch.equal(a[k], b[k]) for k in b)
         if workers == 0:
             pf = loader.runner.prefetcher

@@ -5,16 +5,13 @@ The e2e part of tests/write/test_device_map.py.
 
 from __future__ import annotations
 
+import accelerate  # noqa: F401 - in the [test] extra: model.device_map=auto needs it, a missing one fails here
 import numpy as np
-import pytest
+from helpers import compose
 
-pytest.importorskip("accelerate")
-
-from helpers import compose  # noqa: E402
-
-from dspark_precompute import open_cache  # noqa: E402
-from dspark_precompute.contract import spec as fmt  # noqa: E402
-from dspark_precompute.write.run import run  # noqa: E402
+from dspark_precompute import open_cache
+from dspark_precompute.contract import spec as fmt
+from dspark_precompute.write.run import run
 
 
 def _bf16_bits(a: np.ndarray) -> np.ndarray:

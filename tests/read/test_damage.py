@@ -422,7 +422,8 @@ def test_a_cache_without_a_recorded_weights_checksum_reads_and_verifies_with_a_n
 
 def _as_interrupted_before_the_weights(path: Path) -> None:
     """What a run stopped while writing the token ids leaves (docs/format.md, section 9): steps 1-2 of 5 begun."""
-    edit_manifest(path, lambda m: m.update(complete=False, tokens_stored=False, weights_sha256=None) and None)
+    edit_manifest(path, lambda m: m.update(complete=False, tokens_stored=False, weights_sha256=None, timing=None,
+                                           provenance=None) and None)
     for name in ("target_weights.safetensors", ".hydra"):
         p = path / name
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
@@ -442,6 +443,10 @@ def test_an_incomplete_cache_stopped_before_its_weights_were_written_verifies_as
                      out), out
     assert main(["verify", str(cache_copy), "--json"]) == 1  # without --allow-incomplete: the one problem there is
     assert [p["check"] for p in json.loads(capsys.readouterr().out)["problems"]] == ["manifest"]
+    assert main(["info", str(cache_copy), "--allow-incomplete"]) == 0  # the run record comes with the final manifest
+    out = capsys.readouterr().out
+    assert "written by  not yet: recorded when the run finishes" in out
+    assert "command     not yet: recorded when the run finishes" in out
 
 
 def test_missing_weights_beside_a_committed_unit_and_a_missing_rejects_file_are_damage_in_an_incomplete_cache(

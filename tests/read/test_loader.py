@@ -45,7 +45,7 @@ def assert_same_batch(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 
 
 def rows(batch: dict[str, torch.Tensor]) -> list[tuple[int, ...]]:
-    return [tuple(ids[m.bool()].tolist()) for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
+    return [tuple(ids[m.bool()].tolist()) for ids, m in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
 
 
 def dtype_cache(tmp_path_factory, dt):
@@ -77,7 +77,7 @@ def test_an_assembled_batch_equals_what_the_per_sample_path_gives_for_the_same_i
     ds = CacheDataset(result.path)
     asm = BatchAssembler(ds.cache)
     groups = [[0, 7, 13], [5], list(range(len(ds))), [3, 3, 2]]
-    for got, idx in zip(asm.build(groups, memory), groups):
+    for got, idx in zip(asm.build(groups, memory), groups, strict=True):  # one batch per group, none missing
         assert_same_batch(got, per_sample(ds, idx))
     for pad_to, multiple in ((ds.seq_length, None), (None, 64)):
         asm = BatchAssembler(ds.cache, pad_to=pad_to, pad_to_multiple_of=multiple)
@@ -96,7 +96,7 @@ def assert_copied_bit_for_bit(dt, path):
     ds = CacheDataset(path)
     assert ds.cache.array_names["last"].endswith("final_norm")
     got = BatchAssembler(ds.cache).build([[0, 1, 2], [2]], "shared")
-    for g, idx in zip(got, ([0, 1, 2], [2])):
+    for g, idx in zip(got, ([0, 1, 2], [2]), strict=True):
         assert_same_batch(g, per_sample(ds, idx))
     assert got[0]["target_hidden_states"].dtype == {"fp16": torch.float16, "fp32": torch.float32}[dt]
 
@@ -135,7 +135,7 @@ def test_the_loader_yields_the_planned_batches_equal_to_the_per_sample_path(defa
         plan = loader.sampler.batches()
         got = list(loader)
         assert len(got) == len(plan) == len(loader)
-        for batch, idx in zip(got, plan):
+        for batch, idx in zip(got, plan, strict=True):
             assert_same_batch(batch, per_sample(ds, idx))
         assert sorted(i for b in plan for i in b) == list(range(len(ds)))
 
@@ -144,10 +144,12 @@ def test_the_device_prefetcher_delivers_the_same_batches(default_run):
     _, result = default_run
     loader = build_dataloader(result.path, batch_size=4, shuffle=False)
     ref = list(loader)
+    assert len(ref) == len(loader) > 1 and sum(len(x["input_ids"]) for x in ref) == len(CacheDataset(result.path))
     moved = list(to_device(iter(ref), "cpu"))
-    assert len(moved) == len(ref) and all(torch.equal(a[k], b[k]) for a, b in zip(moved, ref) for k in a)
     on_device = list(build_dataloader(result.path, batch_size=4, shuffle=False, device="cpu"))
-    assert all(torch.equal(a[k], b[k]) for a, b in zip(on_device, ref) for k in a)
+    for got in (moved, on_device):
+        for a, b in zip(got, ref, strict=True):
+            assert_same_batch(a, b)
     assert list(to_device(iter([]), "cpu")) == []
 
 
@@ -158,7 +160,9 @@ def test_batches_reach_the_gpu_from_pinned_memory_equal_to_the_host_batches(defa
     for workers in (0, 2):
         host = list(build_dataloader(result.path, batch_size=4, shuffle=False, num_workers=workers))
         dev = list(build_dataloader(result.path, batch_size=4, shuffle=False, num_workers=workers, device="cuda"))
-        for a, b in zip(dev, host):
+        assert len(host) > 1
+        for a, b in zip(dev, host, strict=True):
+            assert tuple(a) == tuple(b) == BATCH_KEYS
             assert all(a[k].is_cuda and torch.equal(a[k].cpu(), b[k]) for k in b)
 
 
@@ -425,7 +429,7 @@ def test_a_cache_behind_a_url_is_read_ahead_into_the_same_batches_as_on_disk(def
         remote = build_dataloader(url, num_workers=workers, prefetch_bytes=200_000, prefetch_requests=3, **kw)
         got = list(remote)
         assert len(got) == len(local)
-        for a, b in zip(got, local):
+        for a, b in zip(got, local, strict=True):
             assert_same_batch(a, b)
         if workers == 0:
             pf = remote.runner.prefetcher
@@ -494,7 +498,7 @@ def test_a_held_batch_is_never_overwritten_while_the_shared_region_recycles_and_
     kept = []
     for epoch in range(2):
         loader.set_epoch(epoch)
-        for k, (batch, idx) in enumerate(zip(loader, loader.sampler.batches(epoch))):
+        for k, (batch, idx) in enumerate(zip(loader, loader.sampler.batches(epoch), strict=True)):
             assert_same_batch(batch, per_sample(ds, idx))
             if k % 3 == 0:
                 kept.append((batch, idx))  # held, as a step (or a pending device copy) holds it

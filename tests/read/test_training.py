@@ -31,7 +31,7 @@ NEMO_KEYS = ("input_ids", "attention_mask", "loss_mask", "target_hidden_states",
 
 def real_rows(batch: dict[str, torch.Tensor]) -> list[tuple[int, ...]]:
     """Each row's unpadded token ids, via its attention mask."""
-    return [tuple(ids[m.bool()].tolist()) for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
+    return [tuple(ids[m.bool()].tolist()) for ids, m in zip(batch["input_ids"], batch["attention_mask"], strict=True)]
 
 
 class NemoReference:
@@ -211,6 +211,7 @@ def test_build_dataloader_with_a_token_budget_yields_nemo_keys_within_budget(def
     _, result = default_run
     c = open_cache(result.path)
     loader = build_dataloader(c, max_tokens=600, seed=1)
+    assert len(c) == result.samples > 0
     rows = []
     for batch in loader:
         assert tuple(batch) == BATCH_KEYS

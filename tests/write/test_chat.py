@@ -107,7 +107,9 @@ def test_reasoning_masking_removes_exactly_the_rendered_reasoning(qwen3_tokenize
 def test_generation_prompt_masking_removes_each_assistant_header(qwen3_tokenizer):
     plain = ChatEncoder(qwen3_tokenizer, qwen3_tokenizer.chat_template, BIG)
     masked = ChatEncoder(qwen3_tokenizer, qwen3_tokenizer.chat_template, BIG, mask_generation_prompt=True)
-    for i, row in enumerate(chat_rows("dpo_en_demo.multiturn")[:30]):
+    rows = chat_rows("dpo_en_demo.multiturn")[:30]
+    assert len(rows) == 30
+    for i, row in enumerate(rows):
         conv = conv_of(row, i)
         a, b = plain.encode(conv, i), masked.encode(conv, i)
         texts = [qwen3_tokenizer.decode(a.input_ids[r]) for r in _runs(a.loss_mask, b.loss_mask)]

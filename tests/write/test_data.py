@@ -175,8 +175,8 @@ def test_record_size_counts_utf8_bytes_and_stops_early_past_the_limit():
 
 
 def test_parquet_records_over_the_limit_are_row_too_large(tmp_path):
-    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (parquet input needs it)")
-    import pyarrow as pa
+    import pyarrow as pa  # the [test] extra has it: a missing one fails, never skips
+    import pyarrow.parquet as pq
 
     recs = [good(0), json.loads(big_row(5000)), good(1)]
     pq.write_table(pa.Table.from_pylist(recs), tmp_path / "d.parquet")
@@ -244,8 +244,8 @@ def test_a_directory_with_files_it_cannot_read_is_refused_naming_them(tmp_path):
 
 
 def test_parquet_files_in_a_directory_are_read_with_the_rest(tmp_path):
-    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (parquet input needs it)")
-    import pyarrow as pa
+    import pyarrow as pa  # the [test] extra has it: a missing one fails, never skips
+    import pyarrow.parquet as pq
 
     root = write_tree(tmp_path / "d", {"a.jsonl": jl(good(0))})
     (root / "sub").mkdir()
@@ -484,7 +484,7 @@ def test_the_json_scanner_finds_exactly_the_values_json_loads_finds(values, as_a
         assert got == []
         return
     assert len(got) == len(values)
-    for k, ((line, data, size), v, e) in enumerate(zip(got, values, enc)):
+    for k, ((line, data, size), v, e) in enumerate(zip(got, values, enc, strict=True)):
         if data is None:
             assert size > limit
         else:

@@ -9,14 +9,12 @@ mask lives) even when a layer hands it over from elsewhere.
 
 from __future__ import annotations
 
-import pytest
+import accelerate  # noqa: F401 - in the [test] extra: model.device_map=auto needs it, a missing one fails here
 import torch
 
-pytest.importorskip("accelerate")
-
-from dspark_precompute.write.config.schema import ModelConfig  # noqa: E402
-from dspark_precompute.write.target.capture import HiddenStateCapture  # noqa: E402
-from dspark_precompute.write.target.load import inspect_target, load_target, load_tokenizer  # noqa: E402
+from dspark_precompute.write.config.schema import ModelConfig
+from dspark_precompute.write.target.capture import HiddenStateCapture
+from dspark_precompute.write.target.load import inspect_target, load_target, load_tokenizer
 
 LAYERS = [-1, 0, 2, 3]  # embeddings, decoder layers, and the final post-norm output
 

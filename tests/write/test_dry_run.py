@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from helpers import compose, small
+from helpers import compose, refuse_building_weights, small
 
 import dspark_precompute
 from dspark_precompute import open_cache
@@ -64,8 +64,7 @@ def assert_plan_matches(plan: DryRunPlan, path: str) -> None:
 
 def test_a_dry_run_predicts_the_real_runs_counts_and_exact_uncompressed_bytes(default_run, monkeypatch):
     cfg, result = default_run
-    monkeypatch.setattr("dspark_precompute.write.target.load.load_target",
-                        lambda *a, **k: pytest.fail("weights loaded"))
+    refuse_building_weights(monkeypatch)
     plan = dry_run(dataclasses.replace(cfg, dry_run=True))
     assert_plan_matches(plan, result.path)
     assert "complete: the run would have nothing to do" in plan.storage_state

@@ -39,6 +39,7 @@ def test_both_final_states_are_stored_and_are_the_targets_own(both_states_run):
     assert m.identity["last_state"] == "both" and c.has_pre_norm
     meta = json.loads((Path(result.path) / "hidden_states" / "pre_norm" / "zarr.json").read_text())["attributes"]
     assert meta == {"logical_dtype": "bfloat16", "layer_id": 3, "final_state": "pre_norm"}
+    assert len(c) == result.samples > 0
     for i in range(len(c)):
         s = c.sample(i, pre_norm=True)
         pre, post, norm = target_states(cfg, s["input_ids"])

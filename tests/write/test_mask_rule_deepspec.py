@@ -132,5 +132,6 @@ def test_the_rule_is_in_the_cache_identity_only_when_not_nemo_and_the_manifest_r
     ds = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     assert (ds["mask_rule"], ds["chat_template"], ds["min_loss_tokens"]) == ("deepspec", "qwen", 14)
     assert not any("not DeepSpec's own preparation" in n for n in out.notes)
+    assert len(c) == r.samples > 0
     for i in range(len(c)):
         assert int(c.read_raw(i, [], last=False)["loss_mask"].sum()) >= 14

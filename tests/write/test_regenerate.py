@@ -42,7 +42,7 @@ def output_rows(tmp_path: Path) -> list[dict]:
 def assert_regenerated(rows: list[dict], source: list[dict]) -> None:
     """One row per source row, in source order, each assistant turn the server's answer to its history."""
     assert len(rows) == len(source)
-    for row, src in zip(rows, source):
+    for row, src in zip(rows, source, strict=True):
         assert [m["role"] for m in row["messages"]] == [m["role"] for m in src["messages"]]
         for i, m in enumerate(row["messages"]):
             if m["role"] == "assistant":

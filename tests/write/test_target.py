@@ -40,11 +40,12 @@ def test_layer_ids_map_to_hf_hidden_states_including_embeddings_and_the_post_nor
 
 def test_the_cache_holds_hf_hidden_states_rounded_to_bf16_exactly(tmp_path):
     cfg = compose(small(tmp_path, "model.layer_ids=[-1,0,1,3]", "batch.max_samples=1", "data.max_samples=6"))
-    run(cfg)
+    result = run(cfg)
     c = open_cache(cfg.storage.path)
     tok = tiny.build_tokenizer()
     model = tiny.build_target(cfg.model.random, len(tok))
     H = cfg.model.random.hidden_size
+    assert len(c) == result.samples > 0
     for i in range(len(c)):
         s = c[i]
         hs = hf_states(model, s["input_ids"])
