@@ -454,12 +454,15 @@ def load_target(cfg: ModelConfig, info: TargetInfo, vocab_size: int, device: tor
     ``par`` (every rank calls this together) transformers' DistributedConfig layout.
     """
     par = par or ParallelConfig()
-    if cfg.path == TINY and not par.sharded:
-        return tiny.build_target(cfg.random, vocab_size, dtype).to(device)
     # safetensors only: a pickled .bin checkpoint would run arbitrary code on load.
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, "use_safetensors": True}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.path == TINY and not par.sharded:
+        built = tiny.build_target(cfg.random, vocab_size, dtype)
+        if cfg.random.model_type == "qwen3":  # the built model as it is (what every earlier tiny cache holds)
+            return built.to(device)
+        return sharding.load_tiny_sharded(built, kwargs, None, 1).to(device)
     if par.sharded:
         if device.type == "cuda":
             torch.cuda.set_device(device)

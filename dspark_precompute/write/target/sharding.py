@@ -89,12 +89,14 @@ def distributed_config(par: ParallelConfig, world: int) -> Any:
                              dp_replicate_size=world // par.group)
 
 
-def load_sharded(source: str, kwargs: dict[str, Any], par: ParallelConfig, world: int) -> Any:
-    """``from_pretrained`` with the layout's DistributedConfig (each rank reads and keeps its shards only)."""
+def load_sharded(source: str, kwargs: dict[str, Any], par: ParallelConfig | None, world: int) -> Any:
+    """``from_pretrained`` with the layout's DistributedConfig (each rank reads and keeps its shards only);
+    ``par=None``: one whole copy, loaded the same way."""
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(source, distributed_config=distributed_config(par, world),
-                                                      **kwargs)
+    if par is not None:
+        kwargs = {**kwargs, "distributed_config": distributed_config(par, world)}
+    model: Any = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     return model.eval().requires_grad_(False)
 
 
@@ -110,11 +112,13 @@ def warm_up(model: Any) -> None:
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
 
 
-def load_tiny_sharded(model: Any, kwargs: dict[str, Any], par: ParallelConfig, world: int) -> Any:
-    """The built-in random target, sharded: saved to a private temporary directory, then loaded as a checkpoint.
+def load_tiny_sharded(model: Any, kwargs: dict[str, Any], par: ParallelConfig | None, world: int) -> Any:
+    """The built-in random target saved to a private temporary directory, then loaded as a checkpoint.
 
-    Its buffers are the built model's: the one-copy tiny target is cast to the compute dtype as
-    a whole (rotary ``inv_freq`` included), which ``from_pretrained`` would keep in float32.
+    Sharded (``par``), or one copy of a family whose modules ``from_pretrained`` keeps in float32
+    (DeepSeek V4's ``hc_head`` and final norm), so that one copy and a sharded run compute alike.
+    Its buffers are the built model's: the tiny target is cast to the compute dtype as a whole
+    (rotary ``inv_freq`` included), which ``from_pretrained`` would keep in float32.
     """
     from safetensors.torch import save_model
 
