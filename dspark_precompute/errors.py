@@ -20,13 +20,18 @@ class ConfigError(DsparkError, ValueError):
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
 
+def difference_rows(differences: list[tuple[str, object, object]]) -> str:
+    """What a resume found changed, one ``key: recorded ..., requested ...`` line each (every refusal to resume)."""
+    return "\n".join(f"  - {k}: recorded {r!r}, requested {q!r}" for k, r, q in differences)
+
+
 class IncompatibleCacheError(DsparkError):
     """The cache at storage.path was written with a different configuration."""
 
     def __init__(self, path: str, differences: list[tuple[str, object, object]]):
         self.path = path
         self.differences = differences
-        rows = "\n".join(f"  - {k}: recorded {r!r}, requested {q!r}" for k, r, q in differences)
+        rows = difference_rows(differences)
         super().__init__(
             f"refusing to resume into {path}: it was written with a different configuration.\n{rows}\n"
             "Re-run with the recorded settings, choose another storage.path, or pass overwrite=true "
@@ -232,7 +237,7 @@ class RegenerateResumeError(RegenerateError):
     def __init__(self, path: str, differences: list[tuple[str, object, object]]):
         self.path = path
         self.differences = differences
-        rows = "\n".join(f"  - {k}: recorded {r!r}, requested {q!r}" for k, r, q in differences)
+        rows = difference_rows(differences)
         super().__init__(
             f"refusing to resume the regeneration in {path}: its rows were made with other settings.\n{rows}\n"
             "Re-run with the recorded settings, give another regenerate.output, or delete that directory to "
