@@ -81,9 +81,9 @@ def rel_errors(ref: Any, c: Any) -> dict[str, float]:
     for i in np.argsort(c0):  # disk order: each chunk decoded once
         for name, (d, scale) in arrays_of(c).items():
             a, b = int(r0[i]), int(r0[i] + n[i])
-            want = ref._read_tokens([name], a, b)[name].astype(np.float64)
+            want = ref.chunks.read([name], a, b)[name].astype(np.float64)
             a, b = int(c0[i]), int(c0[i] + n[i])
-            got = c._read_tokens([name] + ([scale] if scale else []), a, b)
+            got = c.chunks.read([name] + ([scale] if scale else []), a, b)
             g = to_float32(got[name], d, got[scale] if scale else None).astype(np.float64)
             err[name] = err.get(name, 0.0) + float(((g - want) ** 2).sum())
             den[name] = den.get(name, 0.0) + float((want ** 2).sum())
@@ -100,13 +100,13 @@ def codec_bytes(c: Any, compressor: str, level: int, shuffle: str) -> int:
         codec = Blosc(cname=compressor.split("_", 1)[1], clevel=level, blocksize=1 << 20,
                       shuffle={"none": Blosc.NOSHUFFLE, "byte": Blosc.SHUFFLE, "bit": Blosc.BITSHUFFLE}[shuffle])
     ct = c.chunk_tokens
-    stored = sorted({k for a, b in zip(c._unit_start, c._unit_stop) if b > a  # format 2 stores no chunk past a
+    stored = sorted({k for a, b in c.chunks.unit_spans() if b > a  # format 2 stores no chunk past a
                      for k in range(int(a) // ct, (int(b) - 1) // ct + 1)})  # unit's last token
     n = 0
     for name, (_, scale) in arrays_of(c).items():
         for arr in [name] + ([scale] if scale else []):
             for a in (k * ct for k in stored):
-                chunk = c._read_tokens([arr], a, a + ct)[arr]  # as stored: blosc's typesize is its itemsize
+                chunk = c.chunks.read([arr], a, a + ct)[arr]  # as stored: blosc's typesize is its itemsize
                 n += len(codec.encode(np.ascontiguousarray(chunk))) + 4  # + the crc32c
     return n
 

@@ -219,7 +219,7 @@ def stored_chunks(cache: Any) -> list[int]:
     leaves the chunks past a unit's last token out of its shard; format 1 packs units back to back)."""
     ct = cache.chunk_tokens
     out: set[int] = set()
-    for a, b in zip(cache._unit_start, cache._unit_stop):
+    for a, b in cache.chunks.unit_spans():
         if b > a:
             out.update(range(int(a) // ct, (int(b) - 1) // ct + 1))
     return sorted(out)
@@ -232,11 +232,11 @@ def decode_limit(cache: Any) -> dict[str, float]:
 
     names = list(dict.fromkeys(["input_ids", "loss_mask", *cache.array_names.values()]))
     chunks = stored_chunks(cache)
-    source = ChunkSource(cache.store, cache._metas, cache._zstore)  # its own handles and indexes: none in hand
+    source = ChunkSource(cache.store, dict(cache.chunks.metas), cache.chunks.zstore)  # own handles, no index
     t0, c0 = time.perf_counter(), time.thread_time()
     nbytes = 0
     for name in names:
-        m = cache._metas[name]
+        m = cache.chunks.metas[name]
         per = int(m.shard_chunks or 1)
         for k in range(0, len(chunks), per):  # one shard's worth (or one chunk) at a time
             jobs = [(name, c) for c in chunks[k:k + per]]
@@ -376,7 +376,7 @@ def main() -> None:
     log(f"warming the page cache: {warm(args.cache, nemo_dir, *([args.v1_cache] if args.v1_cache else [])) / 1e9:.1f}"
         " GB read")
     lengths = cache.lengths()
-    token_bytes = cache._token_bytes()
+    token_bytes = cache.chunks.token_bytes()
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     if args.s3_only:
         s3 = run_s3(args, build_dataloader, token_bytes)

@@ -159,15 +159,16 @@ def cache_facts(cache: Path) -> dict[str, Any]:
     m = json.loads((cache / "manifest.json").read_text())
     c = open_cache(cache)
     try:
-        starts, stops = np.asarray(c._unit_start, dtype=np.int64), np.asarray(c._unit_stop, dtype=np.int64)
+        starts, stops = np.asarray(c.chunks.unit_start, dtype=np.int64), np.asarray(c.chunks.unit_stop, dtype=np.int64)
         ct = c.chunk_tokens
         slots = int((-(-(stops - starts) // ct) * ct).sum())  # written token slots: each unit rounded to chunks
-        hidden_names = [n for n in c._metas if n not in (INPUT_IDS, LOSS_MASK) and "/" in n
+        hidden_names = [n for n in c.chunks.metas if n not in (INPUT_IDS, LOSS_MASK) and "/" in n
                         and n.split("/")[0] in ("hidden_states", "hidden_scales")]
-        hidden_row = sum(c._metas[n].dtype.itemsize * int(np.prod(c._metas[n].shape[1:])) for n in hidden_names)
+        metas = c.chunks.metas
+        hidden_row = sum(metas[n].dtype.itemsize * int(np.prod(metas[n].shape[1:])) for n in hidden_names)
         token_arrays = 2 + len(hidden_names)
         fp8 = any(n.startswith("hidden_scales/") for n in hidden_names)
-        samples = int(len(c._start))
+        samples = int(len(c.chunks.sample_start))
     finally:
         c.close()
     files, dirs = walk(cache)

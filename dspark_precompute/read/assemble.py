@@ -213,8 +213,8 @@ class BatchAssembler:
         for k, batch in enumerate(batches):
             todo = [(name, c) for c in rows[k] for name in self.arrays if (name, c) not in decoded]
             if todo:
-                got = (self.reader._decoded_chunks(todo, raws=raws(todo), threads=threads) if raws is not None
-                       else self.reader._decoded_chunks(todo, threads=threads))
+                got = (self.reader.chunks.decoded(todo, raws=raws(todo), threads=threads) if raws is not None
+                       else self.reader.chunks.decoded(todo, threads=threads))
                 decoded.update(zip(todo, got))
             off = None if offsets is None else offsets[k]
             out.append(self._one(batch, decoded, memory, None if off is None else arena, off))

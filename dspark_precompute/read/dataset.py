@@ -59,7 +59,7 @@ class CacheDataset(Dataset[dict[str, torch.Tensor]]):
         self.seq_length = opened.max_length or opened.seq_length  # a cut cache serves samples of at most this
         self.storage_dtype = opened.storage_dtype
         self.manifest = opened.manifest
-        self._state = {**opened._handle_state(), "chunk_cache_bytes": chunk_cache_bytes}
+        self._state = {**opened.handle_state(), "chunk_cache_bytes": chunk_cache_bytes}
         self._cache: CacheReader | None = opened
         self._inherited: list[CacheReader] = []  # handles of the processes above this one (see cache)
         self._pid = os.getpid()

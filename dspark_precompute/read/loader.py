@@ -86,7 +86,7 @@ class _TaskRunner(Dataset[Any]):
             self._prefetcher = None
             self._planned.clear()
             if cache.store.url and self.prefetch_bytes > 0:
-                self._prefetcher = ChunkPrefetcher(zarr_fetcher(cache._zstore), self.prefetch_bytes,
+                self._prefetcher = ChunkPrefetcher(zarr_fetcher(cache.chunks.zstore), self.prefetch_bytes,
                                                    self.prefetch_requests)
         return self._assembler
 
@@ -115,7 +115,7 @@ class _TaskRunner(Dataset[Any]):
             cache = asm.reader
 
             def raws(jobs: list[tuple[str, int]]) -> list[bytes | None]:
-                return pf.take_many(cache._chunk_refs(jobs))
+                return pf.take_many(cache.chunks.refs(jobs))
 
         return asm.build(batches, memory, raws=raws, threads=threads, arena=arena, offsets=offsets)
 
@@ -129,7 +129,7 @@ class _TaskRunner(Dataset[Any]):
         tasks = self.sampler.tasks(key[0])
 
         def queue(k: TaskKey) -> None:
-            items = cache._chunk_refs(asm.jobs(tasks[k[1]][k[2]:]))
+            items = cache.chunks.refs(asm.jobs(tasks[k[1]][k[2]:]))
             pf.plan(items)
             self._planned.append((k, sum(ref.nbytes for ref in items if ref is not None)))
 

@@ -10,14 +10,11 @@ sample/unit tables against the layout; a cache that fails any of them is refused
 :class:`CacheFormatError` listing every problem, so nothing sized by a crafted value is ever
 allocated.
 
-Inner chunks are found by ``contract.chunks.ChunkSource`` (format 2: a byte range of the
-unit's shard, from its index, read once per shard) and decoded by ``contract.chunks``
-(crc32c, header sizes, bounded buffers); a chunk that is not there raises
-:class:`MissingChunkError` and a damaged shard :class:`DamagedShardError`, each naming the
-array and the samples. Decoded chunks go through a small LRU: a sample only touches the
-chunks that hold its tokens, neighbouring samples (disk order is longest-first within a unit)
-reuse them, and one sample's chunks are decoded concurrently on the reader's own threads
-(:meth:`CacheReader.close` stops them).
+Token slots and inner chunks are read by ``reader.chunks`` (:class:`~dspark_precompute.read.chunks.CacheChunks`):
+found through the shard indexes, decoded and checked, a missing one a :class:`MissingChunkError`
+and a damaged one a :class:`DamagedShardError`, each naming the array and the samples, through a
+small LRU of decoded chunks (a sample touches only the chunks that hold its tokens; neighbours
+reuse them). :meth:`CacheReader.close` stops its decode threads.
 
 ``max_length=L`` serves a cache made at a longer ``seq_length`` as one made at ``L``: a causal
 target's states for the first ``L`` tokens do not depend on what follows, so each sample is
@@ -34,28 +31,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from dspark_precompute.contract.chunks import ChunkRef
 from dspark_precompute.contract.commits import committed_units
 from dspark_precompute.contract.fp8 import bf16_bits_to_float32, convert
-from dspark_precompute.contract.layout import SampleIndex
 from dspark_precompute.contract.opener import open_stored
-from dspark_precompute.contract.spec import INPUT_IDS, LAST, LOSS_MASK, PRE_NORM, TABLES, WEIGHTS
+from dspark_precompute.contract.spec import INPUT_IDS, LAST, LOSS_MASK, PRE_NORM, WEIGHTS
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.contract.weights import weights_problems
-from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, MissingChunkError
+from dspark_precompute.errors import CacheFormatError, ChecksumError
 from dspark_precompute.humanize import listing
 from dspark_precompute.read import summary
+from dspark_precompute.read.chunks import CacheChunks
 
 SAMPLE_KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
 PRE_NORM_KEY = "target_pre_norm_hidden_states"
@@ -74,30 +67,6 @@ def to_torch(a: np.ndarray, storage_dtype: str) -> torch.Tensor:
     if StorageDtype(storage_dtype) is StorageDtype.bf16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
-
-
-class _ChunkLRU:
-    """Decoded chunks keyed by (array, chunk index), evicted least-recently-used by bytes."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = int(max_bytes)
-        self.items: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
-        self.nbytes = 0
-
-    def get(self, key: tuple[str, int]) -> np.ndarray | None:
-        hit = self.items.get(key)
-        if hit is not None:
-            self.items.move_to_end(key)
-        return hit
-
-    def put(self, key: tuple[str, int], value: np.ndarray) -> None:
-        if value.nbytes > self.max_bytes or key in self.items:
-            return
-        self.items[key] = value
-        self.nbytes += value.nbytes
-        while self.nbytes > self.max_bytes:
-            _, old = self.items.popitem(last=False)
-            self.nbytes -= old.nbytes
 
 
 def _check_max_length(max_length: int | None, seq_length: int) -> int | None:
@@ -139,15 +108,12 @@ class CacheReader:
         self._names: dict[str, str] = dict(m.arrays)
         self._dtypes = m.array_dtypes  # hidden array -> storage dtype
         self._scales = m.scale_arrays  # fp8 array -> its scale array
-        self._metas, self._source, self._zstore = opened.metas, opened.source, opened.zstore
-        self._lru = _ChunkLRU(chunk_cache_bytes)
-        self._owned: dict[str, Any] = {"pool": None, "opened": opened}  # released by close() or by the finalizer
+        self.chunks = CacheChunks(opened, chunk_cache_bytes)  # token slots and inner chunks (read/chunks.py)
+        self._owned: dict[str, Any] = {"chunks": self.chunks, "opened": opened}  # released by close() or finalizer
         self._finalizer = weakref.finalize(self, _shutdown, self._owned)
-        self._where: SampleIndex | None = None
         t = opened.tables
         self._start, self._length, self._unit = t["samples/start"], t["samples/length"], t["samples/unit"]
         self._source_row, self._untruncated = t["samples/source_row"], t["samples/untruncated_length"]
-        self._unit_start, self._unit_stop = t["units/token_start"], t["units/token_stop"]
         units = _units if _units is not None else (None if m.complete else sorted(opened.committed))
         self._readable_units = units
         self.indices = opened.readable(units)
@@ -204,151 +170,13 @@ class CacheReader:
 
     def close(self) -> None:
         """Stop the decode threads and close the shard files (the reader can still be used: they come back)."""
-        pool = self._owned.pop("pool", None)
-        self._owned["pool"] = None
-        if pool is not None:
-            pool.shutdown(wait=True)
-        self._source.forget()
+        self.chunks.close()
 
     def __enter__(self) -> CacheReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- low-level reads (the read package's plumbing) --------------------------------------
-    def _threads(self) -> ThreadPoolExecutor:
-        pool = self._owned.get("pool")
-        if pool is None:
-            pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="dspark-read")
-            self._owned["pool"] = pool
-        return pool
-
-    def _samples_in(self, lo: int, hi: int) -> np.ndarray:
-        if self._where is None:
-            self._where = SampleIndex(self._start, self._length)
-        return self._where.in_range(lo, hi)
-
-    def _named(self, ids: np.ndarray) -> str:
-        shown = ", ".join(str(int(i)) for i in ids[:8]) + (f" (+{len(ids) - 8} more)" if len(ids) > 8 else "")
-        return f"samples {shown}" if len(ids) else "no samples"
-
-    def _missing(self, name: str, c: int) -> MissingChunkError:
-        meta = self._metas[name]
-        idx, key = meta.chunk_index(c), meta.object_key(c)
-        lo, hi = c * meta.chunks[0], min((c + 1) * meta.chunks[0], meta.shape[0])
-        holds = self._samples_in(lo, hi)
-        units = sorted({int(u) for u in self._unit[holds]}) if len(holds) else []
-        pending = [] if self.manifest.complete else sorted(set(units) - committed_units(self.store, self.num_units))
-        where = f"chunk {idx} ({'in shard ' if meta.sharded else 'file '}{key})"
-        if pending:  # slots of a unit the run has not committed: nothing is damaged
-            return MissingChunkError(
-                f"{self.path}: array {name!r} {where} is not written yet: it belongs to unit(s) {pending}, which have "
-                "no commit record; only committed units of an incomplete cache are readable.",
-                array=name, chunk=idx, samples=tuple(int(i) for i in holds))
-        return MissingChunkError(
-            f"{self.path}: array {name!r} {where} is missing: it holds token slots [{lo}, {hi}) of unit(s) {units}, "
-            f"{self._named(holds)}, which would read back as zeros. The cache is damaged: run `dspark-cache verify "
-            f"--repair {self.path}` to mark the unit(s) for recomputation, then re-run the precompute command that "
-            "wrote the cache (same overrides).", array=name, chunk=idx, samples=tuple(int(i) for i in holds))
-
-    def _damaged(self, exc: DamagedShardError, jobs: Sequence[tuple[str, int]]) -> DamagedShardError:
-        """``exc`` again, naming the samples of the shard (or of the chunks asked for)."""
-        name = exc.array or (jobs[0][0] if jobs else "")
-        meta = self._metas.get(name)
-        if meta is not None and meta.sharded and exc.shard is not None:
-            lo = exc.shard[0] * int(meta.shard_chunks or 1) * meta.chunks[0]
-            holds = self._samples_in(lo, lo + int(meta.shard_chunks or 1) * meta.chunks[0])
-        else:
-            ct = self.chunk_tokens
-            holds = np.unique(np.concatenate([self._samples_in(c * ct, (c + 1) * ct) for n, c in jobs if n == name]
-                                             or [np.zeros(0, dtype=np.int64)]))
-        units = sorted({int(u) for u in self._unit[holds]}) if len(holds) else []
-        return DamagedShardError(
-            f"{self.path}: {exc}; it holds {self._named(holds)} of unit(s) {units}. Nothing was decoded from it. Run "
-            f"`dspark-cache verify --repair {self.path}` to mark the unit(s) for recomputation, then re-run the "
-            "precompute command that wrote the cache.", array=name, shard=exc.shard,
-            samples=tuple(int(i) for i in holds), checksum=exc.checksum, misplaced=exc.misplaced)
-
-    def _chunk_refs(self, jobs: Sequence[tuple[str, int]]) -> list[ChunkRef | None]:
-        """Where each chunk's stored bytes are (loading the shard indexes not in hand); None for an absent one."""
-        try:
-            return self._source.locate(jobs)
-        except DamagedShardError as exc:
-            raise self._damaged(exc, jobs) from None
-
-    def _decode_jobs(self, jobs: list[tuple[str, int]], raws: Sequence[bytes | None] | None = None,
-                     threads: bool = True) -> list[np.ndarray]:
-        """Chunks ``(array, chunk number)`` decoded, concurrently when there are several (and ``threads``).
-
-        The stored bytes are fetched together (local shards with ``pread``, remote ones with
-        range requests all at once) unless given in ``raws`` (fetched ahead).
-        """
-        where = f"{self.path}: "
-        if raws is None:
-            refs = self._chunk_refs(jobs)
-            try:
-                raws = self._source.fetch(refs)
-            except DamagedShardError as exc:
-                raise self._damaged(exc, jobs) from None
-
-        def finish(job: tuple[str, int], raw: bytes | None) -> np.ndarray:
-            if raw is None:
-                raise self._missing(job[0], job[1])
-            try:
-                return self._source.decode(job[0], job[1], raw, where)
-            except DamagedShardError as exc:  # format 3: not the chunk its unit's record binds to this place
-                raise self._damaged(exc, [job]) from None
-
-        if threads and len(jobs) > 1:
-            return list(self._threads().map(finish, jobs, raws))
-        return [finish(j, r) for j, r in zip(jobs, raws)]
-
-    def _decoded_chunks(self, jobs: list[tuple[str, int]], raws: Sequence[bytes | None] | None = None,
-                        threads: bool = True, reuse: bool = True) -> list[np.ndarray]:
-        """Chunks ``(array, chunk number along the token axis)``, decoded and checked, as stored (read-only use).
-
-        ``reuse`` takes chunks from (and keeps them in) the small LRU of decoded chunks;
-        ``raws`` are the chunks' stored bytes when fetched ahead (then the LRU is bypassed:
-        the bytes in hand are decoded). ``threads`` decodes several at once.
-        """
-        if raws is not None or not reuse:
-            return self._decode_jobs(jobs, raws=raws, threads=threads)
-        out: list[np.ndarray | None] = [self._lru.get(job) for job in jobs]
-        todo = [k for k, hit in enumerate(out) if hit is None]
-        for k, piece in zip(todo, self._decode_jobs([jobs[k] for k in todo], threads=threads)):
-            out[k] = piece
-            self._lru.put(jobs[k], piece)
-        return [x for x in out if x is not None]
-
-    def _read_tokens(self, names: Sequence[str], a: int, b: int) -> dict[str, np.ndarray]:
-        """Token slots ``[a, b)`` of each named token array, as stored (bf16 as uint16 bits), copied."""
-        ct = self.chunk_tokens
-        names = list(dict.fromkeys(names))
-        unknown = [nm for nm in names if nm in TABLES or nm not in self._metas]
-        if unknown:
-            raise ValueError(f"_read_tokens: {unknown} are not token arrays of this cache; those are "
-                             f"{sorted(n for n in self._metas if n not in TABLES)}")
-        total = self.manifest.layout.total_token_slots
-        if not 0 <= a <= total or not 0 <= b <= total:
-            raise ValueError(f"_read_tokens: token slots [{a}, {b}) lie outside the token axis [0, {total})")
-        if b <= a:
-            return {nm: np.zeros((0, *self._metas[nm].shape[1:]), dtype=self._metas[nm].dtype) for nm in names}
-        c0, c1 = a // ct, (b - 1) // ct
-        jobs = [(name, c) for name in names for c in range(c0, c1 + 1)]
-        chunks = dict(zip(jobs, self._decoded_chunks(jobs)))
-        out: dict[str, np.ndarray] = {}
-        for name in names:
-            parts = [chunks[(name, c)][max(a, c * ct) - c * ct:min(b, (c + 1) * ct) - c * ct]
-                     for c in range(c0, c1 + 1)]
-            out[name] = parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
-        return out
-
-    def _token_bytes(self) -> int:
-        """Bytes one token slot takes in the stored arrays, decoded (ids, mask and every hidden array once)."""
-        names = dict.fromkeys([INPUT_IDS, LOSS_MASK, *self._names.values()])
-        return sum(int(self._metas[n].dtype.itemsize) * int(np.prod(self._metas[n].chunks[1:], dtype=np.int64))
-                   for n in names)
 
     # -- sequence protocol -----------------------------------------------------------------
     def __len__(self) -> int:
@@ -413,7 +241,7 @@ class CacheReader:
         finals = {key: self._final_name(name) for key, name, want in ((LAST, LAST, last), (PRE_NORM, PRE_NORM,
                                                                                           pre_norm)) if want}
         names = [INPUT_IDS, LOSS_MASK, *layer_names, *finals.values()]
-        got = self._read_tokens(names + [self._scales[nm] for nm in names if nm in self._scales], a, a + n)
+        got = self.chunks.read(names + [self._scales[nm] for nm in names if nm in self._scales], a, a + n)
 
         def states(nm: str, to: str) -> np.ndarray:
             scale = got[self._scales[nm]] if nm in self._scales else None
@@ -457,7 +285,7 @@ class CacheReader:
         last_name = self._names.get(LAST)
         with_last = last and last_name is not None and self._dtypes[last_name].is_fp8
         names = [*layer_names] + ([last_name] if with_last and last_name else [])
-        got = self._read_tokens([INPUT_IDS, LOSS_MASK, *names, *(self._scales[nm] for nm in names)], a, a + n)
+        got = self.chunks.read([INPUT_IDS, LOSS_MASK, *names, *(self._scales[nm] for nm in names)], a, a + n)
 
         def joined(arrays: list[np.ndarray], dtype: Any) -> np.ndarray:
             return np.concatenate(arrays, axis=1) if arrays else np.zeros((n, 0), dtype=dtype)
@@ -539,6 +367,10 @@ class CacheReader:
         """First token slot of each readable sample (int64): sort by it to read in disk order."""
         return np.asarray(self._start[self.indices])
 
+    def units(self) -> np.ndarray:
+        """The commit unit of each readable sample (int64): what ``verify --repair`` marks and a run rewrites."""
+        return np.asarray(self._unit[self.indices])
+
     def untruncated_lengths(self) -> np.ndarray:
         return np.asarray(self._untruncated[self.indices])
 
@@ -552,9 +384,10 @@ class CacheReader:
             mine = ids[members == u]
             s0 = self._start[mine].astype(np.int64)
             s1 = s0 + self._cut[mine]
-            for w0 in range(int(self._unit_start[u]), int(self._unit_stop[u]), window):
-                w1 = min(w0 + window, int(self._unit_stop[u]))
-                mask = self._read_tokens([LOSS_MASK], w0, w1)[LOSS_MASK]
+            u0, u1 = int(self.chunks.unit_start[u]), int(self.chunks.unit_stop[u])
+            for w0 in range(u0, u1, window):
+                w1 = min(w0 + window, u1)
+                mask = self.chunks.read([LOSS_MASK], w0, w1)[LOSS_MASK]
                 csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
                 lo, hi = np.clip(s0 - w0, 0, w1 - w0), np.clip(s1 - w0, 0, w1 - w0)
                 counts[mine] += csum[hi] - csum[lo]
@@ -601,16 +434,16 @@ class CacheReader:
             h.update(np.ascontiguousarray(t).tobytes())
         return h.hexdigest()
 
-    def _handle_state(self) -> dict[str, Any]:
+    def handle_state(self) -> dict[str, Any]:
         """A small picklable description from which :meth:`_reopen` rebuilds this very view elsewhere."""
         units = None if self.complete else sorted({int(u) for u in self._unit[self.indices]})
-        return {"path": self.path, "chunk_cache_bytes": self._lru.max_bytes, "complete": self.complete,
+        return {"path": self.path, "chunk_cache_bytes": self.chunks.lru.max_bytes, "complete": self.complete,
                 "units": units, "samples": len(self), "fingerprint": self._fingerprint(),
                 "max_length": self.max_length}
 
     @classmethod
     def _reopen(cls, state: dict[str, Any]) -> CacheReader:
-        """Open the cache of ``state`` (from :meth:`_handle_state`) afresh: the same samples under the same indices.
+        """Open the cache of ``state`` (from :meth:`handle_state`) afresh: the same samples under the same indices.
 
         Refuses (:class:`CacheFormatError`) a cache rewritten or repaired since: a worker
         must never read different samples under the indices its parent handed out.
@@ -634,7 +467,7 @@ class CacheReader:
         return fresh
 
     def __getstate__(self) -> dict[str, Any]:
-        return self._handle_state()
+        return self.handle_state()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         fresh = CacheReader._reopen(state)
@@ -645,9 +478,7 @@ class CacheReader:
 
 def _shutdown(owned: dict[str, Any]) -> None:
     """What a reader owns, released when it is garbage-collected without :meth:`CacheReader.close`."""
-    pool = owned.get("pool")
-    if pool is not None:
-        pool.shutdown(wait=False)
+    owned["chunks"].release()
     owned["opened"].close()
 
 

@@ -86,7 +86,7 @@ def build_dataloader(cache: str | Path | CacheReader | CacheDataset, *, batch_si
         rank = 0 if rank is None else rank
     reader = ds.cache
     if block_chunks is None:
-        block_chunks = default_block_chunks(reader._token_bytes() * reader.chunk_tokens)
+        block_chunks = default_block_chunks(reader.chunks.token_bytes() * reader.chunk_tokens)
     sampler = CacheBatchSampler(ds.lengths, reader.starts(), reader.chunk_tokens, batch_size=batch_size,
                                 max_tokens=max_tokens, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                 num_replicas=num_replicas, rank=rank, pad_to=pad_to, max_batch_size=max_batch_size,

@@ -137,7 +137,7 @@ def test_the_reader_bench_reports_every_loader_nemo_and_the_decode_limit(default
     # the decode limit decoded every stored chunk of every token array once: each unit's tokens up to its last
     # chunk's end (format 2 leaves the chunks past a unit's last token out of its shard)
     ct = reader.chunk_tokens
-    stored = sum(-(-int(b - a) // ct) * ct for a, b in zip(reader._unit_start, reader._unit_stop, strict=True))
+    stored = sum(-(-int(b - a) // ct) * ct for a, b in reader.chunks.unit_spans())
     assert stored <= reader.manifest.layout.total_token_slots  # a unit's chunks past its last token are not read
     assert res["decode_limit_bytes"] == [stored * c["token_bytes"]] * 2
     # random single-sample reads, format 2 against format 1, the same count each, the ratio from the same repeats
@@ -195,7 +195,7 @@ def test_the_scale_bench_counts_the_files_the_contract_says_each_cache_holds(sca
         assert (len(c), int(c.lengths().sum()), c.num_units) == (facts["samples"], facts["tokens"], facts["units"])
         assert c.manifest.counts.rows_in == size["rows"]  # every synthetic row read, each its own
         ct, hidden_arrays = c.chunk_tokens, facts["token_arrays"] - 2
-        slots = sum(-(-int(b - a) // ct) * ct for a, b in zip(c._unit_start, c._unit_stop, strict=True))
+        slots = sum(-(-int(b - a) // ct) * ct for a, b in c.chunks.unit_spans())
         assert facts["raw_hidden_bytes"] == slots * hidden_arrays * c.hidden_size * 2  # bf16
         assert facts["entries_per_tb"] == pytest.approx((files + dirs) * 1e12 / facts["raw_hidden_bytes"])
         assert facts["units"] >= -(-facts["tokens"] // facts["unit_tokens"]) > 1

@@ -271,7 +271,7 @@ def test_a_chunk_object_missing_from_a_bucket_is_a_missing_chunk_error_not_zeros
     layer = ref.array_names[str(ref.layer_ids[0])]
     remote.delete(f"{layer}/c.0.0")  # unit 0's shard object
     c = open_cache(url)
-    victims = [i for i in range(len(ref)) if int(ref._unit[ref.indices[i]]) == 0]
+    victims = [i for i in range(len(ref)) if int(ref.units()[i]) == 0]
     assert victims
     with pytest.raises(MissingChunkError, match=rf"array '{layer}' chunk \(\d+, 0\) \(in shard {layer}/c.0.0\) is "
                                                 r"missing") as info:

@@ -145,7 +145,7 @@ def test_a_missing_chunk_is_also_damage_with_the_chunk_cache_off_and_in_a_slice(
     with pytest.raises(MissingChunkError):
         c[:]
     with pytest.raises(MissingChunkError):
-        c._read_tokens(["hidden_states/layer_3"], 0, 1)
+        c.chunks.read(["hidden_states/layer_3"], 0, 1)
     with pytest.raises(MissingChunkError):
         c[victim]
 
@@ -492,11 +492,11 @@ def test_read_tokens_refuses_tables_and_slots_outside_the_token_axis(default_run
     _, result = default_run
     c = open_cache(result.path)
     with pytest.raises(ValueError, match=r"\['samples/start'\] are not token arrays"):
-        c._read_tokens(["samples/start"], 0, 1)
+        c.chunks.read(["samples/start"], 0, 1)
     total = c.manifest.layout.total_token_slots
     with pytest.raises(ValueError, match=rf"token slots \[{total - 4}, {total + 16}\) lie outside the token axis "
                                          rf"\[0, {total}\)"):
-        c._read_tokens(["input_ids"], total - 4, total + 16)
+        c.chunks.read(["input_ids"], total - 4, total + 16)
 
 
 def test_an_unpickled_dataset_refuses_a_cache_re_created_since_it_was_opened(cache_copy, tmp_path):
@@ -584,11 +584,11 @@ def test_slots_of_a_unit_not_yet_committed_are_named_as_unwritten_not_damaged(ca
     t = tables(cache_copy)
     a = int(t["units/token_start"][2])
     assert len(c) == 14 - int((t["samples/unit"] == 2).sum())
-    assert len(c._read_tokens(["input_ids"], a, a + 1)["input_ids"]) == 1  # token ids are stored before any forward
+    assert len(c.chunks.read(["input_ids"], a, a + 1)["input_ids"]) == 1  # token ids are stored before any forward
     shard_file(cache_copy, "hidden_states/layer_1", a // CT).unlink()  # as if the writers had not reached it
     with pytest.raises(MissingChunkError, match=r"is not written yet: it belongs to unit\(s\) \[2\], which have no "
                                                 r"commit record"):
-        c._read_tokens(["hidden_states/layer_1"], a, a + 1)
+        c.chunks.read(["hidden_states/layer_1"], a, a + 1)
 
 
 # -- shards: the index is checked before any offset in it is trusted ----------------------------------------
@@ -665,10 +665,10 @@ def test_a_shard_object_cut_short_after_its_index_was_read_is_refused_not_zero_f
     f, off, n = chunk_span(cache_copy, "hidden_states/layer_1", 4)
     blob = f.read_bytes()
     f.write_bytes(blob[:off + n // 2])  # the data behind the kept index is gone
-    c._source.forget()  # ... and the file handle: a fresh open sees the short file; the index read before stays
-    c._source._indexes[("hidden_states/layer_1", 1)] = np.asarray([[off, n], [-1, -1], [-1, -1], [-1, -1]])
+    c.chunks.source.forget()  # ... and the file handle: a fresh open sees the short file; the index read before stays
+    c.chunks.source._indexes[("hidden_states/layer_1", 1)] = np.asarray([[off, n], [-1, -1], [-1, -1], [-1, -1]])
     with pytest.raises(DamagedShardError, match=r"is cut short"):
-        c._read_tokens(["hidden_states/layer_1"], 4 * CT, 4 * CT + 1)
+        c.chunks.read(["hidden_states/layer_1"], 4 * CT, 4 * CT + 1)
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ def test_a_format_1_cache_opens_and_every_sample_reads_what_plain_zarr_holds(v1,
     assert c.manifest.format_version == 1 and len(c) == m["counts"]["samples"] == 5
     for i in range(len(c)):
         s = int(c.indices[i])
-        a, n = int(c._start[s]), int(c._length[s])
+        a, n = c.chunks.span(s)
         got = c.read_raw(i)
         assert np.array_equal(got["input_ids"], zarr_rows(path, "input_ids", a, a + n))
         assert np.array_equal(got["loss_mask"], zarr_rows(path, "loss_mask", a, a + n))

@@ -34,7 +34,7 @@ def test_a_format_2_cache_reads_every_sample_as_plain_zarr_holds_it(v2):
     assert c.manifest.format_version == 2 and len(c) == m["counts"]["samples"] == 7
     for i in range(len(c)):
         s = int(c.indices[i])
-        a, n = int(c._start[s]), int(c._length[s])
+        a, n = c.chunks.span(s)
         got = c.read_raw(i)
         assert np.array_equal(got["input_ids"], zarr_rows(v2, "input_ids", a, a + n))
         layers = [zarr_rows(v2, f"hidden_states/layer_{lid}", a, a + n) for lid in m["layer_ids"]]

@@ -21,7 +21,7 @@ def token_arrays(path: str) -> list[str]:
 
 
 def ours(c, name: str, a: int, b: int) -> np.ndarray:
-    return c._read_tokens([name], a, b)[name]
+    return c.chunks.read([name], a, b)[name]
 
 
 def check_every_array(path: str, read) -> int:
@@ -30,7 +30,7 @@ def check_every_array(path: str, read) -> int:
     compared = 0
     for name in token_arrays(path):
         for s in c.indices:
-            a, n = int(c._start[s]), int(c._length[s])
+            a, n = c.chunks.span(s)
             assert np.array_equal(read(name, a, a + n), ours(c, name, a, a + n)), (name, s)
             compared += n
     tables = open_stored(path).tables  # our opener's decode of the tables
@@ -74,6 +74,6 @@ def test_a_cache_smaller_than_one_unit_ends_with_its_last_chunk(default_run):
     c = open_cache(default_run[1].path)
     g = zarr.open_group(default_run[1].path, mode="r")
     m = c.manifest.layout
-    last = int(c._unit_stop[-1]) - int(c._unit_start[-1])
-    assert g["input_ids"].shape[0] == m.total_token_slots == int(c._unit_start[-1]) + -(-last // m.chunk_tokens) \
+    last = int(c.chunks.unit_stop[-1]) - int(c.chunks.unit_start[-1])
+    assert g["input_ids"].shape[0] == m.total_token_slots == int(c.chunks.unit_start[-1]) + -(-last // m.chunk_tokens) \
         * m.chunk_tokens

@@ -270,23 +270,23 @@ def test_the_block_shuffle_gives_the_same_batches_on_any_number_of_workers(defau
 
 
 def test_the_block_shuffle_decodes_each_chunk_about_once_per_epoch_the_exact_one_far_more(short_run, monkeypatch):
-    from dspark_precompute.read.reader import CacheReader
+    from dspark_precompute.read.chunks import CacheChunks
 
     counts: Counter = Counter()
-    real = CacheReader._decode_jobs
+    real = CacheChunks.decode
 
     def counting(self, jobs, *a, **k):
         counts.update(j for j in jobs if j[0] == "input_ids")
         return real(self, jobs, *a, **k)
 
-    monkeypatch.setattr(CacheReader, "_decode_jobs", counting)
+    monkeypatch.setattr(CacheChunks, "decode", counting)
     decodes = {}
     for shuffle in ("block", True):
         counts.clear()
         ds = CacheDataset(short_run, chunk_cache_bytes=0)
         list(build_dataloader(ds, batch_size=4, shuffle=shuffle, seed=2, block_chunks=2, window_blocks=2))
         decodes[shuffle] = sum(counts.values())
-    chunks = open_cache(short_run)._metas["input_ids"].num_chunks
+    chunks = open_cache(short_run).chunks.metas["input_ids"].num_chunks
     assert decodes["block"] <= chunks * 1.6 and decodes[True] > 2 * decodes["block"], (decodes, chunks)
 
 

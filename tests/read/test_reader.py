@@ -85,7 +85,7 @@ def test_a_layer_subset_reads_only_those_layers_chunks_in_the_order_asked(defaul
     g = zarr.open_group(result.path, mode="r")
     a, n = int(g["samples/start"][i]), int(g["samples/length"][i])
     chunks = set(range(a // c2.chunk_tokens, (a + n - 1) // c2.chunk_tokens + 1))
-    fetched = set(c2._lru.items)
+    fetched = set(c2.chunks.lru.items)
     assert {name for name, _ in fetched} == {"input_ids", "loss_mask", "hidden_states/layer_2"}
     assert {k for _, k in fetched} == chunks
 
@@ -128,7 +128,7 @@ def test_the_chunk_cache_size_never_changes_what_is_read(default_run):
         c = open_cache(result.path, chunk_cache_bytes=size)
         for i in (5, 0, 5, len(c) - 1, 3):
             assert all(torch.equal(c[i][k], ref[i][k]) for k in ref[i])
-        assert c._lru.nbytes <= max(size, 0)
+        assert c.chunks.lru.nbytes <= max(size, 0)
 
 
 def test_an_incomplete_cache_is_refused_unless_asked_and_then_reads_committed_units_only(cache_copy):

@@ -92,7 +92,7 @@ def test_the_dry_run_counts_the_exact_bytes_an_fp8_run_allocates(fp8_run):
     plan = dry_run(cfg)
     m = open_cache(result.path).manifest
     written = sum(-(-int(n) // m.layout.chunk_tokens) * m.layout.chunk_tokens
-                  for n in open_cache(result.path)._unit_stop - open_cache(result.path)._unit_start)
+                  for n in open_cache(result.path).chunks.unit_stop - open_cache(result.path).chunks.unit_start)
     assert plan.token_array_bytes == written * m.bytes_per_token
     assert [a.name for a in plan.arrays if a.name.startswith("hidden_scales/")] == [
         "hidden_scales/layer_1", "hidden_scales/layer_2"]
