@@ -11,6 +11,7 @@ lets the writer finish the units it already holds and stops; a second signal sto
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -44,10 +45,29 @@ def _handler(signum: int, _frame: Any) -> None:
 
 
 def install() -> dict[int, Any]:
-    """Route SIGINT/SIGTERM to :class:`StoppedBySignal`; returns the previous handlers."""
+    """Route SIGINT/SIGTERM to :class:`StoppedBySignal`; returns the previous handlers.
+
+    It also arranges (once) that the last moments of the interpreter ignore both signals; see
+    :func:`_ignore_at_the_end`.
+    """
     if threading.current_thread() is not threading.main_thread():
         return {}
+    if not _AT_EXIT:
+        atexit.register(_ignore_at_the_end)  # registered first, so it runs after every later exit handler
+        _AT_EXIT.append(True)
     return {sig: signal.signal(sig, _handler) for sig in SIGNALS}
+
+
+_AT_EXIT: list[bool] = []
+
+
+def _ignore_at_the_end() -> None:
+    """After the exit handlers, the interpreter puts the default action back on every signal with a Python
+    handler, and a SIGTERM then killed the process (status -15, not 143) in the milliseconds before it
+    exited. An ignored signal keeps being ignored there: the process ends with the status it chose."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def restore(previous: dict[int, Any]) -> None:

@@ -40,6 +40,11 @@ def cli(tmp_path, overrides, env=None, **kw):
                             text=True, **kw)
 
 
+def unit_committed(cache: Path) -> bool:
+    """A unit's commit record exists (``commits/tokens.json``, the token digests, comes before any unit)."""
+    return any((cache / "commits").glob("u*.json"))
+
+
 def wait_for(predicate, timeout=120.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -117,7 +122,7 @@ def test_killing_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path):
     before = set(os.listdir(shm))
     proc = cli(tmp_path, small(tmp_path, *UNITS, name="c"), env={"DSPARK_FAULT": "writer_array=1:sleep"},
                start_new_session=True)
-    assert wait_for(lambda: (tmp_path / "c" / "commits").exists() and any((tmp_path / "c" / "commits").iterdir()))
+    assert wait_for(lambda: unit_committed(tmp_path / "c"))
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     time.sleep(0.5)
@@ -129,8 +134,7 @@ def test_killing_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path):
 def test_two_sigterms_in_quick_succession_exit_143_with_one_line_and_the_cache_resumes(tmp_path, reference):
     overrides = small(tmp_path, *UNITS, name="c")
     proc = cli(tmp_path, overrides, env={"DSPARK_FAULT": "unit_submitted=1:sleep"})
-    commits = tmp_path / "c" / "commits"
-    assert wait_for(lambda: commits.exists() and any(commits.iterdir()))
+    assert wait_for(lambda: unit_committed(tmp_path / "c"))  # inside the forward loop, a unit durable
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
@@ -141,6 +145,20 @@ def test_two_sigterms_in_quick_succession_exit_143_with_one_line_and_the_cache_r
     again = cli(tmp_path, overrides)
     assert again.wait(timeout=300) == 0
     assert_same_cache(reference, str(tmp_path / "c"))
+
+
+def test_two_sigterms_before_the_forward_loop_exit_143_not_killed_while_the_interpreter_ends(tmp_path):
+    """The first stops the run at once and the process ends within milliseconds; the second then met the
+    interpreter's last moments, where the default action is back, and killed it (-15) 3 times in 4."""
+    proc = cli(tmp_path, small(tmp_path, *UNITS, name="c"), env={"DSPARK_FAULT": "unit_submitted=1:sleep"})
+    assert wait_for(lambda: (tmp_path / "c" / "commits" / "tokens.json").exists())  # tokenized, nothing forwarded
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (out + err)[-2000:]
+    assert "Traceback" not in out + err
+    assert [ln for ln in (out + err).splitlines() if "resume with the same command" in ln]
 
 
 def test_ctrl_c_while_tokenizing_exits_130_with_the_resume_line(tmp_path):
