@@ -58,9 +58,6 @@ def build_cache(path: Path, target: str, data: str, seq_length: int, rows: int |
 def v1_checkout() -> Path:
     """A git worktree of the last commit before format 2 (the parent of the first commit whose contract writes
     format 2), made once under the temp directory; SystemExit when this is not a git checkout with its history."""
-    import shutil
-    import tempfile
-
     def git(*a: str) -> str:
         return subprocess.run(["git", "-C", str(REPO), *a], check=True, capture_output=True, text=True).stdout.strip()
 
@@ -70,21 +67,11 @@ def v1_checkout() -> Path:
                     "dspark_precompute/contract/spec.py").splitlines()
         if not first:
             raise SystemExit("--v1: no commit introducing format 2 is in this checkout's history; pass --v1-cache PATH")
-        parent = git("rev-parse", f"{first[0]}^")
     except (FileNotFoundError, subprocess.CalledProcessError) as exc:
         raise SystemExit(f"--v1 builds a format 1 cache with the commit before format 2, which needs a git checkout "
                          f"of this repository with its history ({REPO} is not one: {exc}); pass --v1-cache PATH (a "
                          "format 1 cache of the same data) instead") from None
-    tree = Path(tempfile.gettempdir()) / f"dspark-precompute-v1-{parent[:12]}"
-    if not (tree / "dspark_precompute" / "__init__.py").exists():
-        shutil.rmtree(tree, ignore_errors=True)
-        try:
-            git("worktree", "prune")  # a worktree of an emptied temp directory is still registered
-            git("worktree", "add", "--detach", str(tree), parent)
-        except subprocess.CalledProcessError as exc:
-            raise SystemExit(f"--v1: could not check out {parent[:12]} into {tree}: {exc.stderr or exc}; pass "
-                             "--v1-cache PATH instead") from None
-    return tree
+    return benchlib.worktree(f"{first[0]}^")
 
 
 def build_v1_cache(path: Path, target: str, data: str, seq_length: int, rows: int | None) -> None:

@@ -245,6 +245,35 @@ def build_cache(path: Path, target: str, data: str, seq_length: int, rows: int |
     run(compose(overrides))
 
 
+def worktree(rev: str) -> Path:
+    """A detached git worktree of ``rev`` under the temp directory, made once (an older release's code, to run
+    beside this one with ``PYTHONPATH``); SystemExit when this is not a git checkout holding ``rev``."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *a], check=True, capture_output=True, text=True).stdout.strip()
+
+    try:
+        full = git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    except (FileNotFoundError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"{rev} is not a commit of a git checkout at {REPO} ({exc}): this comparison runs an older "
+                         "release's code, which needs the repository with its history") from None
+    tree = Path(tempfile.gettempdir()) / f"dspark-precompute-{full[:12]}"
+    if not (tree / "dspark_precompute" / "__init__.py").exists():
+        shutil.rmtree(tree, ignore_errors=True)
+        try:
+            git("worktree", "prune")  # a worktree of an emptied temp directory is still registered
+            git("worktree", "add", "--detach", str(tree), full)
+        except subprocess.CalledProcessError as exc:
+            raise SystemExit(f"could not check out {full[:12]} into {tree}: {exc.stderr or exc}") from None
+    link = tree / "dspark_precompute" / "conf"
+    if (tree / "conf").is_dir() and not link.exists():  # else this checkout's editable install lends it *our* conf/
+        link.symlink_to(Path("..") / "conf")
+    return tree
+
+
 # -- output --------------------------------------------------------------------------------------
 def output_args(p: argparse.ArgumentParser, markdown: bool = True) -> None:
     """``--json`` (and ``--markdown``): where the results go besides stdout."""

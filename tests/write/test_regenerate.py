@@ -209,3 +209,38 @@ def test_a_server_that_does_not_answer_stops_before_any_row_naming_its_url(tmp_p
         url = f.url
     with pytest.raises(RegenerateError, match=f"{url}.*does not answer"):
         regenerate(config(tmp_path, [url], rows_file(tmp_path, 1)), tmp_path / "o.jsonl")
+
+
+def test_the_pool_takes_rows_from_a_generator_as_the_threads_need_them_never_all_at_once():
+    """The paper's 1.3M rows: only what is in flight is read, so memory holds keys, not conversations."""
+    from dspark_precompute.write.regenerate.client import Pool
+
+    pulled = 0
+
+    def jobs():
+        nonlocal pulled
+        for i in range(10_000):
+            pulled += 1
+            yield i
+
+    pool = Pool([object(), object()], concurrency=3)  # 6 threads; work never touches the server
+    results = pool.run(jobs(), lambda server, job: job * 2)
+    first = next(results)
+    assert first[1] == first[0] * 2
+    assert pulled <= 2 * 6 + 6 + 1  # the queue ahead (twice the threads) and the jobs in hand, not 10,000
+    rest = list(results)
+    assert sorted(j for j, _ in [first, *rest]) == list(range(10_000)) and pulled == 10_000
+    assert all(r == j * 2 for j, r in rest)
+
+
+def test_a_resume_reads_finished_rows_back_from_the_log_and_writes_the_same_output(tmp_path):
+    data = rows_file(tmp_path, 40)
+    with Fake() as f:
+        cfg = config(tmp_path, [f.url], data)
+        first = regenerate(cfg, tmp_path / "cache.regenerated.jsonl")
+        whole = (tmp_path / "cache.regenerated.jsonl").read_bytes()
+        again = regenerate(cfg, tmp_path / "cache.regenerated.jsonl")
+        assert len(f.requests) == 40
+    assert first.counts.regenerated == again.counts.regenerated == 40 and again.counts.asked_now == 0
+    assert (tmp_path / "cache.regenerated.jsonl").read_bytes() == whole
+    assert_regenerated(output_rows(tmp_path), [json.loads(x) for x in data.read_text().splitlines()])

@@ -136,6 +136,9 @@ def _retry_after(exc: Any) -> float | None:
         return None
 
 
+_END = object()
+
+
 class Pool:
     """``concurrency`` worker threads per server, all taking jobs from one queue.
 
@@ -157,13 +160,15 @@ class Pool:
             return False
 
     def run(self, jobs: Iterable[Any], work: Callable[[Server, Any], Any]) -> Iterator[tuple[Any, Any]]:
-        """``(job, work(server, job))`` in completion order; an exception of ``work`` is yielded as the result."""
+        """``(job, work(server, job))`` in completion order; an exception of ``work`` is yielded as the result.
+
+        ``jobs`` is consumed as the threads need it (a few per thread ahead), never whole: a generator
+        over the paper's 1.3M rows holds only what is in flight.
+        """
         todo: queue.Queue[Any] = queue.Queue()
         done: queue.Queue[tuple[Any, Any]] = queue.Queue()
         stop = threading.Event()
-        for job in jobs:
-            todo.put(job)
-        count = todo.qsize()
+        source = iter(jobs)
 
         def loop(index: int, server: Server) -> None:
             while not stop.is_set() and index in self._up:
@@ -184,11 +189,23 @@ class Pool:
                 done.put((job, result))
 
         threads = [threading.Thread(target=loop, args=(i, s), daemon=True, name=f"regen-{i}")
-                   for i, s in enumerate(self.servers) for _ in range(min(self.concurrency, max(count, 1)))]
-        for t in threads:
-            t.start()
+                   for i, s in enumerate(self.servers) for _ in range(self.concurrency)]
+        ahead = 2 * len(threads)
+        in_flight, more = 0, True
         try:
-            for _ in range(count):
+            for t in threads:
+                t.start()
+            while True:
+                while more and todo.qsize() < ahead:
+                    job = next(source, _END)
+                    if job is _END:
+                        more = False
+                    else:
+                        todo.put(job)
+                        in_flight += 1
+                if not in_flight:
+                    return
                 yield done.get()
+                in_flight -= 1
         finally:
             stop.set()  # a stop (signal, error) lets the threads finish the request in hand, then end

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,28 +122,45 @@ def _record(key: str, conv: Conversation, result: Any, checker: _Checker, row: i
 
 @dataclass
 class _Selection:
-    """The source rows: the key of each valid one (source order), what is left to ask, the invalid ones."""
+    """The source rows: the key of each valid one (source order), the keys left to ask, the invalid ones.
+
+    No conversation is kept: :func:`_pending` reads the source again and hands the missing rows to
+    the servers as they are needed, so memory holds keys, not rows.
+    """
 
     keys: list[tuple[int, str]] = field(default_factory=list)  # (selection row, key)
-    jobs: dict[str, tuple[int, Conversation]] = field(default_factory=dict)  # key -> (first row, conversation)
+    pending: dict[str, int] = field(default_factory=dict)  # key -> first row with it, not in the log yet
     invalid: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _rows(cfg: PrecomputeConfig, settings_sha: str) -> Iterator[tuple[int, str, Conversation | Any]]:
+    """(row, key, conversation) of every source row, the key None and the reason in place of an invalid one."""
+    source = resolve_source(cfg.data.path, cfg.data.split_slice()[0])
+    for i, raw in enumerate(iter_rows(source, cfg.data)):
+        conv = normalize(raw, str(cfg.data.format))
+        yield i, (row_key(raw.record, settings_sha) if isinstance(conv, Conversation) else ""), conv
 
 
 def _select(cfg: PrecomputeConfig, store: ResumeStore) -> _Selection:
     """Read and normalize the selection as capture would; rows already in the log are not asked again."""
-    source = resolve_source(cfg.data.path, cfg.data.split_slice()[0])
     sel = _Selection()
-    for i, raw in enumerate(iter_rows(source, cfg.data)):
-        conv = normalize(raw, str(cfg.data.format))
+    for i, key, conv in _rows(cfg, store.settings_sha):
         if not isinstance(conv, Conversation):
             sel.invalid.append({"row": i, "file": conv.file, "line": conv.line, "reason": conv.reason,
                                 "message": conv.message})
             continue
-        key = row_key(raw.record, store.settings_sha)
         sel.keys.append((i, key))
-        if key not in store.done and key not in sel.jobs:
-            sel.jobs[key] = (i, conv)
+        if key not in store and key not in sel.pending:
+            sel.pending[key] = i
     return sel
+
+
+def _pending(cfg: PrecomputeConfig, store: ResumeStore, sel: _Selection) -> Iterator[tuple[str, tuple[int,
+                                                                                                    Conversation]]]:
+    """The rows to ask, read from the source again in source order, as the servers take them."""
+    for i, key, conv in _rows(cfg, store.settings_sha):
+        if isinstance(conv, Conversation) and sel.pending.get(key) == i:
+            yield key, (i, conv)
 
 
 def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: ResumeStore,
@@ -162,10 +180,11 @@ def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: 
             raise
 
     failed: dict[str, str] = {}
-    total, step = len(sel.jobs), max(1, len(sel.jobs) // 10)
+    total, step = len(sel.pending), max(1, len(sel.pending) // 10)
     log.info("regenerating %d row(s) on %d server(s) (%d already in %s)", total, len(servers),
              len(sel.keys) - total, store.parts)
-    for n, ((key, (row, conv)), result) in enumerate(Pool(servers, r.concurrency).run(sel.jobs.items(), work), 1):
+    for n, ((key, (row, conv)), result) in enumerate(Pool(servers, r.concurrency).run(_pending(cfg, store, sel),
+                                                                                      work), 1):
         record = _record(key, conv, result, checker, row)
         if record is None:
             failed[key] = str(result)
@@ -174,26 +193,38 @@ def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: 
             store.append(record)
         if n % step == 0 or n == total:
             log.info("regenerated %d/%d row(s), %d failed", n, total, len(failed))
+    for key, row in sel.pending.items():  # the source changed under the run: its row was never read again
+        if key not in store and key not in failed:
+            failed[key] = (f"row {row} of {cfg.data.path} changed while it was being regenerated; run the same "
+                           "command again once the data stays put")
     return failed
 
 
 def _account(sel: _Selection, store: ResumeStore, failed: dict[str, str]) -> tuple[RegenCounts, list[dict[str, Any]]]:
     """Counts and rejects over every source row (``rows_in = regenerated + rejected``)."""
-    counts = RegenCounts(rows_in=len(sel.keys) + len(sel.invalid), asked_now=len(sel.jobs))
+    counts = RegenCounts(rows_in=len(sel.keys) + len(sel.invalid), asked_now=len(sel.pending))
     rejects = list(sel.invalid)
     for item in sel.invalid:
         counts.add_reject(str(item["reason"]))
+    logged = [(row, key) for row, key in sel.keys if key not in failed]
     for row, key in sel.keys:
         if key in failed:
             counts.add_reject(RegenReason.REQUEST_FAILED)
             rejects.append({"row": row, "reason": str(RegenReason.REQUEST_FAILED), "message": failed[key]})
-            continue
-        record = store.done[key]
+    for (row, _), record in zip(logged, store.records(k for _, k in logged), strict=True):
         counts.add_row(record)
         if record.get("reject") is not None:
             rejects.append({"row": row, **record["reject"]})
     assert counts.rows_in == counts.regenerated + counts.rejected
     return counts, sorted(rejects, key=lambda x: int(x["row"]))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def regenerate(cfg: PrecomputeConfig, output: Path) -> Regenerated:
@@ -218,7 +249,7 @@ def regenerate(cfg: PrecomputeConfig, output: Path) -> Regenerated:
               "served_weights_fingerprint": info.weights_fingerprint, "target": cfg.model.path,
               "target_weights_fingerprint": info.target_fingerprint, "same_model": info.same_model,
               "warning": warning, "base_urls": list(r.base_urls), "sampling": r.sampling(), "output": str(output),
-              "output_sha256": hashlib.sha256(output.read_bytes()).hexdigest(), "counts": counts.to_json()}
+              "output_sha256": _sha256(output), "counts": counts.to_json()}
     atomic_write(sibling(output, ".meta.json"), [json.dumps(record, indent=1, sort_keys=True).encode() + b"\n"])
     log.info("regenerated %d of %d row(s) into %s (%d rejected: %s; %d turn(s) cut at max_tokens, %d token "
              "mismatch(es) in %d checked turn(s))", counts.regenerated, counts.rows_in, output, counts.rejected,
