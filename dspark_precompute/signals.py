@@ -11,7 +11,6 @@ lets the writer finish the units it already holds and stops; a second signal sto
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import signal
@@ -45,29 +44,10 @@ def _handler(signum: int, _frame: Any) -> None:
 
 
 def install() -> dict[int, Any]:
-    """Route SIGINT/SIGTERM to :class:`StoppedBySignal`; returns the previous handlers.
-
-    It also arranges (once) that the last moments of the interpreter ignore both signals; see
-    :func:`_ignore_at_the_end`.
-    """
+    """Route SIGINT/SIGTERM to :class:`StoppedBySignal`; returns the previous handlers."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    if not _AT_EXIT:
-        atexit.register(_ignore_at_the_end)  # registered first, so it runs after every later exit handler
-        _AT_EXIT.append(True)
     return {sig: signal.signal(sig, _handler) for sig in SIGNALS}
-
-
-_AT_EXIT: list[bool] = []
-
-
-def _ignore_at_the_end() -> None:
-    """After the exit handlers, the interpreter puts the default action back on every signal with a Python
-    handler, and a SIGTERM then killed the process (status -15, not 143) in the milliseconds before it
-    exited. An ignored signal keeps being ignored there: the process ends with the status it chose."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
 
 
 def restore(previous: dict[int, Any]) -> None:
@@ -105,7 +85,12 @@ def exiting() -> None:
     """The command is over and the interpreter is shutting down: a signal now ends the process at once.
 
     Raising here would print a traceback from whatever shutdown is running (thread pools joining
-    their threads); the run has already stopped and released its lock.
+    their threads); the run has already stopped and released its lock. In the interpreter's last
+    milliseconds, after its exit handlers, Python puts the default action back on every signal it
+    handled: a signal arriving then ends the process by that action (a parent sees -15 where it would
+    see 143; a shell shows 143 for both), still with no traceback and after the run's one line.
+    Ignoring the signals there instead would also ignore them during earlier exit handlers (a hung
+    log flush could then not be stopped), so this stays.
     """
     if threading.current_thread() is threading.main_thread():
         for sig in SIGNALS:

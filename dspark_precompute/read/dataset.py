@@ -31,7 +31,7 @@ class CacheDataset(Dataset[dict[str, torch.Tensor]]):
     Only a small description of the opened cache travels to DataLoader workers (pickling
     drops open handles), and each process re-opens the cache on first use, so it is safe
     with fork, spawn and ``DistributedSampler``. The re-opened cache must be the one the
-    dataset indexed (same tables, same readable units; :meth:`CacheReader._reopen`), so a worker
+    dataset indexed (same tables, same readable units; :meth:`CacheReader.reopen`), so a worker
     never reads other samples under the same indices. ``layers`` restricts
     ``target_hidden_states`` to those ids; ``max_length`` cuts every sample at that many tokens
     (samples left without a supervised token are dropped: ``open_cache``).
@@ -73,7 +73,7 @@ class CacheDataset(Dataset[dict[str, torch.Tensor]]):
                 # those it inherited itself, since collecting one here would drop another process's object-store
                 # sessions, each reported by aiohttp as "Unclosed client session" when a worker stops
                 self._inherited.append(self._cache)
-            self._cache = CacheReader._reopen(self._state)
+            self._cache = CacheReader.reopen(self._state)
             self._pid = os.getpid()
         return self._cache
 

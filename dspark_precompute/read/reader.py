@@ -435,14 +435,14 @@ class CacheReader:
         return h.hexdigest()
 
     def handle_state(self) -> dict[str, Any]:
-        """A small picklable description from which :meth:`_reopen` rebuilds this very view elsewhere."""
+        """A small picklable description from which :meth:`reopen` rebuilds this very view elsewhere."""
         units = None if self.complete else sorted({int(u) for u in self._unit[self.indices]})
         return {"path": self.path, "chunk_cache_bytes": self.chunks.lru.max_bytes, "complete": self.complete,
                 "units": units, "samples": len(self), "fingerprint": self._fingerprint(),
                 "max_length": self.max_length}
 
     @classmethod
-    def _reopen(cls, state: dict[str, Any]) -> CacheReader:
+    def reopen(cls, state: dict[str, Any]) -> CacheReader:
         """Open the cache of ``state`` (from :meth:`handle_state`) afresh: the same samples under the same indices.
 
         Refuses (:class:`CacheFormatError`) a cache rewritten or repaired since: a worker
@@ -470,7 +470,7 @@ class CacheReader:
         return self.handle_state()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        fresh = CacheReader._reopen(state)
+        fresh = CacheReader.reopen(state)
         fresh._finalizer.detach()  # its resources become this object's
         self.__dict__.update(fresh.__dict__)
         self._finalizer = weakref.finalize(self, _shutdown, self._owned)

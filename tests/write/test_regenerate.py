@@ -244,3 +244,49 @@ def test_a_resume_reads_finished_rows_back_from_the_log_and_writes_the_same_outp
     assert first.counts.regenerated == again.counts.regenerated == 40 and again.counts.asked_now == 0
     assert (tmp_path / "cache.regenerated.jsonl").read_bytes() == whole
     assert_regenerated(output_rows(tmp_path), [json.loads(x) for x in data.read_text().splitlines()])
+
+
+def test_a_second_regeneration_of_the_same_output_while_one_runs_is_refused_naming_the_owner(tmp_path):
+    """Two appenders would interleave their rows in one log (and each read the other's lines as its own)."""
+    from dspark_precompute.errors import LockedError
+
+    data, out = rows_file(tmp_path, 4), tmp_path / "cache.regenerated.jsonl"
+    started, release = threading.Event(), threading.Event()
+
+    def behave(n, body):
+        started.set()
+        release.wait(30)
+
+    with Fake(behave) as f:
+        cfg = config(tmp_path, [f.url], data)
+        first: dict = {}
+        t = threading.Thread(target=lambda: first.update(done=regenerate(cfg, out)))
+        t.start()
+        try:
+            assert started.wait(30)
+            with pytest.raises(LockedError, match=r"\.parts is being written by pid \d+"):
+                regenerate(cfg, out)
+        finally:
+            release.set()
+            t.join(60)
+    assert first["done"].counts.regenerated == 4
+    assert_regenerated(output_rows(tmp_path), [json.loads(x) for x in data.read_text().splitlines()])
+    assert not (out.with_name(out.name + ".parts") / ".writer.lock").exists()
+
+
+def test_a_log_line_that_is_not_the_row_it_is_indexed_as_is_refused_not_written_as_that_row(tmp_path):
+    data, out = rows_file(tmp_path, 3), tmp_path / "cache.regenerated.jsonl"
+    with Fake() as f:
+        cfg = config(tmp_path, [f.url], data)
+        regenerate(cfg, out)
+        store = ResumeStore(out, json.loads((out.with_name(out.name + ".parts") / "settings.json").read_text()))
+        store.open()
+        try:
+            log = store.parts / "log.jsonl"
+            lines = log.read_bytes().splitlines(keepends=True)
+            first_key = json.loads(lines[0])["key"]
+            log.write_bytes(lines[1] + lines[0] + b"".join(lines[2:]))  # swapped under the open store
+            with pytest.raises(RegenerateError, match="not the logged row"):
+                list(store.records([first_key]))  # its offset now holds the other row (or half of one)
+        finally:
+            store.close()

@@ -157,10 +157,19 @@ def _select(cfg: PrecomputeConfig, store: ResumeStore) -> _Selection:
 
 def _pending(cfg: PrecomputeConfig, store: ResumeStore, sel: _Selection) -> Iterator[tuple[str, tuple[int,
                                                                                                     Conversation]]]:
-    """The rows to ask, read from the source again in source order, as the servers take them."""
-    for i, key, conv in _rows(cfg, store.settings_sha):
-        if isinstance(conv, Conversation) and sel.pending.get(key) == i:
-            yield key, (i, conv)
+    """The rows to ask, read from the source again in source order, as the servers take them.
+
+    A source that cannot be read again (deleted, renamed) ends the rows here: those not asked are then
+    failures of this run (``_ask``), and the same command asks them again."""
+    if not sel.pending:
+        return
+    try:
+        for i, key, conv in _rows(cfg, store.settings_sha):
+            if isinstance(conv, Conversation) and sel.pending.get(key) == i:
+                yield key, (i, conv)
+    except OSError as exc:
+        log.warning("reading %s again failed (%s): the rows not asked yet are left for the next run",
+                    cfg.data.path, exc)
 
 
 def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: ResumeStore,
@@ -191,12 +200,13 @@ def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: 
             log.warning("row %d: %s", row, result)
         else:
             store.append(record)
-        if n % step == 0 or n == total:
+        if n % step == 0:
             log.info("regenerated %d/%d row(s), %d failed", n, total, len(failed))
     for key, row in sel.pending.items():  # the source changed under the run: its row was never read again
         if key not in store and key not in failed:
-            failed[key] = (f"row {row} of {cfg.data.path} changed while it was being regenerated; run the same "
-                           "command again once the data stays put")
+            failed[key] = (f"row {row} of {cfg.data.path} changed or could not be read again while it was being "
+                           "regenerated; run the same command again once the data stays put")
+    log.info("finished %d of %d row(s) asked, %d failed", total - len(failed), total, len(failed))
     return failed
 
 
@@ -237,14 +247,14 @@ def regenerate(cfg: PrecomputeConfig, output: Path) -> Regenerated:
         log.warning("WARNING: %s", warning)
     output.parent.mkdir(parents=True, exist_ok=True)
     store = ResumeStore(output, _settings(cfg, info)).open()
-    try:
+    try:  # the lock is held until the output and its rejects are written
         sel = _select(cfg, store)
         failed = _ask(cfg, servers, info, store, sel)
+        store.build([k for _, k in sel.keys if k not in failed])
+        counts, rejects = _account(sel, store, failed)
+        atomic_write(sibling(output, ".rejects.jsonl"), (canonical(x) + b"\n" for x in rejects))
     finally:
         store.close()
-    store.build([k for _, k in sel.keys if k not in failed])
-    counts, rejects = _account(sel, store, failed)
-    atomic_write(sibling(output, ".rejects.jsonl"), (canonical(x) + b"\n" for x in rejects))
     record = {"engine": info.engine, "engine_version": info.version, "served_model": info.served_model,
               "served_weights_fingerprint": info.weights_fingerprint, "target": cfg.model.path,
               "target_weights_fingerprint": info.target_fingerprint, "same_model": info.same_model,

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from dspark_precompute.errors import RegenerateResumeError, StorageWriteError
+from dspark_precompute.contract.lock import WriterLock
+from dspark_precompute.errors import RegenerateError, RegenerateResumeError, StorageWriteError
 from dspark_precompute.faults import fault_point
 
 log = logging.getLogger(__name__)
@@ -77,11 +78,20 @@ class ResumeStore:
         self.settings_sha = hashlib.sha256(canonical(self.settings)).hexdigest()
         self._where: dict[str, tuple[int, int]] = {}  # key -> (offset, length) of its line in the log
         self._fh: BinaryIO | None = None
-        self._end = 0
+        self._lock = WriterLock(self.parts)
 
     def open(self) -> ResumeStore:
-        """Read what earlier runs finished (refusing other settings) and open the log for appending."""
-        self.parts.mkdir(parents=True, exist_ok=True)
+        """Take the parts directory's lock, read what earlier runs finished (refusing other settings) and open
+        the log for appending. A second run on the same output while one runs is a :class:`LockedError`:
+        two appenders would interleave their rows."""
+        self._lock.acquire()
+        try:
+            return self._open()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _open(self) -> ResumeStore:
         recorded = self.parts / SETTINGS
         if recorded.is_file():
             old = json.loads(recorded.read_text(encoding="utf-8"))
@@ -113,7 +123,6 @@ class ResumeStore:
             with open(path, "r+b") as fh:
                 fh.truncate(offset)
                 os.fsync(fh.fileno())
-        self._end = offset
 
     def __contains__(self, key: str) -> bool:
         return key in self._where
@@ -127,27 +136,42 @@ class ResumeStore:
 
     def records(self, keys: Iterable[str]) -> Iterator[dict[str, Any]]:
         """The logged records of ``keys`` in that order (one open file for all of them)."""
-        with open(self.parts / LOG, "rb") as fh:
+        path = self.parts / LOG
+        with open(path, "rb") as fh:
             for key in keys:
                 offset, length = self._where[key]
                 fh.seek(offset)
-                yield dict(json.loads(fh.read(length)))
+                line = fh.read(length)
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    record = {}
+                if not isinstance(record, dict) or record.get("key") != key:
+                    raise RegenerateError(
+                        f"{path}: the {length} bytes at offset {offset} are not the logged row {key[:16]}...: the "
+                        "log was changed while this run read it. Run the same command again (the log is read "
+                        "afresh), and never run two regenerations on one output at once.")
+                yield record
 
     def append(self, record: dict[str, Any]) -> None:
         """Make one finished row durable (it counts as done only once fsynced)."""
         assert self._fh is not None, "open() first"
         line = canonical(record) + b"\n"
+        offset = self._fh.seek(0, os.SEEK_END)
         self._fh.write(line)
         self._fh.flush()
         os.fsync(self._fh.fileno())
-        self._where[record["key"]] = (self._end, len(line))
-        self._end += len(line)
+        self._where[record["key"]] = (offset, len(line))
         fault_point("regenerate_row")
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        """Close the log and drop the lock (the rows stay readable: :meth:`records` opens the log itself)."""
+        try:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+        finally:
+            self._lock.release()
 
     def build(self, keys: list[str]) -> int:
         """Write the output: the regenerated row of each key, in this (source) order; the rows written."""
