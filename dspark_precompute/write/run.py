@@ -229,13 +229,14 @@ class _Run:
         if manifest is None or not manifest.tokens_stored:
             self._store_tokens(samples, created)
         todo_all = [u for u in range(layout.num_units) if u not in done]
+        tp = self.cfg.parallel.tp  # the ranks of a tensor-parallel group (consecutive) share units; the first writes
         mine = [todo_all[i] for i in assign_units((layout.unit_stop - layout.unit_start)[todo_all],
-                                                  ranks.world)[ranks.rank]]
+                                                  ranks.world // tp)[ranks.rank // tp]]
         ids = samples.ids(plan, mine)
         model = self._load_target()
         t0 = time.perf_counter()
         try:
-            loop = ForwardLoop(plan, model, ids, layout, self._device(), samples.tokens)
+            loop = ForwardLoop(plan, model, ids, layout, self._device(), samples.tokens, writes=ranks.rank % tp == 0)
             lockstep = Lockstep(ranks, self.cfg.parallel.sharded)  # a rank without units still joins the forwards
             written = loop.run(mine, coord, lockstep) if mine or lockstep.enabled else 0
             self.timing.update(loop.stats.as_dict())

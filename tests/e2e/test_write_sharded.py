@@ -89,8 +89,8 @@ def test_a_layout_that_does_not_fit_the_ranks_or_the_target_is_refused_before_we
     with pytest.raises(ConfigError, match="does not divide the target's 6 routed experts"):
         run(compose(overrides(tmp_path, "c", "model.random.model_type=qwen3_moe", "model.random.num_experts=6",
                               "parallel.fsdp=4", "parallel.ep=4")))
-    with pytest.raises(ConfigError, match="tensor parallel is not offered"):
-        compose(overrides(tmp_path, "c", "parallel.tp=2"))
+    with pytest.raises(ConfigError, match="must divide the target's 2 key/value heads"):
+        run(compose(overrides(tmp_path, "c", "parallel.tp=4")))
 
 
 # ---- slow: 4 ranks, kills, every model type ----
@@ -143,3 +143,37 @@ def test_sigterm_on_one_rank_stops_every_rank_with_the_interrupted_error_and_the
     assert out.count("stopped by SIGTERM") >= 2, out[-4000:]  # both ranks, each with the typed message
     assert run(compose(overrides(tmp_path, "t"))).complete
     assert_same_cache(one_copy(tmp_path), str(tmp_path / "t"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_ranks_run_the_same_batches_the_first_writes_and_its_values_are_close_not_identical(
+        tmp_path, world):
+    """tp=2 on 2 ranks (one group) and on 4 (two groups, each its own units): each rank holds half of every layer;
+    the values differ from one copy's (reductions in another order), so tp is in the identity and a run without
+    it refuses to resume the cache."""
+    import numpy as np
+
+    from dspark_precompute import open_cache
+    from dspark_precompute.errors import IncompatibleCacheError
+
+    fp32 = ("model.dtype=fp32", "storage.dtype=fp32")
+    ref = one_copy(tmp_path, *fp32, "data.max_samples=24")
+    proc = sharded(tmp_path, world, "tp2", *fp32, "parallel.tp=2", "data.max_samples=24")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert held_fraction(proc) <= 1 / 2 + 0.05
+    m = json.loads((tmp_path / "tp2" / "manifest.json").read_text())
+    assert m["identity"]["tensor_parallel"] == 2 and m["provenance"]["parallel"] == {"fsdp": 1, "ep": 1, "tp": 2}
+    assert "tensor_parallel" not in json.loads((tmp_path / "one" / "manifest.json").read_text())["identity"]
+    assert m["counts"] == json.loads((tmp_path / "one" / "manifest.json").read_text())["counts"]
+    a, b = open_cache(ref), open_cache(str(tmp_path / "tp2"))
+    assert len(a) == len(b) > 0
+    worst = 0.0
+    for i in range(len(a)):
+        x, y = a.sample(i, as_numpy=True), b.sample(i, as_numpy=True)
+        assert np.array_equal(x["input_ids"], y["input_ids"]) and np.array_equal(x["loss_mask"], y["loss_mask"])
+        for k in ("target_hidden_states", "target_last_hidden_states"):
+            worst = max(worst, float(np.abs(x[k] - y[k]).max() / max(1e-6, float(np.abs(x[k]).max()))))
+    assert worst < 1e-4, worst  # fp32: the same function, summed in another order
+    with pytest.raises(IncompatibleCacheError, match="tensor_parallel"):
+        run(compose(overrides(tmp_path, "tp2", *fp32, "data.max_samples=24")))

@@ -504,6 +504,7 @@ class ParallelConfig:
 
     The default (all 1) keeps one whole copy per rank. Under fsdp and ep every rank still runs
     its own batches and writes its own units; the ranks of a group only meet in the forward.
+    Under tp the ranks of a tensor-parallel group run the same batches and the first of them writes.
     """
 
     fsdp: int = 1
@@ -513,10 +514,11 @@ class ParallelConfig:
     """Expert-parallel size of an MoE target: the routed experts are split over ep ranks (tokens exchanged
     all-to-all); must divide fsdp x tp and the number of routed experts. Bit-identical to one copy in bf16."""
     tp: int = 1
-    """Tensor-parallel size. Refused above 1 for now: its bf16 values are not bit-identical to one copy (partial
-    sums are rounded before the reduction: 46-49% of elements off by more than one bf16 step, measured) and it needs
-    tp <= the key/value heads; parallel.fsdp (with parallel.ep for an MoE) shards as far with the values of one
-    copy."""
+    """Tensor-parallel size: the ranks of a group (consecutive ranks) each hold 1/tp of every layer and run the same
+    batches; the first writes. Must divide the key/value heads. Its values are NOT those of one copy (partial sums
+    are rounded before the reduction: in bf16 46-49% of elements differ by more than one bf16 step, measured), so
+    it is part of the cache identity (``tensor_parallel``): a cache resumes only under the same tp.
+    parallel.fsdp (with parallel.ep for an MoE) shards as far with the values of one copy: prefer it."""
 
     @property
     def group(self) -> int:
@@ -531,10 +533,6 @@ class ParallelConfig:
         out = [f"parallel.{k}={getattr(self, k)} must be >= 1" for k in ("fsdp", "ep", "tp") if getattr(self, k) < 1]
         if out:
             return out
-        if self.tp > 1:
-            out.append(f"parallel.tp={self.tp}: tensor parallel is not offered, because its bf16 hidden states differ "
-                       "from one copy's (partial sums are rounded before the reduction); use parallel.fsdp (and "
-                       "parallel.ep for an MoE) instead: the same memory per GPU, bit-identical values")
         if self.ep > 1 and (self.ep % self.tp or self.group % self.ep):
             out.append(f"parallel.ep={self.ep} must be a multiple of parallel.tp={self.tp} and divide parallel.fsdp x "
                        f"parallel.tp={self.group} (the experts are split within one sharded copy); e.g. "

@@ -337,5 +337,8 @@ def cache_identity(cfg: PrecomputeConfig, target: TargetInfo, tokenizer: Any, te
         # the preset that chose them; recorded only when not NeMo's, so earlier caches keep their hash
         **({"layer_preset": cfg.model.layer_preset} if cfg.model.layer_preset != "nemo" else {}),
         "storage": storage_knobs,
+        # tensor parallel rounds partial sums before its reduction: other values than one copy's (fsdp and ep
+        # are bit-identical and stay out); recorded only above 1, so every other cache keeps its hash
+        **({"tensor_parallel": cfg.parallel.tp} if cfg.parallel.tp > 1 else {}),
     }
     return dict(json.loads(json.dumps(identity)))  # plain JSON values (vocabulary members as their strings)

@@ -75,7 +75,7 @@ class ForwardLoop:
     """Forwards units of one run's layout and hands them to the writers."""
 
     def __init__(self, plan: Plan, model: Any, ids: Mapping[int, np.ndarray], layout: Layout, device: torch.device,
-                 tokens: TokenDigests | None = None):
+                 tokens: TokenDigests | None = None, writes: bool = True):
         self.plan, self.model, self.ids, self.layout, self.device = plan, model, ids, layout, device
         self.tokens = tokens  # the token shards' digests as written, copied into each unit's commit record
         self.lengths = layout.length.astype(np.int64)
@@ -84,12 +84,15 @@ class ForwardLoop:
         self.hidden = state_arrays(plan.specs)
         self.lockstep: Lockstep | None = None  # set by run(): a sharded target's ranks move together
         self.halt: Agreement | None = None  # the group's agreement to stop (lockstep only)
+        self.writes = writes  # False: a tensor-parallel rank whose group's first rank writes (it only forwards)
         self._in_collective = False
 
     def run(self, todo: list[int], coord: Coordinator, lockstep: Lockstep | None = None) -> int:
         """Forward every unit in ``todo``; the number handed to the writers and committed."""
         cfg = self.plan.cfg
         self.lockstep = lockstep if lockstep is not None and lockstep.enabled else None
+        if not self.writes:
+            return self._follow(todo, coord)
         n_writers = resolve_writers(cfg.storage.writers)
         with ExitStack() as stack:
             capture = stack.enter_context(HiddenStateCapture(self.model, self.plan.layer_ids,
@@ -162,6 +165,34 @@ class ForwardLoop:
             self._drop_nonfinite(check, bufs, base, names, record)
         writer.submit(u, slot, n_tok, record)
         fault_point("unit_submitted")
+
+    def _follow(self, todo: list[int], coord: Coordinator) -> int:
+        """A tensor-parallel rank that does not write: the batches of its group's writer, in the same order (each
+        forward is a collective of the group, and every rank of it holds the same full states), nothing stored."""
+        cfg = self.plan.cfg
+        with HiddenStateCapture(self.model, self.plan.layer_ids,
+                                pre_norm=any(s.final == "pre_norm" for s in self.plan.specs)) as capture:
+            stop = signals.STATE
+            with signals.graceful():
+                try:
+                    for u in todo:
+                        if stop.signum is not None or self.halt is not None:
+                            break
+                        coord.check()
+                        for batch in make_batches(self.layout.unit_order[u], self.lengths, cfg.batch.max_tokens,
+                                                  cfg.batch.max_samples):
+                            ids, _ = batch_inputs(self.ids, batch, self.lengths, self.plan.pad_id, self.device)
+                            if not self._go():
+                                break
+                            self._forward(capture, ids)
+                    self._idle(capture)
+                except BaseException as exc:
+                    self._tell_group(exc, coord)
+                    raise
+            self._group_stopped(coord)
+            if stop.signum is not None:
+                raise StoppedBySignal(stop.signum)
+        return 0
 
     def _go(self, has_work: bool = True) -> bool:
         """Whether to run the next forward: this rank's signal flag, or (lockstep) what every rank agreed."""
