@@ -177,3 +177,18 @@ def test_tensor_parallel_ranks_run_the_same_batches_the_first_writes_and_its_val
     assert worst < 1e-4, worst  # fp32: the same function, summed in another order
     with pytest.raises(IncompatibleCacheError, match="tensor_parallel"):
         run(compose(overrides(tmp_path, "tp2", *fp32, "data.max_samples=24")))
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_run_killed_then_resumed_on_more_ranks_equals_one_never_killed(tmp_path):
+    """A unit's values under tp=2 do not depend on which group computes it: the resumed cache is bit-identical."""
+    tp = ("parallel.tp=2", "data.max_samples=32")
+    ref = sharded(tmp_path, 2, "ref", *tp)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+    killed = sharded(tmp_path, 2, "k", *tp, env={"DSPARK_FAULT": "unit_submitted=2", "DSPARK_FAULT_RANK": "0"})
+    assert killed.returncode != 0
+    assert any((tmp_path / "k" / "commits").glob("u*.json")) and not json.loads(
+        (tmp_path / "k" / "manifest.json").read_text())["complete"]
+    resumed = sharded(tmp_path, 4, "k", *tp)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert_same_cache(str(tmp_path / "ref"), str(tmp_path / "k"), layout=True)
