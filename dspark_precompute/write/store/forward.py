@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,18 +107,8 @@ class ForwardLoop:
                                 written="raw written")
             stack.callback(progress.close)
             stop = signals.STATE
-            with signals.graceful():
-                try:
-                    for u in todo:
-                        if stop.signum is not None or self.halt is not None:
-                            break
-                        coord.check()
-                        self._unit(u, capture, writer, transfer, progress)
-                    self._idle(capture)
-                except BaseException as exc:
-                    self._tell_group(exc, coord)
-                    raise
-                writer.drain()
+            self._each_unit(todo, coord, capture, lambda u: self._unit(u, capture, writer, transfer, progress),
+                            then=writer.drain)
             self._group_stopped(coord)
             if stop.signum is not None and len(writer.committed) < len(todo):
                 raise StoppedBySignal(stop.signum)
@@ -170,29 +160,42 @@ class ForwardLoop:
         """A tensor-parallel rank that does not write: the batches of its group's writer, in the same order (each
         forward is a collective of the group, and every rank of it holds the same full states), nothing stored."""
         cfg = self.plan.cfg
+
+        def unit(u: int) -> None:
+            for batch in make_batches(self.layout.unit_order[u], self.lengths, cfg.batch.max_tokens,
+                                      cfg.batch.max_samples):
+                ids, _ = batch_inputs(self.ids, batch, self.lengths, self.plan.pad_id, self.device)
+                if not self._go():
+                    return
+                self._forward(capture, ids)
+
         with HiddenStateCapture(self.model, self.plan.layer_ids,
                                 pre_norm=any(s.final == "pre_norm" for s in self.plan.specs)) as capture:
-            stop = signals.STATE
-            with signals.graceful():
-                try:
-                    for u in todo:
-                        if stop.signum is not None or self.halt is not None:
-                            break
-                        coord.check()
-                        for batch in make_batches(self.layout.unit_order[u], self.lengths, cfg.batch.max_tokens,
-                                                  cfg.batch.max_samples):
-                            ids, _ = batch_inputs(self.ids, batch, self.lengths, self.plan.pad_id, self.device)
-                            if not self._go():
-                                break
-                            self._forward(capture, ids)
-                    self._idle(capture)
-                except BaseException as exc:
-                    self._tell_group(exc, coord)
-                    raise
+            self._each_unit(todo, coord, capture, unit)
             self._group_stopped(coord)
-            if stop.signum is not None:
-                raise StoppedBySignal(stop.signum)
+            if signals.STATE.signum is not None:
+                raise StoppedBySignal(signals.STATE.signum)
         return 0
+
+    def _each_unit(self, todo: list[int], coord: Coordinator, capture: HiddenStateCapture,
+                   each: Callable[[int], None], then: Callable[[], None] | None = None) -> None:
+        """``each`` unit in order until a signal or the group's agreement stops them, then (lockstep) the dummy
+        forwards and ``then`` (the writers' drain), all under :func:`signals.graceful`; a failure is told to the
+        group before it propagates."""
+        stop = signals.STATE
+        with signals.graceful():
+            try:
+                for u in todo:
+                    if stop.signum is not None or self.halt is not None:
+                        break
+                    coord.check()
+                    each(u)
+                self._idle(capture)
+            except BaseException as exc:
+                self._tell_group(exc, coord)
+                raise
+            if then is not None:
+                then()
 
     def _go(self, has_work: bool = True) -> bool:
         """Whether to run the next forward: this rank's signal flag, or (lockstep) what every rank agreed."""
