@@ -8,7 +8,6 @@ source row without a regenerated row: its row, reason and the engine's message) 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from dspark_precompute.write.regenerate.store import ResumeStore, atomic_write, 
 from dspark_precompute.write.samples.files import resolve_source
 from dspark_precompute.write.samples.normalize import Conversation, normalize
 from dspark_precompute.write.samples.rows import iter_rows
+from dspark_precompute.write.target.load import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,8 @@ class _Selection:
 
 
 def _rows(cfg: PrecomputeConfig, settings_sha: str) -> Iterator[tuple[int, str, Conversation | Any]]:
-    """(row, key, conversation) of every source row, the key None and the reason in place of an invalid one."""
+    """(row, key, conversation) of every source row; an invalid one has an empty key and its reason in place of the
+    conversation."""
     source = resolve_source(cfg.data.path, cfg.data.split_slice()[0])
     for i, raw in enumerate(iter_rows(source, cfg.data)):
         conv = normalize(raw, str(cfg.data.format))
@@ -210,8 +211,10 @@ def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: 
     return failed
 
 
-def _account(sel: _Selection, store: ResumeStore, failed: dict[str, str]) -> tuple[RegenCounts, list[dict[str, Any]]]:
-    """Counts and rejects over every source row (``rows_in = regenerated + rejected``)."""
+def _build_and_account(sel: _Selection, store: ResumeStore,
+                       failed: dict[str, str]) -> tuple[RegenCounts, list[dict[str, Any]]]:
+    """The output (source order) and the counts and rejects over every source row (``rows_in = regenerated +
+    rejected``), from one pass over the log."""
     counts = RegenCounts(rows_in=len(sel.keys) + len(sel.invalid), asked_now=len(sel.pending))
     rejects = list(sel.invalid)
     for item in sel.invalid:
@@ -221,20 +224,17 @@ def _account(sel: _Selection, store: ResumeStore, failed: dict[str, str]) -> tup
         if key in failed:
             counts.add_reject(RegenReason.REQUEST_FAILED)
             rejects.append({"row": row, "reason": str(RegenReason.REQUEST_FAILED), "message": failed[key]})
-    for (row, _), record in zip(logged, store.records(k for _, k in logged), strict=True):
+    rows = iter(row for row, _ in logged)
+
+    def seen(record: dict[str, Any]) -> None:
+        row = next(rows)
         counts.add_row(record)
         if record.get("reject") is not None:
             rejects.append({"row": row, **record["reject"]})
-    assert counts.rows_in == counts.regenerated + counts.rejected
+
+    store.build([k for _, k in logged], seen)
+    assert next(rows, None) is None and counts.rows_in == counts.regenerated + counts.rejected
     return counts, sorted(rejects, key=lambda x: int(x["row"]))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def regenerate(cfg: PrecomputeConfig, output: Path) -> Regenerated:
@@ -250,8 +250,7 @@ def regenerate(cfg: PrecomputeConfig, output: Path) -> Regenerated:
     try:  # the lock is held until the output and its rejects are written
         sel = _select(cfg, store)
         failed = _ask(cfg, servers, info, store, sel)
-        store.build([k for _, k in sel.keys if k not in failed])
-        counts, rejects = _account(sel, store, failed)
+        counts, rejects = _build_and_account(sel, store, failed)
         atomic_write(sibling(output, ".rejects.jsonl"), (canonical(x) + b"\n" for x in rejects))
     finally:
         store.close()
@@ -259,7 +258,7 @@ def regenerate(cfg: PrecomputeConfig, output: Path) -> Regenerated:
               "served_weights_fingerprint": info.weights_fingerprint, "target": cfg.model.path,
               "target_weights_fingerprint": info.target_fingerprint, "same_model": info.same_model,
               "warning": warning, "base_urls": list(r.base_urls), "sampling": r.sampling(), "output": str(output),
-              "output_sha256": _sha256(output), "counts": counts.to_json()}
+              "output_sha256": sha256_file(output), "counts": counts.to_json()}
     atomic_write(sibling(output, ".meta.json"), [json.dumps(record, indent=1, sort_keys=True).encode() + b"\n"])
     log.info("regenerated %d of %d row(s) into %s (%d rejected: %s; %d turn(s) cut at max_tokens, %d token "
              "mismatch(es) in %d checked turn(s))", counts.regenerated, counts.rows_in, output, counts.rejected,

@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -127,13 +127,6 @@ class ResumeStore:
     def __contains__(self, key: str) -> bool:
         return key in self._where
 
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def get(self, key: str) -> dict[str, Any]:
-        """The logged record of ``key`` (read back from the log: nothing of it is kept in memory)."""
-        return next(self.records([key]))
-
     def records(self, keys: Iterable[str]) -> Iterator[dict[str, Any]]:
         """The logged records of ``keys`` in that order (one open file for all of them)."""
         path = self.parts / LOG
@@ -173,13 +166,18 @@ class ResumeStore:
         finally:
             self._lock.release()
 
-    def build(self, keys: list[str]) -> int:
-        """Write the output: the regenerated row of each key, in this (source) order; the rows written."""
+    def build(self, keys: list[str], seen: Callable[[dict[str, Any]], None] | None = None) -> int:
+        """Write the output: the regenerated row of each key, in this (source) order; the rows written.
+
+        ``seen`` gets every logged record of ``keys`` as it is read (rejected rows too): the counts come
+        from the same pass over the log as the output."""
         written = 0
 
         def lines() -> Iterator[bytes]:
             nonlocal written
             for record in self.records(k for k in keys if k in self._where):
+                if seen is not None:
+                    seen(record)
                 if record.get("row") is not None:
                     written += 1
                     yield canonical(record["row"]) + b"\n"
