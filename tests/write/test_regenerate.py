@@ -290,3 +290,17 @@ def test_a_log_line_that_is_not_the_row_it_is_indexed_as_is_refused_not_written_
                 list(store.records([first_key]))  # its offset now holds the other row (or half of one)
         finally:
             store.close()
+
+
+@pytest.mark.parametrize("damage", [b"{not json\n", b"[1, 2]\n", b'{"row": {}}\n'])
+def test_a_damaged_log_line_is_a_typed_refusal_naming_the_line_not_a_traceback(tmp_path, damage):
+    data, out = rows_file(tmp_path, 3), tmp_path / "cache.regenerated.jsonl"
+    with Fake() as f:
+        cfg = config(tmp_path, [f.url], data)
+        regenerate(cfg, out)
+        log = out.with_name(out.name + ".parts") / "log.jsonl"
+        lines = log.read_bytes().splitlines(keepends=True)
+        log.write_bytes(lines[0] + damage + b"".join(lines[1:]))
+        with pytest.raises(RegenerateError, match=r"log.jsonl: line 2 is not a finished row's record"):
+            regenerate(cfg, out)
+    assert not (out.with_name(out.name + ".parts") / ".writer.lock").exists()  # the refusal released the lock

@@ -64,6 +64,20 @@ def atomic_write(path: Path, lines: Iterable[bytes]) -> None:
                                 "command again (finished rows are kept)") from None
 
 
+def _key_of(line: bytes, path: Path, n: int) -> str:
+    """The key of one whole log line; a line that is not a record of ours is refused, naming it."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("key"), str):
+        raise RegenerateError(
+            f"{path}: line {n} is not a finished row's record ({line[:80]!r}): the log was damaged or is not this "
+            "tool's. Delete that line (the row is asked again) or the whole .parts directory (every row is), then "
+            "run the same command again.")
+    return str(record["key"])
+
+
 class ResumeStore:
     """The finished rows of one output file (``parts`` directory beside it).
 
@@ -112,10 +126,10 @@ class ResumeStore:
             return
         offset = 0
         with open(path, "rb") as fh:
-            for line in fh:
+            for n, line in enumerate(fh, 1):
                 if not line.endswith(b"\n"):
                     break
-                self._where[json.loads(line)["key"]] = (offset, len(line))
+                self._where[_key_of(line, path, n)] = (offset, len(line))
                 offset += len(line)
             torn = fh.seek(0, os.SEEK_END) - offset
         if torn:
