@@ -48,7 +48,14 @@ from dspark_precompute.errors import (
 from dspark_precompute.faults import fault_point
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.write.config.schema import PrecomputeConfig
-from dspark_precompute.write.parallel.distributed import Coordinator, Lockstep, Ranks, assign_units, init_ranks
+from dspark_precompute.write.parallel.distributed import (
+    Coordinator,
+    Lockstep,
+    Ranks,
+    assign_units,
+    init_ranks,
+    unit_share,
+)
 from dspark_precompute.write.plan import resume
 from dspark_precompute.write.plan.prepare import Plan, prepare
 from dspark_precompute.write.plan.provenance import run_record, with_loaded_model
@@ -229,14 +236,12 @@ class _Run:
         if manifest is None or not manifest.tokens_stored:
             self._store_tokens(samples, created)
         todo_all = [u for u in range(layout.num_units) if u not in done]
-        tp = self.cfg.parallel.tp  # the ranks of a tensor-parallel group (consecutive) share units; the first writes
-        mine = [todo_all[i] for i in assign_units((layout.unit_stop - layout.unit_start)[todo_all],
-                                                  ranks.world // tp)[ranks.rank // tp]]
+        mine, writes = unit_share(todo_all, layout.unit_stop - layout.unit_start, ranks, self.cfg.parallel.tp)
         ids = samples.ids(plan, mine)
         model = self._load_target()
         t0 = time.perf_counter()
         try:
-            loop = ForwardLoop(plan, model, ids, layout, self._device(), samples.tokens, writes=ranks.rank % tp == 0)
+            loop = ForwardLoop(plan, model, ids, layout, self._device(), samples.tokens, writes=writes)
             lockstep = Lockstep(ranks, self.cfg.parallel.sharded)  # a rank without units still joins the forwards
             written = loop.run(mine, coord, lockstep) if mine or lockstep.enabled else 0
             self.timing.update(loop.stats.as_dict())

@@ -4,10 +4,12 @@ Collectives (gloo, CPU objects only) are used during setup; with one copy of the
 rank the forward loop itself needs none. A sharded target (``parallel.*``) makes every forward
 a collective: :class:`Lockstep` keeps the ranks running the same number of forwards and agreeing
 to stop together (on CUDA its weights move over NCCL; the flags stay on gloo).
-Every rank writes only its own units; rank 0 allocates the arrays, writes
-the manifest and marks it complete once every rank has reported done. A rank that fails
-leaves a marker in the cache, so the others stop after their current unit, and a rank that
-dies outright makes the final gloo barrier fail at once instead of hanging.
+Each rank writes only its own units (:func:`unit_share`; under tensor parallelism a group's
+ranks forward the same units and only the group's first rank writes them); rank 0 allocates the
+arrays, writes the manifest and marks it complete once every rank has reported done. With one
+copy per rank, a rank that fails leaves a marker in the cache, so the others stop at their next
+unit; under :class:`Lockstep` they learn it at the next agreement. A rank that dies outright
+makes the final gloo barrier fail at once instead of hanging.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -139,6 +142,17 @@ def assign_units(unit_tokens: np.ndarray, world: int) -> list[list[int]]:
     return [sorted(x) for x in out]
 
 
+def unit_share(todo: list[int], unit_tokens: np.ndarray, ranks: Ranks, tp: int = 1) -> tuple[list[int], bool]:
+    """This rank's units of ``todo`` and whether it writes them.
+
+    The ranks of a tensor-parallel group (``tp`` consecutive ranks) forward the same units, each
+    forward a collective of the group, and every rank of it holds the same full states: only
+    the group's first rank writes. ``unit_tokens`` is indexed by unit.
+    """
+    groups = assign_units(np.asarray(unit_tokens)[todo], ranks.world // tp)
+    return [todo[i] for i in groups[ranks.rank // tp]], ranks.rank % tp == 0
+
+
 class Coordinator:
     """Failure markers of one job under ``coord/<run_id>/`` in the cache (checked between units)."""
 
@@ -187,10 +201,19 @@ class Lockstep:
     Each rank puts its stop code (0, a signal, :data:`ERROR`) in its slot and whether it still
     has a batch; one MAX all-reduce tells every rank the same answer at the same step, so all
     stop together, or a rank without batches runs a dummy forward while another still has one.
+
+    It owns the stop protocol: :attr:`halt` is what the group agreed when it stopped, and
+    :attr:`inside` says a collective (an agreement or a forward) is under way, during which a
+    failing rank cannot tell its peers (they wait in that collective; its exit ends it for them).
+    A rank that fails between collectives :meth:`tell` s the group, which then stops at that
+    agreement; every rank drains its writers, then all :meth:`meet`. Disabled (one copy per
+    rank, or one rank), it agrees with itself: :meth:`go` is only this rank's signal flag.
     """
 
     def __init__(self, ranks: Ranks, enabled: bool):
         self.ranks, self.enabled = ranks, enabled and ranks.world > 1
+        self.halt: Agreement | None = None
+        self.inside = False
 
     def agree(self, has_work: bool, code: int = 0) -> Agreement:
         if not self.enabled:
@@ -204,3 +227,49 @@ class Lockstep:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         values = flags.tolist()
         return Agreement({r: int(c) for r, c in enumerate(values[:-1]) if c}, bool(values[-1]))
+
+    def go(self, has_work: bool = True, signum: int | None = None) -> bool:
+        """Whether to run the next forward: this rank's signal flag, or what every rank agreed (a stop is kept)."""
+        if not self.enabled:
+            return signum is None
+        if self.halt is not None:
+            return False
+        with self.collective():
+            agreed = self.agree(has_work, signum or 0)
+        if agreed.stops:
+            self.halt = agreed
+            return False
+        return agreed.busy
+
+    @contextmanager
+    def collective(self) -> Iterator[None]:
+        """Mark a collective (a forward, an agreement) under way; an exception inside leaves the mark set."""
+        self.inside = self.enabled
+        yield
+        self.inside = False
+
+    def can_tell(self) -> bool:
+        """Whether a failure here can still be told to the group: enabled, not stopped yet, between collectives."""
+        return self.enabled and self.halt is None and not self.inside
+
+    def tell(self, code: int) -> bool:
+        """This rank stops with ``code``: the group agrees to stop at this step. False if a peer is gone too."""
+        if not self.can_tell():
+            return False
+        try:
+            self.halt = self.agree(False, code)
+        except RuntimeError:  # a peer is gone as well: nothing to tell
+            return False
+        return True
+
+    def meet(self) -> None:
+        """After a stop: every rank waits here until all have drained their writers."""
+        if self.enabled:
+            try:
+                self.agree(False)
+            except RuntimeError:  # a peer is gone: nothing to wait for
+                pass
+
+    def failed(self) -> list[int]:
+        """The ranks whose failure (not a signal) stopped the group."""
+        return sorted(r for r, c in (self.halt.stops.items() if self.halt else ()) if c == ERROR)

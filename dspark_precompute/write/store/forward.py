@@ -1,9 +1,11 @@
 """The forward loop: each unit's batches through the target, its states into a unit buffer, the unit to the writers.
 
 A sample whose states hold NaN/Inf is dropped (its states zeroed, its id in the unit's commit
-record) or stops the run, per ``data.on_nonfinite``. A first SIGINT/SIGTERM drops the unit in
-flight, lets the writers finish the units they already hold, and raises
-:class:`~dspark_precompute.errors.StoppedBySignal`; a second one raises at once. Everything
+record) or stops the run, per ``data.on_nonfinite``. Every stop keeps what was finished: a first
+SIGINT/SIGTERM, a peer's failure or an error here drops the unit in flight and lets the writers
+finish and commit the units they already hold (then raises, a signal as
+:class:`~dspark_precompute.errors.StoppedBySignal`). Only a second signal (or a writer that
+failed itself) raises at once, leaving the submitted units to be rewritten on resume. Everything
 the loop builds (hooks, writers, buffers, the transfer stream) is owned by one ``ExitStack``,
 so a constructor that fails leaves nothing behind.
 
@@ -11,7 +13,9 @@ Under a sharded target every forward is a collective, so the ranks move in locks
 (:class:`~dspark_precompute.write.parallel.distributed.Lockstep`): before each batch they agree
 whether to go on; a rank whose units are done runs 1-token dummy forwards while another still
 has batches; a signal, a bad batch, a full disk or any error on one rank stops every rank at that
-step (each drops its unit in flight and lets its writers finish the units they hold).
+step (each drops its unit in flight and lets its writers finish the units they hold). Under
+lockstep a peer's failure is learned only at an agreement, never from its marker between units,
+so no rank can leave before draining.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import NonFiniteStatesError, RankFailedError, StoppedBySignal
 from dspark_precompute.faults import fault_point
 from dspark_precompute.progress import Progress
-from dspark_precompute.write.parallel.distributed import ERROR, Agreement, Coordinator, Lockstep
+from dspark_precompute.write.parallel.distributed import ERROR, Coordinator, Lockstep, Ranks
 from dspark_precompute.write.plan.array_specs import ArraySpec
 from dspark_precompute.write.plan.prepare import Plan
 from dspark_precompute.write.store.batching import batch_inputs, make_batches
@@ -82,15 +86,14 @@ class ForwardLoop:
         self.stats = ForwardStats()
         self.fills = {s.name: s.fill for s in plan.specs if s.fill}
         self.hidden = state_arrays(plan.specs)
-        self.lockstep: Lockstep | None = None  # set by run(): a sharded target's ranks move together
-        self.halt: Agreement | None = None  # the group's agreement to stop (lockstep only)
+        self.lockstep = Lockstep(Ranks(), False)  # set by run(): a sharded target's ranks move together
         self.writes = writes  # False: a tensor-parallel rank whose group's first rank writes (it only forwards)
-        self._in_collective = False
 
     def run(self, todo: list[int], coord: Coordinator, lockstep: Lockstep | None = None) -> int:
         """Forward every unit in ``todo``; the number handed to the writers and committed."""
         cfg = self.plan.cfg
-        self.lockstep = lockstep if lockstep is not None and lockstep.enabled else None
+        if lockstep is not None:
+            self.lockstep = lockstep
         if not self.writes:
             return self._follow(todo, coord)
         n_writers = resolve_writers(cfg.storage.writers)
@@ -108,7 +111,7 @@ class ForwardLoop:
             stack.callback(progress.close)
             stop = signals.STATE
             self._each_unit(todo, coord, capture, lambda u: self._unit(u, capture, writer, transfer, progress),
-                            then=writer.drain)
+                            writer)
             self._group_stopped(coord)
             if stop.signum is not None and len(writer.committed) < len(todo):
                 raise StoppedBySignal(stop.signum)
@@ -178,97 +181,75 @@ class ForwardLoop:
         return 0
 
     def _each_unit(self, todo: list[int], coord: Coordinator, capture: HiddenStateCapture,
-                   each: Callable[[int], None], then: Callable[[], None] | None = None) -> None:
+                   each: Callable[[int], None], writer: UnitWriter | None = None) -> None:
         """``each`` unit in order until a signal or the group's agreement stops them, then (lockstep) the dummy
-        forwards and ``then`` (the writers' drain), all under :func:`signals.graceful`; a failure is told to the
-        group before it propagates."""
-        stop = signals.STATE
+        forwards and the writers' drain, all under :func:`signals.graceful`. A failure is told to the group and
+        the units already submitted are committed (:meth:`_stop_on_error`) before it propagates."""
+        stop, lockstep = signals.STATE, self.lockstep
         with signals.graceful():
             try:
                 for u in todo:
-                    if stop.signum is not None or self.halt is not None:
+                    if stop.signum is not None or lockstep.halt is not None:
                         break
-                    coord.check()
+                    fault_point("unit_start")
+                    if not lockstep.enabled:
+                        coord.check()  # one copy per rank: a peer's failure is read from its marker, between units
                     each(u)
                 self._idle(capture)
             except BaseException as exc:
-                self._tell_group(exc, coord)
+                self._stop_on_error(exc, coord, writer)
                 raise
-            if then is not None:
-                then()
+            if writer is not None:
+                writer.drain()
+
+    def _stop_on_error(self, exc: BaseException, coord: Coordinator, writer: UnitWriter | None) -> None:
+        """Before ``exc`` propagates: tell the group (lockstep, between collectives), commit what the writers hold,
+        then wait until every rank has drained. A second signal (``StoppedBySignal`` raised here) and a
+        ``KeyboardInterrupt`` skip the drain: the user asked to stop now."""
+        told = False
+        if self.lockstep.can_tell():
+            coord.fail(f"{type(exc).__name__}: {exc}")  # the message the peers report
+            told = self.lockstep.tell(exc.signum if isinstance(exc, StoppedBySignal) else ERROR)
+        if writer is not None and not isinstance(exc, StoppedBySignal | KeyboardInterrupt):
+            writer.salvage()
+        if told:
+            self.lockstep.meet()
 
     def _go(self, has_work: bool = True) -> bool:
         """Whether to run the next forward: this rank's signal flag, or (lockstep) what every rank agreed."""
-        signum = signals.STATE.signum
-        if self.lockstep is None:
-            return signum is None
-        if self.halt is not None:
-            return False
-        self._in_collective = True
-        agreed = self.lockstep.agree(has_work, signum or 0)
-        self._in_collective = False
-        if agreed.stops:
-            self.halt = agreed
-            return False
-        return agreed.busy
+        return self.lockstep.go(has_work, signals.STATE.signum)
 
     def _forward(self, capture: HiddenStateCapture, ids: torch.Tensor) -> tuple[dict[int, torch.Tensor],
                                                                                 torch.Tensor]:
-        self._in_collective = self.lockstep is not None
-        out = capture(ids)
-        self._in_collective = False
-        return out
+        with self.lockstep.collective():
+            return capture(ids)
 
     def _idle(self, capture: HiddenStateCapture) -> None:
         """Lockstep: dummy 1-token forwards while another rank still has batches (their collectives need ours)."""
-        if self.lockstep is None or self.halt is not None:
+        if not self.lockstep.enabled or self.lockstep.halt is not None:
             return
         dummy = torch.full((1, 1), self.plan.pad_id, dtype=torch.long, device=self.device)
         while self._go(has_work=False):
             self._forward(capture, dummy)
 
-    def _tell_group(self, exc: BaseException, coord: Coordinator) -> None:
-        """Lockstep: this rank failed between forwards; its peers learn it at their next agreement, then stop.
-
-        It waits (:meth:`_meet`) until they have stopped, so its exit cannot cut their writers
-        short. Not from inside a collective (a forward or an agreement): the peers are in that
-        one, and this rank's exit (its sockets closing) is what ends it for them.
-        """
-        if self.lockstep is None or self.halt is not None or self._in_collective:
-            return
-        coord.fail(f"{type(exc).__name__}: {exc}")  # the message the peers report
-        code = exc.signum if isinstance(exc, StoppedBySignal) else ERROR
-        try:
-            self.halt = self.lockstep.agree(False, int(code))
-        except RuntimeError:  # a peer is gone as well: nothing to tell
-            return
-        self._meet()
-
-    def _meet(self) -> None:
-        """Lockstep, after a stop: every rank waits here until all have drained their writers."""
-        if self.lockstep is not None:
-            try:
-                self.lockstep.agree(False)
-            except RuntimeError:  # a peer is gone: nothing to wait for
-                pass
-
     def _group_stopped(self, coord: Coordinator) -> None:
         """Lockstep: raise on this rank what stopped the group (a peer's failure, or a signal), once all have met."""
-        if self.halt is None or self.lockstep is None:
+        lockstep = self.lockstep
+        if lockstep.halt is None or not lockstep.enabled:
             return
-        failed = sorted(r for r, c in self.halt.stops.items() if c == ERROR)
+        failed = lockstep.failed()
         if not failed:
-            self._meet()
-            raise StoppedBySignal(min(self.halt.stops.values()))
+            lockstep.meet()
+            raise StoppedBySignal(min(lockstep.halt.stops.values()))
         exc: BaseException
         try:
             coord.check()  # the failing rank's own message, when its marker is readable
-            exc = RankFailedError(f"rank {failed[0]} failed, so rank {self.lockstep.ranks.rank} stops too "
+            exc = RankFailedError(f"rank {failed[0]} failed, so rank {lockstep.ranks.rank} stops too "
                                   "(its committed units are kept; re-run the same command)")
         except RankFailedError as err:
             exc = err
         coord.fail(f"{type(exc).__name__}: {exc}")
-        self._meet()
+        lockstep.meet()
         raise exc
 
     def _drop_nonfinite(self, check: UnitCheck, bufs: dict[str, np.ndarray], base: int, names: list[str],

@@ -317,6 +317,15 @@ class UnitWriter:
             self._collect(block=True)
         self.wait_s += time.perf_counter() - t0
 
+    def salvage(self) -> None:
+        """On a failure elsewhere (a peer's, the forward's): commit the units already submitted, so the stop keeps
+        what was finished. A writer that fails meanwhile is logged, not raised: the error on its way out wins."""
+        try:
+            self.drain()
+        except StorageWriteError as exc:
+            log.warning("stopping: %d submitted unit(s) could not be committed (%s); a re-run rewrites them",
+                        len(self.waiting), exc)
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop the writers (each finishes its task in hand), then free the buffers. Safe to call twice."""
         try:
