@@ -36,6 +36,7 @@ import signal
 import time
 from pathlib import Path
 
+from dspark_precompute import signals
 from dspark_precompute.errors import ConfigError
 
 ACTIONS = ("kill", "raise", "enospc", "sleep", "term", "await")
@@ -74,6 +75,7 @@ def reload() -> None:
 
 
 def fault_point(name: str) -> None:
+    signals.checkpoint()  # the points sit where a run does work: a stop a finalizer swallowed ends it here
     if _PLAN is None:  # first use: importing the package never reads the environment
         reload()
     if not _PLAN or name not in _PLAN:

@@ -48,6 +48,7 @@ def _app(dcfg: DictConfig) -> None:
             from dspark_precompute.write.config.compose import from_dictconfig
             from dspark_precompute.write.run import run
 
+            signals.checkpoint()  # a stop swallowed by a finalizer while torch was imported
             cfg = from_dictconfig(dcfg)
             # Hydra's job logging installed the handlers; the level is the job's (rank 0 only: the others warn)
             log.setLevel(cfg.log_level.upper() if _rank() == 0 else logging.WARNING)
@@ -198,6 +199,7 @@ def main() -> None:
             sys.stderr.write(f"dspark-precompute: {problem}\n")
             raise SystemExit(StorageWriteError.exit_code)
         _preflight(argv[1:])
+        signals.checkpoint()  # a stop swallowed by a finalizer while hydra was imported or the config composed
         if _rank() > 0 and "-m" not in argv and "--multirun" not in argv:
             # torchrun: every rank composes the same config, only rank 0 writes Hydra's output dir and log.
             # Hydra reads sys.argv: it gets its own list for the call. Logging left unconfigured ("none", not
@@ -205,6 +207,7 @@ def main() -> None:
             sys.argv = [*argv, "hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none",
                         "hydra/hydra_logging=none"]
         hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_app)()
+        signals.checkpoint()
     except StoppedBySignal as exc:  # a signal outside the run (while importing, composing)
         sys.stderr.write(f"dspark-precompute: {exc}\n")
         raise SystemExit(exc.exit_code) from None

@@ -163,9 +163,11 @@ def test_two_sigterms_before_the_forward_loop_end_with_one_line_and_no_traceback
 
 
 def test_ctrl_c_while_tokenizing_exits_130_with_the_resume_line(tmp_path):
-    proc = cli(tmp_path, small(tmp_path, name="c"), env={"DSPARK_FAULT": "tokenize_row=1:sleep"})
-    assert wait_for(lambda: (tmp_path / "c" / ".writer.lock").exists())
-    time.sleep(0.3)
+    ready = tmp_path / "tokenizing"  # written by the first row's fault point, which then waits for the signal
+    proc = cli(tmp_path, small(tmp_path, name="c"), env={"DSPARK_FAULT": "tokenize_row=1:await",
+                                                         "DSPARK_FAULT_READY": str(ready)})
+    assert wait_for(ready.exists)
+    assert ready.read_text() == "tokenize_row"  # it is tokenizing as the signal lands
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
@@ -174,23 +176,35 @@ def test_ctrl_c_while_tokenizing_exits_130_with_the_resume_line(tmp_path):
 
 
 # Installed as sitecustomize in the command's interpreter: at the first audit event that matches $PAUSE_AT
-# ("import:MODULE" as the import starts, "open:NAME" as a file whose path ends with NAME is opened) it writes a
-# line on $READY_FD and waits there for the test's signal, which then arrives inside that import or open.
+# ("import:MODULE" as the import starts, "open:NAME" as a file whose path ends with NAME is opened,
+# "finalizer:MODULE" as the import starts, inside an object's __del__, where Python swallows what a handler raises)
+# it writes a line on $READY_FD and waits there for the test's signal, which then arrives inside that moment.
 PAUSE_HOOK = """
 import os, sys, time
 _at, _fd = os.environ.pop("PAUSE_AT", ""), int(os.environ.pop("READY_FD", "-1"))  # helper processes: no pause
 _kind, _, _name = _at.partition(":")
 _fired = []
 
+def _pause():
+    os.write(_fd, (_at + "\\n").encode())
+    os.close(_fd)
+    time.sleep(120)  # the signal ends this sleep: the handler raises from inside the import, open or finalizer
+
+class _Finalized:
+    def __del__(self):
+        _pause()
+
 def _hook(event, args):
+    event = "finalizer" if _kind == "finalizer" and event == "import" else event
     if _fired or event != _kind or not args:
         return
-    what = args[0] if _kind == "import" else os.fsdecode(args[0]) if isinstance(args[0], (str, bytes)) else ""
-    if what == _name if _kind == "import" else what.endswith(_name):
+    what = args[0] if _kind != "open" else os.fsdecode(args[0]) if isinstance(args[0], (str, bytes)) else ""
+    if what == _name if _kind != "open" else what.endswith(_name):
         _fired.append(event)
-        os.write(_fd, (_at + "\\n").encode())
-        os.close(_fd)
-        time.sleep(120)  # the signal ends this sleep: the handler raises from inside the import or open
+        if _kind == "finalizer":
+            _Finalized()  # dropped at once: its __del__ pauses
+        else:
+            _pause()
 
 if _kind:
     sys.addaudithook(_hook)
@@ -239,6 +253,20 @@ def test_ctrl_c_before_the_run_starts_is_one_line_too(tmp_path, at, words, sig):
     assert proc.returncode == 128 + sig, err[-3000:]
     assert len(lines) == 1 and words in lines[0] and signal.Signals(sig).name in lines[0], lines
     assert not (tmp_path / "c").exists()  # stopped before it wrote anything
+
+
+@pytest.mark.parametrize("module", ["hydra", "torch"])
+def test_a_signal_that_lands_in_a_finalizer_still_stops_the_start_up_with_one_line(tmp_path, module):
+    """Python swallows what a handler raises inside a finalizer ("Exception ignored in ..."); the stop is kept and
+    raised at the next checkpoint, before anything is written, instead of a traceback and a run that goes on."""
+    proc = paused_command(tmp_path, [sys.executable, "-m", "dspark_precompute", *small(tmp_path, name="c")],
+                          f"finalizer:{module}")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    lines = [ln for ln in (out + err).splitlines() if ln.strip()]
+    assert proc.returncode == 130, err[-3000:]
+    assert len(lines) == 1 and "stopped by SIGINT" in lines[0], lines
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.mark.parametrize("at", ["import:dspark_precompute.cli.cache", "import:dspark_precompute.read.reader"])

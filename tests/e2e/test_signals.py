@@ -49,3 +49,28 @@ def test_the_cache_command_exits_with_mains_status_and_arms_the_shutdown_handler
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "no manifest.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_stop_that_a_finalizer_swallows_is_kept_silently_and_raised_at_the_next_checkpoint(capsys):
+    import gc
+
+    from dspark_precompute import signals
+    from dspark_precompute.errors import StoppedBySignal
+
+    class Finalized:
+        def __del__(self):
+            raise StoppedBySignal(signal.SIGINT)  # what the handler raises when the signal lands in a finalizer
+
+    previous = signals.install()
+    try:
+        Finalized()
+        gc.collect()
+        assert isinstance(signals.STATE.pending, StoppedBySignal)
+        with pytest.raises(StoppedBySignal):
+            signals.checkpoint()
+        signals.checkpoint()  # raised once
+    finally:
+        signals.restore(previous)
+        signals.STATE.pending = None
+    assert sys.unraisablehook is sys.__unraisablehook__ or sys.unraisablehook is not signals._unraisable
+    assert "Exception ignored" not in capsys.readouterr().err
