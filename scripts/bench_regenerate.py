@@ -25,7 +25,8 @@ from pathlib import Path
 
 from benchlib import REPO, machine, median  # noqa: E402
 
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e"), str(REPO / "tests" / "write")]
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e"), str(REPO / "tests" / "write"),
+                 str(REPO / "tests" / "write" / "regenerate")]
 
 log = logging.getLogger("bench_regenerate")
 

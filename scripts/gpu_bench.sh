@@ -39,7 +39,7 @@ run)
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv || true
   # the CUDA-only paths first (pinned buffers, async copies): a failure is reported, the bench still runs
-  $PY -m pytest -q -p no:cacheprovider -m gpu tests/write/test_transfer.py 2>&1 | tee "${OUT:-.}/gpu_tests.log" || true
+  $PY -m pytest -q -p no:cacheprovider -m gpu tests/write/store/test_transfer.py 2>&1 | tee "${OUT:-.}/gpu_tests.log" || true
   $PY scripts/gpu_bench.py --data "$GPU/data/mix.messages.jsonl" --tokenizer "$GPU/tokenizer" \
     --out "${OUT:-.}/gpu_bench.json" "$@" 2>&1 | tee "${OUT:-.}/gpu_bench.log"
   ;;

@@ -8,6 +8,7 @@ reader-plot circle and verify's reach into the write side cannot come back.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from helpers import REPO
@@ -171,3 +172,76 @@ def test_the_e2e_marker_is_the_e2e_directory():
                     and node.value.attr == "mark":
                 marked.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not marked, "e2e markers outside tests/e2e/ (move those tests there):\n" + "\n".join(marked)
+
+
+# Tests mirror the package: a module's tests are in a file named for it (``test_<module>.py``, anywhere under
+# tests/, tests/e2e/test_<side>_<module>.py included), or, for a module exercised through a larger one, in the
+# test file listed here, which must name the module or one of its top-level functions or classes.
+TESTED_BY = {
+    "cli/cache.py": "cli/test_cache_cli.py", "cli/precompute.py": "e2e/test_hostile_runs.py",
+    "contract/chunks.py": "read/test_loader.py", "contract/commits.py": "write/plan/test_resume.py",
+    "contract/inventory.py": "e2e/test_bench_smoke.py", "contract/opener.py": "read/test_independent_readers.py",
+    "contract/spec.py": "contract/test_manifest.py", "contract/vocab.py": "contract/test_manifest.py",
+    "contract/weights.py": "read/test_damage.py", "errors.py": "e2e/test_hostile_runs.py",
+    "faults.py": "e2e/test_reliability.py", "progress.py": "e2e/test_s3.py",
+    "version.py": "write/plan/test_provenance.py",
+    "read/arena.py": "read/test_loader.py", "read/assemble.py": "read/test_loader.py",
+    "read/chunks.py": "read/test_loader.py", "read/dataset.py": "read/test_training.py",
+    "read/export/common.py": "read/test_export.py", "read/export/deepspec.py": "read/test_export.py",
+    "read/export/nemo.py": "read/test_export.py", "read/export/specforge.py": "read/test_export.py",
+    "read/export/speculators.py": "read/test_export.py", "read/plot.py": "cli/test_cache_cli.py",
+    "read/prefetch.py": "read/test_loader.py", "read/sampling.py": "read/test_training.py",
+    "read/summary.py": "read/test_damage.py", "read/verify/checks.py": "read/test_damage.py",
+    "read/verify/repair.py": "read/test_damage.py", "read/verify/report.py": "read/test_damage.py",
+    "write/config/schema.py": "write/config/test_compose.py", "write/dryrun.py": "write/test_dry_run.py",
+    "write/parallel/processes.py": "write/store/test_writer.py",
+    "write/plan/array_specs.py": "write/store/test_writer.py", "write/plan/prepare.py": "write/config/test_compose.py",
+    "write/plan/regenerated.py": "write/regenerate/test_regenerate.py",
+    "write/regenerate/accounting.py": "write/regenerate/test_regenerate.py",
+    "write/regenerate/boundaries.py": "write/regenerate/test_regenerate.py",
+    "write/regenerate/client.py": "write/regenerate/test_regenerate.py",
+    "write/regenerate/engine.py": "e2e/test_write_regenerate.py",
+    "write/regenerate/request.py": "write/regenerate/test_regenerate.py",
+    "write/regenerate/splice.py": "write/regenerate/test_regenerate.py",
+    "write/regenerate/stage.py": "write/regenerate/test_regenerate.py",
+    "write/rerun/precision.py": "write/rerun/test_teacher.py",
+    "write/rerun/recompute.py": "write/rerun/test_teacher.py",
+    "write/samples/encode.py": "write/samples/test_tokenize.py", "write/samples/files.py": "write/samples/test_data.py",
+    "write/samples/json_scan.py": "write/samples/test_data.py",
+    "write/samples/normalize.py": "write/samples/test_chat.py",
+    "write/samples/rows.py": "write/samples/test_data.py", "write/store/allocate.py": "write/store/test_writer.py",
+    "write/store/buffers.py": "write/store/test_writer.py",
+    "write/target/capture.py": "write/target/test_target.py", "write/target/load.py": "write/target/test_device_map.py",
+    "write/target/sharding.py": "e2e/test_write_sharded.py", "write/target/tiny.py": "write/target/test_target.py",
+}
+
+
+def _names_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and not n.name.startswith("_")}
+
+
+def test_every_module_has_a_test_file_named_for_it_or_one_listed_that_exercises_it():
+    tests = {p.stem for p in (REPO / "tests").rglob("test_*.py")}
+    problems = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        rel = str(path.relative_to(PKG))
+        side = rel.split("/")[0] if "/" in rel else ""
+        named = f"test_{path.stem}" in tests or f"test_{side}_{path.stem}" in tests
+        listed = TESTED_BY.get(rel)
+        if named and listed:
+            problems.append(f"{rel}: has tests named for it; drop its TESTED_BY entry")
+        elif not named and listed is None:
+            problems.append(f"{rel}: no test_{path.stem}.py and no TESTED_BY entry")
+        elif listed is not None:
+            test = REPO / "tests" / listed
+            text = test.read_text(encoding="utf-8") if test.is_file() else ""
+            words = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text))
+            if not text:
+                problems.append(f"{rel}: TESTED_BY names {listed}, which does not exist")
+            elif module_name(path) not in text and f"``{rel}``" not in text and not (_names_of(path) & words):
+                problems.append(f"{rel}: {listed} names neither the module nor any of its functions or classes")
+    assert not problems, "\n".join(problems)
+    assert not set(TESTED_BY) - {str(p.relative_to(PKG)) for p in PKG.rglob("*.py")}, "entries for removed modules"

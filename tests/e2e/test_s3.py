@@ -4,6 +4,8 @@ The bucket lives in moto's S3 server, started here on 127.0.0.1 at a free port a
 stopped at the end; the pipeline, its spawned writer process and a killed CLI run all
 reach it over HTTP through s3fs, with the endpoint and (fake) credentials taken from
 the environment exactly as on a real cluster.
+
+The progress line (``progress.py``: tokens/s, ETA, bytes) is checked here too.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 NeMo's rule where it works, linear work per turn, a failed mask option stopping a run.
 
-The e2e part of tests/write/test_chat.py.
+The e2e part of tests/write/samples/test_chat.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A run over a huge row, watched from outside: its memory stays bounded.
 
-The e2e part of tests/write/test_data.py.
+The e2e part of tests/write/samples/test_data.py.
 """
 
 import json

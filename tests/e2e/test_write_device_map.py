@@ -1,6 +1,6 @@
 """``model.device_map=auto`` through a whole run: the same cache as the plain path.
 
-The e2e part of tests/write/test_device_map.py.
+The e2e part of tests/write/target/test_device_map.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A servable-preset cache against the target's own hidden states.
 
-The e2e part of tests/write/test_layer_presets.py.
+The e2e part of tests/write/config/test_layer_presets.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The run record of a command: its argv and Hydra overrides, exactly.
 
-The e2e part of tests/write/test_provenance.py.
+The e2e part of tests/write/plan/test_provenance.py.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Each torchrun run is as small as a run can be (2 layers, seq_length 128, a dozen rows) because
 this machine has 2 cores; 4-rank layouts, the kill matrix and every model type are ``slow``.
+
+Module: ``write/target/sharding.py`` (the layouts, their checks and the sharded load).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import assert_same_cache, compose
-from test_distributed import torchrun, units_per_rank
+from test_write_distributed import torchrun, units_per_rank
 
 from dspark_precompute.write.run import run
 

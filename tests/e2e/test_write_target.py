@@ -1,6 +1,6 @@
 """fp16 and fp32 storage through whole runs.
 
-The e2e part of tests/write/test_target.py.
+The e2e part of tests/write/target/test_target.py.
 """
 
 from __future__ import annotations

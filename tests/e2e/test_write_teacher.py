@@ -1,6 +1,6 @@
 """verify --teacher on caches built to fail it: a pre-norm state, a moved or swapped target, a crafted manifest.
 
-The e2e part of tests/write/test_teacher.py.
+The e2e part of tests/write/rerun/test_teacher.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Entry points: ``open_cache`` (and sample reads), the training DataLoader, ``dspa
 info|export-nemo|plot`` (exit 2 with the reason) and ``verify`` (exit 1, a named problem,
 never a traceback). Damage is done the way it happens: a deleted chunk file, a table
 rewritten through zarr (so its checksum is valid), a hand-edited manifest or zarr.json.
+
+Modules: ``read/verify/checks.py``, ``read/verify/report.py`` (the problems verify names), ``read/verify/repair.py``,
+``read/summary.py`` and ``contract/weights.py`` (a damaged ``target_weights.safetensors``).
 """
 
 from __future__ import annotations

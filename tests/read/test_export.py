@@ -1,4 +1,8 @@
-"""Export to NeMo AutoModel's DSpark offline layout: files, manifest, shards, padding, weights."""
+"""Export to NeMo AutoModel's DSpark offline layout: files, manifest, shards, padding, weights.
+
+Modules: ``read/export/common.py``, ``read/export/nemo.py``, ``read/export/deepspec.py``,
+``read/export/specforge.py`` and ``read/export/speculators.py``, through the one ``export`` entry point.
+"""
 
 from __future__ import annotations
 

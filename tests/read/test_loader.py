@@ -1,4 +1,8 @@
-"""The training loader: whole batches equal to the per-sample path, block shuffles, resumable epochs, read-ahead."""
+"""The training loader: whole batches equal to the per-sample path, block shuffles, resumable epochs, read-ahead.
+
+Also the modules behind it: ``read/arena.py`` (the shared batch buffers), ``read/assemble.py``,
+``read/chunks.py``, ``read/prefetch.py`` and ``contract/chunks.py``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""``verify --teacher``: the stored final state reproduces the target's own logits, and a wrong one is caught."""
+"""``verify --teacher``: the stored final state reproduces the target's own logits, and a wrong one is caught.
+
+Modules: ``write/rerun/recompute.py`` and ``write/rerun/precision.py`` (the precision check of a
+stored cache against a recompute).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The typed configuration through the command: bad values reported together with exit status 2, nothing created.
 
-The whole-command part of tests/write/test_config.py.
+The whole-command part of tests/write/config/test_compose.py.
 """
 
 from __future__ import annotations

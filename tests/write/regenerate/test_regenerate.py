@@ -2,6 +2,9 @@
 
 The fake server (``fake_openai``) answers each history with ``answer(history)``, the oracle every
 regenerated turn is checked against; it fails, stalls, dies or refuses where a test tells it to.
+
+Modules: ``write/regenerate/accounting.py`` (the reject reasons and counts), ``write/regenerate/request.py``
+(the sampling sent), ``write/regenerate/boundaries.py`` (engine ids against ours), the client, splice and stage.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""What a finished cache records about how it was made (capture) and by what (provenance)."""
+"""What a finished cache records about how it was made (capture) and by what (provenance).
+
+The tool's version in the provenance is ``version.py``'s.
+"""
 
 from __future__ import annotations
 
