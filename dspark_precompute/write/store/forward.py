@@ -204,13 +204,14 @@ class ForwardLoop:
 
     def _stop_on_error(self, exc: BaseException, coord: Coordinator, writer: UnitWriter | None) -> None:
         """Before ``exc`` propagates: tell the group (lockstep, between collectives), commit what the writers hold,
-        then wait until every rank has drained. A second signal (``StoppedBySignal`` raised here) and a
-        ``KeyboardInterrupt`` skip the drain: the user asked to stop now."""
+        then wait until every rank has drained. A second signal (``StoppedBySignal`` raised here) skips the
+        drain: the user asked to stop now. A library call's Ctrl-C (``KeyboardInterrupt``, the caller's handlers)
+        is its first stop and drains; a second Ctrl-C interrupts the drain."""
         told = False
         if self.lockstep.can_tell():
             coord.fail(f"{type(exc).__name__}: {exc}")  # the message the peers report
             told = self.lockstep.tell(exc.signum if isinstance(exc, StoppedBySignal) else ERROR)
-        if writer is not None and not isinstance(exc, StoppedBySignal | KeyboardInterrupt):
+        if writer is not None and not isinstance(exc, StoppedBySignal):
             writer.salvage()
         if told:
             self.lockstep.meet()

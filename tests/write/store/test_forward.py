@@ -70,3 +70,21 @@ def test_a_disabled_lockstep_is_only_this_ranks_signal_flag_and_never_tells_anyo
     assert one.can_tell() is False and one.tell(ERROR) is False and one.failed() == []
     with one.collective():
         assert one.inside is False
+
+
+def test_a_library_callers_ctrl_c_after_a_unit_is_handed_over_still_commits_it(tmp_path, monkeypatch):
+    """Without the commands' handlers, Ctrl-C is a KeyboardInterrupt from wherever the loop is: its first stop."""
+    from dspark_precompute.write.store import forward
+
+    hits = []
+
+    def interrupt(name: str) -> None:
+        if name == "unit_submitted":
+            hits.append(name)
+            if len(hits) == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(forward, "fault_point", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run(compose(small(tmp_path, *UNITS)))
+    assert committed(tmp_path) == {0, 1}
