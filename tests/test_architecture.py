@@ -136,9 +136,19 @@ def test_the_write_side_is_its_stages_and_its_doors():
     assert folders == set(WRITE_STAGES)
 
 
+def test_each_write_stage_docstring_names_its_place_in_the_enforced_order():
+    """``Stage N`` at the head of write/<stage>/__init__.py is that stage's place in WRITE_STAGES (from 1)."""
+    found = {}
+    for stage in WRITE_STAGES:
+        doc = ast.get_docstring(ast.parse((PKG / "write" / stage / "__init__.py").read_text())) or ""
+        head = re.match(r"Stage (\d+),", doc)
+        found[stage] = int(head.group(1)) if head else None
+    assert found == {stage: i for i, stage in enumerate(WRITE_STAGES, 1)}
+
+
 def test_the_write_side_flows_one_way():
-    """config -> parallel -> target -> samples -> plan -> store -> rerun, then the doors (run, dryrun): nothing
-    downstream is imported upstream."""
+    """config -> parallel -> target -> samples -> regenerate -> plan -> store -> rerun, then the doors (run,
+    dryrun): nothing downstream is imported upstream."""
     modules = package_modules()
     upstream = [f"{a} imports {b}" for a in modules for b in own_imports(modules[a], modules)
                 if (ra := write_stage(a)) is not None and (rb := write_stage(b)) is not None and rb > ra]

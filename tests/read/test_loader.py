@@ -353,7 +353,7 @@ def test_a_pass_broken_off_starts_again_from_its_epochs_start_and_a_finished_one
 
 # -- part 4: read-ahead ---------------------------------------------------------------------------
 class FakeStore:
-    """Objects with random latency, counting requests in flight."""
+    """Objects with random latency, counting requests in flight; ``wait_idle`` waits for every fetch to land."""
 
     def __init__(self, objects: dict[str, bytes], seed: int = 0):
         self.objects = objects
@@ -361,24 +361,39 @@ class FakeStore:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.inflight = self.peak = 0
+        self.idle = threading.Condition()
+        self.pending = 0  # fetches whose future is not resolved yet, or whose callbacks still run
 
     def fetch(self, ref: ChunkRef) -> Future:
         delay = self.rng.random() * 0.004
         key = ref.key
+        out: Future = Future()
+        with self.idle:
+            self.pending += 1
 
         def one():
             with self.lock:
                 self.inflight += 1
                 self.peak = max(self.peak, self.inflight)
-            time.sleep(delay)
+            time.sleep(delay)  # the latency being simulated, not a wait for something
             with self.lock:
                 self.inflight -= 1
-            if key == "boom":
-                raise OSError("connection reset")
             data = self.objects.get(key)
-            return None if data is None else data[ref.start:ref.stop]
+            if key == "boom":
+                out.set_exception(OSError("connection reset"))
+            else:
+                out.set_result(None if data is None else data[ref.start:ref.stop])  # runs the prefetcher's callback
+            with self.idle:
+                self.pending -= 1
+                self.idle.notify_all()
 
-        return self.pool.submit(one)
+        self.pool.submit(one)
+        return out
+
+    def wait_idle(self) -> None:
+        """Until every fetch has landed and the prefetcher's callback on it has run (its bytes released)."""
+        with self.idle:
+            assert self.idle.wait_for(lambda: self.pending == 0, timeout=60), f"{self.pending} fetch(es) never landed"
 
 
 def test_the_prefetcher_returns_every_object_in_plan_order_within_its_byte_and_request_bounds():
@@ -409,7 +424,7 @@ def test_a_wrong_plan_costs_requests_never_a_wrong_object_and_errors_reach_the_t
         pf.take(ref("boom", 60))
     pf.plan([ref("k1", 60), None, ref("k2", 60)])
     pf.reset()
-    time.sleep(0.05)
+    store.wait_idle()  # the dropped fetches land and release what they reserved
     assert pf.held_bytes == 0 and pf.peak_bytes <= 300 and store.peak <= 4
     one_big = ChunkPrefetcher(store.fetch, max_bytes=10, max_requests=2)  # a chunk above the bound: alone
     assert one_big.take(ref("k3", 60)) == objects["k3"] and one_big.peak_bytes == 60

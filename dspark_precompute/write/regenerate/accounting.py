@@ -2,7 +2,8 @@
 
 ``rows_in = regenerated + rejected``, as for capture. A reject keeps the engine's message. A
 request that failed (after its retries) is a reject of this run only: the next run asks it
-again; a refusal or a cut turn (with ``on_length=reject``) is the row's answer and is kept.
+again; a refusal, a cut turn (with ``on_length=reject``) or an empty answer is the row's answer and
+is kept.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ class RegenReason(StrEnum):
     """The engine refused (a refusal, or finish_reason=content_filter)."""
     LENGTH = "length"
     """A turn was cut by regenerate.max_tokens and regenerate.on_length=reject."""
+    EMPTY_ANSWER = "empty_answer"
+    """A turn would be stored empty: no content (null, '' or whitespace), no tool calls, no kept reasoning."""
 
 
-FINAL_REASONS = frozenset({RegenReason.REFUSAL, RegenReason.LENGTH})  # kept in the log: the row's answer
+# kept in the log: the row's answer, not asked again
+FINAL_REASONS = frozenset({RegenReason.REFUSAL, RegenReason.LENGTH, RegenReason.EMPTY_ANSWER})
 
 
 class RowRejected(Exception):

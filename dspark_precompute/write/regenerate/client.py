@@ -65,17 +65,37 @@ def _extra(obj: Any, key: str) -> Any:
     return value
 
 
-def parse_reply(resp: Any) -> Reply:
-    """The first choice of a ChatCompletion; an answer without one is a RequestFailed."""
+def _message(resp: Any) -> tuple[Any, Any]:
+    """The first choice and its message; a reply shaped otherwise is a RequestFailed naming what it lacks."""
     choices = getattr(resp, "choices", None)
     if not choices:
         raise RequestFailed(f"the server answered without choices: {str(resp)[:300]}")
-    choice, msg = choices[0], choices[0].message
+    choice = choices[0]
+    msg = getattr(choice, "message", None)
+    if msg is None:
+        raise RequestFailed(f"the server's first choice has no message: {str(choice)[:300]}")
+    content = getattr(msg, "content", None)
+    if content is not None and not isinstance(content, str):
+        raise RequestFailed(f"the server's message content is of type {type(content).__name__}, not a string or null: "
+                            f"{str(content)[:300]}; serve the OpenAI chat schema (content as text)")
+    calls = getattr(msg, "tool_calls", None)
+    if calls is not None and not (isinstance(calls, list) and all(hasattr(c, "model_dump") for c in calls)):
+        raise RequestFailed(f"the server's message tool_calls is not a list of calls: {str(calls)[:300]}")
+    return choice, msg
+
+
+def parse_reply(resp: Any) -> Reply:
+    """The first choice of a ChatCompletion; an answer without one, or of the wrong shape, is a RequestFailed.
+
+    The client does not validate the schema, so a content that is a number or a list would
+    otherwise be stored as the turn."""
+    choice, msg = _message(resp)
     calls = [c.model_dump(exclude_none=True) for c in msg.tool_calls] if msg.tool_calls else None
     usage = getattr(resp, "usage", None)
     reasoning = _extra(msg, "reasoning_content") or _extra(msg, "reasoning")
     return Reply(content=msg.content or "", finish_reason=str(choice.finish_reason or ""),
-                 reasoning=str(reasoning) if reasoning else None, tool_calls=calls, refusal=msg.refusal,
+                 reasoning=str(reasoning) if reasoning else None, tool_calls=calls,
+                 refusal=getattr(msg, "refusal", None),
                  prompt_token_ids=_extra(resp, "prompt_token_ids"), token_ids=_extra(choice, "token_ids"),
                  prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
                  completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0))

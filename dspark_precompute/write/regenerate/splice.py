@@ -54,6 +54,20 @@ def assistant_message(reply: Reply, reasoning: Reasoning) -> dict[str, Any]:
     return out
 
 
+def empty_answer(reply: Reply, reasoning: Reasoning) -> str | None:
+    """Why the stored turn of ``reply`` would be empty (None: it holds something to learn).
+
+    A turn with tool calls, or with reasoning that ``regenerate.reasoning=save`` keeps, is an answer
+    even without content; reasoning that is dropped leaves nothing, so it does not count."""
+    if reply.content.strip() or reply.tool_calls or (reasoning == Reasoning.save and reply.reasoning):
+        return None
+    what = f"content {reply.content!r}" if reply.content else "no content"
+    if reply.reasoning:
+        return (f"the engine gave {what} and only reasoning, which regenerate.reasoning={reasoning} drops "
+                f"(finish_reason={reply.finish_reason}); set regenerate.reasoning=save to keep it")
+    return f"the engine gave {what}, no tool calls and no reasoning (finish_reason={reply.finish_reason})"
+
+
 def splice(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, turns: Turns,
            reasoning: Reasoning, ask: Ask) -> Spliced:
     """Regenerate ``messages`` through ``ask`` (which may raise to abandon the row)."""

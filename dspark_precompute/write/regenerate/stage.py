@@ -22,7 +22,7 @@ from dspark_precompute.write.regenerate.boundaries import mismatch
 from dspark_precompute.write.regenerate.client import Pool, Reply, RequestFailed, Server
 from dspark_precompute.write.regenerate.engine import EngineInfo, probe
 from dspark_precompute.write.regenerate.request import Sampling
-from dspark_precompute.write.regenerate.splice import Spliced, splice
+from dspark_precompute.write.regenerate.splice import Spliced, empty_answer, splice
 from dspark_precompute.write.regenerate.store import ResumeStore, atomic_write, canonical, row_key
 from dspark_precompute.write.samples.files import resolve_source
 from dspark_precompute.write.samples.normalize import Conversation, normalize
@@ -55,6 +55,7 @@ class _Turn:
     sampling: Sampling
     model: str
     on_length: OnLength
+    reasoning: Reasoning
     cut: int = 0
 
     def __call__(self, history: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Reply:
@@ -66,6 +67,8 @@ class _Turn:
             if self.on_length == OnLength.reject:
                 raise RowRejected(RegenReason.LENGTH, f"a turn was cut at regenerate.max_tokens "
                                                       f"({reply.completion_tokens} tokens)")
+        if (why := empty_answer(reply, self.reasoning)) is not None:
+            raise RowRejected(RegenReason.EMPTY_ANSWER, why)
         return reply
 
 
@@ -182,7 +185,7 @@ def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: 
 
     def work(server: Server, job: tuple[str, tuple[int, Conversation]]) -> tuple[Spliced, int]:
         conv = job[1][1]
-        ask = _Turn(server, sampling, info.served_model, OnLength(r.on_length))
+        ask = _Turn(server, sampling, info.served_model, OnLength(r.on_length), reasoning)
         try:
             return splice(conv.messages, conv.tools, turns, reasoning, ask), ask.cut
         except RowRejected as exc:

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MODEL = "fake-model"
+ECHO = object()  # completion()'s default content: the answer to the history (None sends a null content)
 
 
 def answer(messages: list[dict[str, Any]]) -> str:
@@ -77,11 +78,11 @@ class Fake:
         self.server.server_close()
 
 
-def completion(body: dict[str, Any], finish: str = "stop", content: str | None = None, **message: Any) -> bytes:
-    text = answer(body["messages"]) if content is None else content
+def completion(body: dict[str, Any], finish: str = "stop", content: Any = ECHO, **message: Any) -> bytes:
+    text = answer(body["messages"]) if content is ECHO else content
     return json.dumps({
         "id": "x", "object": "chat.completion", "created": int(time.time()), "model": MODEL,
         "choices": [{"index": 0, "finish_reason": finish,
                      "message": {"role": "assistant", "content": text, **message}}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": len(text.split()), "total_tokens": 3},
+        "usage": {"prompt_tokens": 3, "completion_tokens": len(str(text or "").split()), "total_tokens": 3},
     }).encode()

@@ -10,6 +10,7 @@ Modules: ``write/regenerate/accounting.py`` (the reject reasons and counts), ``w
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -307,3 +308,92 @@ def test_a_damaged_log_line_is_a_typed_refusal_naming_the_line_not_a_traceback(t
         with pytest.raises(RegenerateError, match=r"log.jsonl: line 2 is not a finished row's record"):
             regenerate(cfg, out)
     assert not (out.with_name(out.name + ".parts") / ".writer.lock").exists()  # the refusal released the lock
+
+
+def rejects_of(out: Path) -> list[dict]:
+    return [json.loads(x) for x in sibling(out, ".rejects.jsonl").read_text().splitlines()]
+
+
+def call_row(calls: object) -> dict:
+    return {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "x", "tool_calls": calls}}
+
+
+def chat_answer(choices: object) -> bytes:
+    """A 200 answer with these ``choices`` (absent when None), shaped as no engine should shape it."""
+    body = {"id": "x", "object": "chat.completion", "created": 1, "model": "fake-model",
+            "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}}
+    return json.dumps(body if choices is None else {**body, "choices": choices}).encode()
+
+
+@pytest.mark.parametrize(("message", "extra", "why"), [
+    ({"content": None}, [], "no content, no tool calls and no reasoning"),
+    ({"content": ""}, [], "no content, no tool calls and no reasoning"),
+    ({"content": " \n\t"}, [], r"content ' \\n\\t', no tool calls"),
+    ({}, [], "no content, no tool calls"),
+    ({"content": None, "reasoning_content": "let me think"}, ["regenerate.reasoning=none"],
+     "only reasoning, which regenerate.reasoning=none drops"),
+])
+def test_an_empty_answer_is_an_empty_answer_reject_never_an_empty_stored_turn(tmp_path, message, extra, why):
+    def behave(n, body):
+        if body["messages"][-1]["content"] == "question 1":
+            payload = json.loads(completion(body))
+            payload["choices"][0]["message"] = {"role": "assistant", **message}
+            return 200, json.dumps(payload).encode()
+        return None
+
+    data, out = rows_file(tmp_path, 3), tmp_path / "cache.regenerated.jsonl"
+    with Fake(behave) as f:
+        done = regenerate(config(tmp_path, [f.url], data, *extra), out)
+    c = done.counts
+    assert (c.rows_in, c.regenerated, c.rejected, c.reasons) == (3, 2, 1, {"empty_answer": 1})
+    assert [(r["row"], r["reason"]) for r in rejects_of(out)] == [(1, "empty_answer")]
+    assert re.search(why, rejects_of(out)[0]["message"])
+    assert json.loads(sibling(out, ".meta.json").read_text())["counts"]["reasons"] == {"empty_answer": 1}
+    source = [json.loads(line) for line in data.read_text().splitlines()]
+    assert_regenerated(output_rows(tmp_path), [source[0], source[2]])  # no row holds an empty turn
+    assert not done.failed  # the engine's answer: kept in the log, not asked again
+    with Fake() as again:
+        assert regenerate(config(tmp_path, [again.url], data, *extra), out).counts.reasons == {"empty_answer": 1}
+        assert not again.requests
+
+
+@pytest.mark.parametrize(("message", "extra"), [
+    ({"content": None, "tool_calls": [{"id": "c-1", "type": "function",
+                                       "function": {"name": "lookup", "arguments": "{}"}}]}, []),
+    ({"content": None, "reasoning_content": "let me think"}, ["regenerate.reasoning=save"]),
+])
+def test_a_turn_without_content_but_with_tool_calls_or_kept_reasoning_is_an_answer(tmp_path, message, extra):
+    def behave(n, body):
+        payload = json.loads(completion(body))
+        payload["choices"][0]["message"] = {"role": "assistant", **message}
+        return 200, json.dumps(payload).encode()
+
+    with Fake(behave) as f:
+        done = regenerate(config(tmp_path, [f.url], rows_file(tmp_path, 1), *extra), tmp_path / "o.jsonl")
+    assert done.counts.regenerated == 1 and done.counts.rejected == 0
+    turn = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()][0]["messages"][1]
+    assert turn.get("tool_calls") == message.get("tool_calls")
+    assert turn.get("reasoning_content") == message.get("reasoning_content")
+
+
+@pytest.mark.parametrize(("choices", "why"), [
+    (None, "answered without choices"),
+    ([], "answered without choices"),
+    ([{"index": 0, "finish_reason": "stop"}], "first choice has no message"),
+    ([{"index": 0, "finish_reason": "stop", "message": None}], "first choice has no message"),
+    ([{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": 5}}],
+     "content is of type int, not a string or null"),
+    ([{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": [{"type": "text",
+                                                                                          "text": "hi"}]}}],
+     "content is of type list"),
+    ([call_row("lookup")], "tool_calls is not a list of calls"),
+])
+def test_an_answer_of_the_wrong_shape_is_a_request_failed_reject_naming_what_is_wrong(tmp_path, choices, why):
+    data, out = rows_file(tmp_path, 2), tmp_path / "cache.regenerated.jsonl"
+    with Fake(lambda n, b: (200, chat_answer(choices)) if b["messages"][-1]["content"] == "question 0" else None) as f:
+        with pytest.raises(RegenerateError, match="1 of 2 row"):
+            regenerate_stage(config(tmp_path, [f.url], data))
+    [reject] = rejects_of(out)
+    assert (reject["row"], reject["reason"]) == (0, "request_failed") and why in reject["message"]
+    logged = [json.loads(x) for x in (out.with_name(out.name + ".parts") / "log.jsonl").read_text().splitlines()]
+    assert [r["row"]["messages"][1]["content"] for r in logged] == ["echo: question 1"]  # the bad one: not logged
