@@ -314,7 +314,7 @@ def cache_identity(cfg: PrecomputeConfig, target: TargetInfo, tokenizer: Any, te
             "weights_fingerprint": target.weights_fingerprint, "fingerprint_kind": cfg.model.fingerprint,
             "revision": cfg.model.revision,
             # eager / sdpa / flash attention round differently: part of what the values are
-            "attn_implementation": cfg.model.attn_implementation,
+            "attn_implementation": target.attn_implementation,  # the chosen one (model.attn_implementation=auto)
         },
         "compute_dtype": str(compute_dtype).replace("torch.", ""),
         "tokenizer_sha256": tokenizer_sha256(tokenizer),

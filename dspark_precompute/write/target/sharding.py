@@ -89,14 +89,16 @@ def distributed_config(par: ParallelConfig, world: int) -> Any:
                              dp_replicate_size=world // par.group)
 
 
-def load_sharded(source: str, kwargs: dict[str, Any], par: ParallelConfig | None, world: int) -> Any:
-    """``from_pretrained`` with the layout's DistributedConfig (each rank reads and keeps its shards only);
-    ``par=None``: one whole copy, loaded the same way."""
+def load_sharded(source: str, kwargs: dict[str, Any], par: ParallelConfig | None, world: int,
+                 cls: Any | None = None) -> Any:
+    """``cls.from_pretrained`` (default ``AutoModelForCausalLM``; the language model of an image-text checkpoint)
+    with the layout's DistributedConfig (each rank reads and keeps its shards only); ``par=None``: one whole copy,
+    loaded the same way."""
     from transformers import AutoModelForCausalLM
 
     if par is not None:
         kwargs = {**kwargs, "distributed_config": distributed_config(par, world)}
-    model: Any = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    model: Any = (cls or AutoModelForCausalLM).from_pretrained(source, **kwargs)
     return model.eval().requires_grad_(False)
 
 

@@ -129,9 +129,13 @@ def causal_lm_class(config: Any) -> Any:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def build_target(rc: RandomTargetConfig, vocab_size: int, dtype: torch.dtype = torch.float32) -> Any:
-    """The CausalLM with seeded random weights (identical on every machine with this torch)."""
+def build_target(rc: RandomTargetConfig, vocab_size: int, dtype: torch.dtype = torch.float32,
+                 attn_implementation: str | None = None) -> Any:
+    """The CausalLM with seeded random weights (identical on every machine with this torch), running
+    ``attn_implementation`` (None: transformers' default)."""
     config = build_config(rc, vocab_size)
+    if attn_implementation:
+        config._attn_implementation = attn_implementation
     cls = causal_lm_class(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(rc.seed)
