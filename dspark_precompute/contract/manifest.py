@@ -193,6 +193,18 @@ FIELDS: tuple[Field, ...] = (
     Field("capture.fingerprint_kind", Kind.STR, "full | sampled", required=False, null=True),
     Field("capture.stream_reduction", Kind.STR, "mean: a layer emitting several hyper-connection streams (DeepSeek "
           "V4) is stored as their mean, NeMo AutoModel's rule; absent: one stream", required=False, null=True),
+    Field("capture.attn_implementation", Kind.STR, "the attention implementation the target ran with (sdpa, eager, "
+          "...; model.attn_implementation=auto chooses it from the class)", required=False, null=True),
+    Field("capture.target_part", Kind.OBJECT, "what of an image-text checkpoint was loaded for text rows; absent: "
+          "the whole causal LM", required=False, null=True),
+    Field("capture.target_part.loaded", Kind.STR, "the module loaded (model.language_model)", required=False,
+          null=True),
+    Field("capture.target_part.checkpoint_class", Kind.STR, "the checkpoint's class (Qwen3VLForConditionalGeneration, "
+          "...)", required=False, null=True),
+    Field("capture.target_part.skipped_modules", Kind.STRS, "modules not built, their tensors not read "
+          "(model.visual, ...)", required=False, null=True),
+    Field("capture.target_part.skipped_bytes", Kind.INT, "stored bytes of the tensors left unread (the vision tower, "
+          "an MTP head)", required=False, null=True, lo=0),
     Field("provenance", Kind.OBJECT, "which command, software and hosts wrote the cache (never hashed)",
           required=False, null=True),
     Field("provenance.argv", Kind.STRS, "command line of the run that finished it", required=False, null=True),
@@ -322,6 +334,8 @@ class Capture:
     weights_fingerprint: str | None = None  # the identity's fingerprint of every weight file
     fingerprint_kind: str | None = None  # full (every byte) or sampled
     stream_reduction: str | None = None  # mean: a layer's hyper-connection streams averaged (DeepSeek V4, NeMo's rule)
+    attn_implementation: str | None = None  # the attention the target ran with (sdpa, eager, ...)
+    target_part: dict[str, Any] | None = None  # image-text checkpoint: its part loaded, the modules and bytes left out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Capture:

@@ -26,7 +26,7 @@ from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS,
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import DsparkError
 from dspark_precompute.humanize import human_bytes
-from dspark_precompute.write.config.schema import PrecomputeConfig, StorageConfig
+from dspark_precompute.write.config.schema import TINY, PrecomputeConfig, StorageConfig
 from dspark_precompute.write.plan import resume
 from dspark_precompute.write.plan.prepare import Plan, prepare
 from dspark_precompute.write.samples.tokenize import reason_counts, tokenize, warn_about_rejects
@@ -129,6 +129,10 @@ class DryRunPlan:
     weight_bytes: int = 0  # the target's parameters at the compute dtype (safetensors headers)
     rank_weight_bytes: int = 0  # what one rank holds of them under parallel.* (all of them: one copy)
     weights_layout: str = ""  # parallel.* as the report shows it
+    weights_source: str = "the safetensors headers"  # or config.json alone (no weight files yet)
+    weights_fingerprint: str = "not computed (a dry run never hashes the weights)"
+    fit: str = ""  # whether one rank's share fits this machine, and the layout that would
+    target_part: str = ""  # an image-text checkpoint: what loads, what is left out
 
     def rows(self) -> list[tuple[str, str]]:
         """The plan as (label, value) lines: the CLI's table and the log's report."""
@@ -162,8 +166,11 @@ class DryRunPlan:
             ("on disk (estimate)", f"about {human_bytes(self.estimated_bytes)} ({self.estimate_note})"),
             ("weights per rank", f"{self.rank_weight_bytes:,} B ({human_bytes(self.rank_weight_bytes)}) of "
                                  f"{self.weight_bytes:,} B ({human_bytes(self.weight_bytes)}) under "
-                                 f"{self.weights_layout} (exact, from the headers; the FSDP root's embedding, final "
-                                 "norm and lm_head are gathered after the first forward)"),
+                                 f"{self.weights_layout} (exact, from {self.weights_source}; the FSDP root's "
+                                 "embedding, final norm and lm_head are gathered after the first forward)"),
+            *([("loaded part", self.target_part)] if self.target_part else []),
+            ("fit here", self.fit),
+            ("weights fingerprint", self.weights_fingerprint),
             ("time (estimate)", f"about {_duration(self.estimated_seconds)} at {self.tokens_per_second:,.0f} "
                                 f"tokens/s ({self.rate_note}); weights loading and tokenization come on top"),
         ]
@@ -283,12 +290,29 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
     hidden_raw = sum(a.raw_bytes for a in arrays if a.name not in (INPUT_IDS, LOSS_MASK))
     out.files, out.directories, out.entries_per_tb = files.files, files.directories, files.per_tb(hidden_raw)
     out.weight_bytes, out.rank_weight_bytes, out.weights_layout = weights_per_rank(plan)
+    _weights_facts(plan, out)
     for k, v in out.rows():
         log.info("dry run: %s: %s", k, v)
     for a in arrays:
         log.info("dry run: array %s: %s x %d B = %s B uncompressed, about %s stored", a.name, f"{a.rows:,}",
                  a.row_bytes, f"{a.raw_bytes:,}", human_bytes(a.estimated_bytes))
     return out
+
+
+def _weights_facts(plan: Plan, out: DryRunPlan) -> None:
+    """Where the weight bytes came from, whether they fit here, the fingerprint's state, an image-text part."""
+    t = plan.target
+    if not t.weight_files and plan.cfg.model.path != TINY:
+        out.weights_source = "config.json alone (no weight files yet: a meta-device build of its class)"
+        out.weights_fingerprint = ("not computed (no weight files yet; the real run needs them and hashes them "
+                                   "into the identity)")
+    elif plan.cfg.model.path == TINY:
+        out.weights_fingerprint = f"{t.weights_fingerprint} (the built-in target's: its config and seed)"
+    out.fit = plan.fit or f"one rank's share fits {plan.device} ({str(plan.compute_dtype).replace('torch.', '')})"
+    if t.part is not None:
+        skipped = "?" if t.skipped_bytes is None else human_bytes(t.skipped_bytes)
+        out.target_part = (f"the language model of {t.part.checkpoint_class} (model.language_model); left out for "
+                           f"text rows: {', '.join(t.part.skipped_modules)} ({skipped} stored)")
 
 
 def weights_per_rank(plan: Plan) -> tuple[int, int, str]:

@@ -412,7 +412,8 @@ QWEN_DIMS = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 300}
 @pytest.mark.parametrize("config,words", [
     ({"model_type": "deepseek_v41", **QWEN_DIMS}, "distributed"),
     ({"model_type": "kimi_k3", "architectures": ["KimiK3ForCausalLM"], **QWEN_DIMS}, "Kimi K3"),
-    ({"model_type": "minimax_m3_vl", **QWEN_DIMS}, "multimodal"),
+    # an audio-text model: no image-text class with a language model inside (image-text ones run: test_image_text)
+    ({"model_type": "qwen2_audio", "audio_config": {}, "text_config": QWEN_DIMS}, "maps to no image-text class"),
     ({"model_type": "my_custom_lm", "auto_map": {"AutoModelForCausalLM": "modeling.MyLM"}, **QWEN_DIMS},
      "model.trust_remote_code=true"),
     ({"model_type": "t5", **QWEN_DIMS}, "cannot load model_type 't5' as a causal LM"),

@@ -25,7 +25,9 @@ BASE = ("seq_length=128", "batch.max_tokens=256", "data.max_samples=12", "progre
 
 def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
     keys = {x.split("=", 1)[0] for x in extra}
-    return [f"storage.path={tmp_path / name}", *(b for b in BASE if b.split("=", 1)[0] not in keys), *extra]
+    checkpoint = "model.path" in keys  # the random target's shape does not apply
+    return [f"storage.path={tmp_path / name}", *(b for b in BASE if b.split("=", 1)[0] not in keys
+                                                 and not (checkpoint and b.startswith("model.random."))), *extra]
 
 
 def one_copy(tmp_path: Path, *extra: str) -> str:
@@ -200,3 +202,47 @@ def test_a_tensor_parallel_run_killed_then_resumed_on_more_ranks_equals_one_neve
     resumed = sharded(tmp_path, 4, "k", *tp)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert_same_cache(str(tmp_path / "ref"), str(tmp_path / "k"), layout=True)
+
+
+# ---- image-text checkpoints: their language model, sharded as a text model is ----
+
+def image_text_checkpoint(tmp_path: Path, model_type: str) -> str:
+    from dspark_precompute.write.target import tiny
+
+    src = tmp_path / "src"
+    tiny.save_image_text_checkpoint(model_type, src, dtype=__import__("torch").bfloat16)
+    return f"model.path={src}"
+
+
+def test_an_image_text_moe_under_fsdp_and_ep_matches_its_one_copy_run_and_holds_half_the_language_model(tmp_path):
+    path = image_text_checkpoint(tmp_path, "qwen3_5_moe")
+    ref = one_copy(tmp_path, path)
+    proc = sharded(tmp_path, 2, "ep2", path, "parallel.fsdp=2", "parallel.ep=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_cache(ref, str(tmp_path / "ep2"), layout=True)
+    assert held_fraction(proc) <= 1 / 2 + 0.05
+    part = json.loads((tmp_path / "ep2" / "manifest.json").read_text())["capture"]["target_part"]
+    assert part["skipped_modules"] == ["model.visual"] and part["skipped_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_qwen3_vl_under_fsdp_matches_its_one_copy_run(tmp_path):
+    path = image_text_checkpoint(tmp_path, "qwen3_vl")
+    ref = one_copy(tmp_path, path)
+    proc = sharded(tmp_path, 2, "sharded", path, "parallel.fsdp=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_cache(ref, str(tmp_path / "sharded"), layout=True)
+    assert held_fraction(proc) <= 1 / 2 + 0.05
+
+
+def test_image_text_layouts_transformers_cannot_shard_are_refused_before_weights_load(tmp_path, monkeypatch):
+    """Qwen3-VL-MoE and MiniMax M3 fail or compute other values sharded in transformers 5.24; TP shards nothing."""
+    from dspark_precompute.errors import ConfigError
+
+    monkeypatch.setattr("dspark_precompute.write.run.load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    for model_type, layout, words in (("qwen3_vl_moe", "parallel.ep=2", "size mismatch"),
+                                      ("minimax_m3_vl", "parallel.ep=1", "other values than one copy"),
+                                      ("qwen3_vl", "parallel.tp=2", "no tensor-parallel plan")):
+        path = image_text_checkpoint(tmp_path / model_type, model_type)
+        with pytest.raises(ConfigError, match=words):
+            run(compose(overrides(tmp_path, "c", path, "parallel.fsdp=2", layout)))

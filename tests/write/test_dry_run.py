@@ -132,3 +132,70 @@ def test_a_dry_run_reports_each_ranks_share_of_the_weights_for_the_layout(tmp_pa
     four = dry_run(compose(small(tmp_path, *moe, "dry_run=true", "parallel.fsdp=4", "parallel.ep=2")))
     assert four.weight_bytes == whole and four.rank_weight_bytes == -(-whole // 4)
     assert "parallel.fsdp=4 parallel.ep=2 (4 ranks per copy)" in dict(four.rows())["weights per rank"]
+
+
+# ---- planning before the download: config.json and the tokenizer alone ----
+
+QWEN3_235B_A22B = {  # Qwen/Qwen3-235B-A22B's config.json, as the hub ships it
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
+    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_attention_heads": 64, "num_key_value_heads": 4,
+    "head_dim": 128, "num_hidden_layers": 94, "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False, "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "torch_dtype": "bfloat16", "attention_bias": False,
+    "hidden_act": "silu", "norm_topk_prob": True, "bos_token_id": 151643, "eos_token_id": 151645}
+
+
+def qwen3_235b_parameters(c: dict) -> int:
+    """The oracle: Qwen3-MoE's parameters counted by hand from the config (attention, norms, router, experts)."""
+    h, d, q, kv, e, m = (c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"],
+                         c["num_experts"], c["moe_intermediate_size"])
+    layer = h * q * d * 2 + h * kv * d * 2 + 2 * d + 2 * h + e * h + e * 3 * h * m
+    return c["num_hidden_layers"] * layer + 2 * c["vocab_size"] * h + h
+
+
+def config_only_dir(tmp_path: Path, config: dict) -> Path:
+    import json
+    import shutil
+
+    import helpers
+
+    if not helpers.QWEN3_TOKENIZER.is_dir():
+        pytest.skip(f"the Qwen3 tokenizer fixture {helpers.QWEN3_TOKENIZER} is not present")
+    d = tmp_path / "config-only"
+    shutil.copytree(helpers.QWEN3_TOKENIZER, d)
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_a_235b_moe_with_no_weight_files_is_planned_from_its_config_and_the_fingerprint_is_not_computed(
+        tmp_path, monkeypatch):
+    d = config_only_dir(tmp_path, QWEN3_235B_A22B)
+    refuse_building_weights(monkeypatch)
+    common = (f"model.path={d}", "model.dtype=bf16", "dry_run=true", "data.max_samples=4")
+    plan = dry_run(compose(small(tmp_path, *common, "parallel.fsdp=16", "parallel.ep=8")))
+    params = qwen3_235b_parameters(QWEN3_235B_A22B)
+    assert plan.parameters == params and 234e9 < params < 236e9
+    assert plan.weight_bytes == 2 * params and plan.rank_weight_bytes == -(-2 * params // 16)
+    rows = dict(plan.rows())
+    assert "config.json alone" in rows["weights per rank"]
+    assert rows["weights fingerprint"].startswith("not computed (no weight files yet")
+    one = dict(dry_run(compose(small(tmp_path, *common))).rows())
+    assert "shard it over" in one["fit here"] and "parallel.fsdp=" in one["fit here"]  # the layout that fits
+
+
+def test_a_real_run_of_a_config_only_directory_is_refused_naming_the_missing_weights(tmp_path, monkeypatch):
+    d = config_only_dir(tmp_path, QWEN3_235B_A22B)
+    refuse_building_weights(monkeypatch)
+    with pytest.raises(ConfigError, match=r"has no weight files \(\*\.safetensors\).*dry_run=true plans"):
+        run(compose(small(tmp_path, f"model.path={d}", "data.max_samples=4")))
+
+
+def test_a_dry_run_of_an_image_text_checkpoint_counts_its_language_model_only(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    full = tiny.save_image_text_checkpoint("qwen3_5_moe", src, dtype=__import__("torch").bfloat16)
+    lm = sum(p.numel() for n, p in full.named_parameters() if not n.startswith("model.visual."))
+    refuse_building_weights(monkeypatch)
+    plan = dry_run(compose(small(tmp_path, f"model.path={src}", "model.dtype=bf16", "dry_run=true",
+                                 "data.max_samples=4", "parallel.fsdp=2", "parallel.ep=2")))
+    assert plan.parameters == lm and plan.weight_bytes == 2 * lm and plan.rank_weight_bytes == lm
+    assert "Qwen3_5MoeForConditionalGeneration" in plan.target_part and "model.visual" in plan.target_part

@@ -179,8 +179,10 @@ class ModelConfig:
     and no N-1, which a serving engine such as SGLang cannot capture). Part of the identity when not nemo."""
     draft_num_hidden_layers: int = 5
     """How many layers the preset chooses (the draft's k)."""
-    attn_implementation: str | None = "sdpa"
-    """Passed to transformers (sdpa, eager, flash_attention_2, ...)."""
+    attn_implementation: str | None = "auto"
+    """auto: sdpa where transformers has it for the target's class, else eager (DeepSeek V4), chosen before the
+    weights load and recorded in the identity and capture.attn_implementation; sdpa, eager, flash_attention_2, ...:
+    that one, refused before the weights load when the class lacks it; null: transformers' own default."""
     trust_remote_code: bool = False
     """Run the checkpoint's own Python code (logged loudly); needed for code-only targets."""
     fingerprint: Fingerprint = Fingerprint.full

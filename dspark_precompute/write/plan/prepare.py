@@ -136,6 +136,7 @@ class Plan:
     unit_tokens: int
     data_sha256: str
     capture: Capture | None = None  # the manifest's capture facts known before weights load
+    fit: str | None = None  # a dry run: why this rank's share of the weights would not fit here (None: it fits)
 
     def manifest(self, layout: Layout, counts: Counts, created_at: str = "") -> Manifest:
         """The cache's manifest for this plan (incomplete until the run marks it complete)."""
@@ -185,10 +186,11 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
         layer_ids = _layer_ids(cfg, target, tokenizer, problems)
     device = resolve_device(cfg.model.device)
     compute_dtype = resolve_compute_dtype(cfg.model.dtype, device)
+    fit: str | None = None
     if target is not None:
         problems += sharding.layout_problems(cfg.parallel, target.model_type, target.extra,
                                              cfg.parallel.group if world is None else world)
-        _target_storage_problems(cfg, target, device, compute_dtype, problems)
+        fit = _target_storage_problems(cfg, target, device, compute_dtype, problems, refuse_fit=fingerprint)
     if problems:
         raise ConfigError(problems)
     assert tokenizer is not None and template is not None and target is not None  # else a problem was listed
@@ -198,7 +200,7 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
     identity = cache_identity(cfg, target, tokenizer, template, data_sha, layer_ids, compute_dtype, chunk, unit)
     return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,
                 config_hash(identity), specs, names, chunk, unit, data_sha,
-                plan_capture(cfg.model, cfg.data, template, target, cfg.model.fingerprint, state))
+                plan_capture(cfg.model, cfg.data, template, target, cfg.model.fingerprint, state), fit)
 
 
 def _resolve_inputs(cfg: PrecomputeConfig, fingerprint: bool) -> tuple[str, Any, str | None, TargetInfo | None,
@@ -259,19 +261,23 @@ def _layer_ids(cfg: PrecomputeConfig, target: TargetInfo, tokenizer: Any, proble
 
 
 def _target_storage_problems(cfg: PrecomputeConfig, target: TargetInfo, device: torch.device,
-                             compute_dtype: torch.dtype, problems: list[str]) -> None:
+                             compute_dtype: torch.dtype, problems: list[str], refuse_fit: bool = True) -> str | None:
     """An fp8 group that does not divide the hidden size; then, when nothing else is wrong, weights that do not fit
-    the device. Problems go into ``problems``."""
+    the device. Problems go into ``problems``; a misfit is returned instead when not ``refuse_fit`` (a dry run,
+    often on a login node: it reports the fit and the layout that would, and plans on)."""
     group = cfg.storage.fp8_group
     if group and "fp8_group" in stored_dtype_knobs(cfg.storage) and target.hidden_size % group:
         problems.append(fp8_group_problem(group, target.hidden_size))
     if not problems:
         try:
             problem = fit_problem(cfg.model, target, device, compute_dtype, par=cfg.parallel)
-        except TargetError as exc:
-            problem = str(exc)
-        if problem:
+        except TargetError as exc:  # the weights could not be counted: never only a report
+            problems.append(str(exc))
+            return None
+        if problem and refuse_fit:
             problems.append(problem)
+        return problem
+    return None
 
 
 def array_layout(cfg: PrecomputeConfig, layer_ids: list[int], target: TargetInfo,
@@ -314,7 +320,7 @@ def cache_identity(cfg: PrecomputeConfig, target: TargetInfo, tokenizer: Any, te
             "weights_fingerprint": target.weights_fingerprint, "fingerprint_kind": cfg.model.fingerprint,
             "revision": cfg.model.revision,
             # eager / sdpa / flash attention round differently: part of what the values are
-            "attn_implementation": cfg.model.attn_implementation,
+            "attn_implementation": target.attn_implementation,  # the chosen one (model.attn_implementation=auto)
         },
         "compute_dtype": str(compute_dtype).replace("torch.", ""),
         "tokenizer_sha256": tokenizer_sha256(tokenizer),

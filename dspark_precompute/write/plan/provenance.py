@@ -54,7 +54,8 @@ def weights_dtype(model: ModelConfig, info: TargetInfo) -> str | None:
     if model.path == TINY:
         return "float32"
     if info.weight_files:
-        counts = {k: v for k, v in safetensors_numel_by_dtype(info.weight_files).items() if k in _SAFETENSORS_DTYPES}
+        counts = {k: v for k, v in safetensors_numel_by_dtype(info.weight_files, info.loads).items()
+                  if k in _SAFETENSORS_DTYPES}
         if counts:
             return _SAFETENSORS_DTYPES[max(sorted(counts), key=lambda k: counts[k])]
     if info.local_dir is not None:
@@ -79,6 +80,8 @@ def plan_capture(model: ModelConfig, data: DataConfig, template: str, info: Targ
         target_weights_dtype=weights_dtype(model, info),
         weights_fingerprint=info.weights_fingerprint or None,
         fingerprint_kind=fingerprint_kind,
+        attn_implementation=info.attn_implementation,
+        target_part=info.capture_part(),
     )
 
 
@@ -105,8 +108,10 @@ def with_loaded_model(capture: Capture | None, model: Any) -> Capture | None:
     if capture is None:
         return None
     norm = final_norm_of(model)
+    config = getattr(model, "config", None)
+    attn = getattr(config, "_attn_implementation", None) or capture.attn_implementation
     return dataclasses.replace(capture, final_norm_class=model_class_name(norm) if norm is not None else None,
-                               stream_reduction=stream_reduction(getattr(model, "config", None)))
+                               stream_reduction=stream_reduction(config), attn_implementation=attn)
 
 
 def versions() -> dict[str, str]:

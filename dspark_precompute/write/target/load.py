@@ -6,10 +6,12 @@ runs first, so a target this tool cannot run is refused before its weights load.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,13 @@ import torch
 from dspark_precompute.errors import TargetError
 from dspark_precompute.write.config.schema import TINY, ModelConfig, ParallelConfig
 from dspark_precompute.write.target import sharding, tiny
+from dspark_precompute.write.target.image_text import (
+    LANGUAGE_MODEL,
+    ImageTextPart,
+    image_text_class_name,
+    language_model_class,
+    part_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +50,18 @@ class TargetInfo:
     tied: bool = True  # lm_head shares the embedding matrix
     extra: dict[str, Any] = field(default_factory=dict)
     weight_files: list[Path] = field(default_factory=list)
+    model_class: str | None = None  # the class transformers builds (None: the checkpoint's own code)
+    attn_implementation: str | None = None  # the one it runs with (model.attn_implementation=auto: chosen here)
+    part: ImageTextPart | None = None  # an image-text checkpoint: only its language model is loaded
+    skipped_bytes: int | None = None  # stored bytes of the image-text tensors left unread (None: no weight files)
+
+    def loads(self, tensor: str) -> bool:
+        """Whether the checkpoint's tensor named ``tensor`` is read when the target loads."""
+        return self.part is None or self.part.loads(tensor)
+
+    def capture_part(self) -> dict[str, Any] | None:
+        """``capture.target_part``: what of an image-text checkpoint was loaded; None for a causal LM."""
+        return None if self.part is None else self.part.record(self.skipped_bytes)
 
 
 def _sha256_json(obj: Any) -> str:
@@ -146,6 +167,7 @@ def _tiny_info(cfg: ModelConfig, tokenizer: Any) -> TargetInfo:
     config = tiny.build_config(cfg.random, len(tokenizer))
     cdict = config.to_dict()
     cdict.pop("transformers_version", None)
+    cls = tiny.causal_lm_class(config)
     return TargetInfo(
         path=TINY,
         model_type=cfg.random.model_type,
@@ -157,6 +179,7 @@ def _tiny_info(cfg: ModelConfig, tokenizer: Any) -> TargetInfo:
         weights_fingerprint=_sha256_json({"config": cdict, "seed": cfg.random.seed, "init": "tiny-v1"}),
         tied=bool(config.tie_word_embeddings),
         extra=sharding.shape_facts(cdict),
+        model_class=cls.__name__, attn_implementation=choose_attention(cfg.attn_implementation, cls),
     )
 
 
@@ -185,12 +208,10 @@ _ROUTE_DISTRIBUTED = ("transformers (this version) does not define it, so it can
 # DeepSeek V4 (deepseek_v4) and GLM-5.2 (glm_moe_dsa) are transformers causal LMs: sharded by parallel.*.
 UNSUPPORTED_TARGETS = {
     "deepseek_v41": f"DeepSeek V4.1 (MoE, native DSpark module): {_ROUTE_DISTRIBUTED}",
-    "minimax_m3_vl": "MiniMax M3 is a multimodal (vision-language) checkpoint: this tool captures text-only "
-                     "causal LMs; train its draft online with NeMo AutoModel's DSpark recipe",
     "kimi_k3": f"Kimi K3 (multimodal MoE): {_ROUTE_DISTRIBUTED}",
 }
 UNSUPPORTED_ARCHITECTURES = {
-    "DeepseekV41ForCausalLM": "deepseek_v41", "MiniMaxM3SparseForConditionalGeneration": "minimax_m3_vl",
+    "DeepseekV41ForCausalLM": "deepseek_v41",
     "KimiK3ForCausalLM": "kimi_k3", "KimiK3ForConditionalGeneration": "kimi_k3",
 }
 
@@ -202,8 +223,15 @@ def _causal_lm_problem(cfg: ModelConfig, cdict: dict[str, Any], model_type: str)
         (UNSUPPORTED_TARGETS[UNSUPPORTED_ARCHITECTURES[a]] for a in archs if a in UNSUPPORTED_ARCHITECTURES), None)
     if known:
         return f"model.path={cfg.path!r} ({model_type or archs}): {known}"
+    import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    if any(k in cdict for k in _MULTIMODAL_KEYS):
+        if image_text_class_name(cdict):
+            return None
+        return (f"model.path={cfg.path!r} is a multimodal config ({model_type}) that transformers "
+                f"{transformers.__version__} maps to no image-text class with a language model inside; point "
+                "model.path at a text-only checkpoint of its language model")
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return None
     auto_map = cdict.get("auto_map") or {}
@@ -213,27 +241,42 @@ def _causal_lm_problem(cfg: ModelConfig, cdict: dict[str, Any], model_type: str)
         return (f"model.path={cfg.path!r} (model_type={model_type!r}) is a causal LM only through code shipped "
                 "with the checkpoint (auto_map); that code would run in this process. Read it, then pass "
                 "model.trust_remote_code=true if you trust it")
-    import transformers
-
     return (f"model.path={cfg.path!r}: transformers {transformers.__version__} cannot load model_type "
             f"{model_type!r} as a causal LM (AutoModelForCausalLM); use a decoder-only text model, or a "
             "transformers version that supports it")
 
 
-def safetensors_numel_by_dtype(files: list[Path]) -> dict[str, int]:
-    """Elements per safetensors dtype (``BF16``, ``F32``, ...) over ``files``, from their headers alone."""
+_SAFETENSORS_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+                      "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _safetensors_header(f: Path) -> dict[str, Any]:
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if not 0 < n <= 100 << 20:
+            raise TargetError(f"{f} is not a safetensors file (header length {n})")
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError as exc:
+            raise TargetError(f"{f} has a corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise TargetError(f"{f} has a corrupt safetensors header (not a JSON object)")
+    return header
+
+
+def safetensors_names(files: list[Path]) -> list[str]:
+    """The tensor names of ``files``, from their headers alone."""
+    return [name for f in files for name in _safetensors_header(f) if name != "__metadata__"]
+
+
+def safetensors_numel_by_dtype(files: list[Path], keep: Callable[[str], bool] | None = None) -> dict[str, int]:
+    """Elements per safetensors dtype (``BF16``, ``F32``, ...) over ``files`` (the tensors ``keep`` names), from
+    their headers alone."""
     out: dict[str, int] = {}
     for f in files:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if not 0 < n <= 100 << 20:
-                raise TargetError(f"{f} is not a safetensors file (header length {n})")
-            try:
-                header = json.loads(fh.read(n))
-            except ValueError as exc:
-                raise TargetError(f"{f} has a corrupt safetensors header ({exc})") from None
+        header = _safetensors_header(f)
         for name, t in header.items():
-            if name == "__metadata__" or not isinstance(t, dict):
+            if name == "__metadata__" or not isinstance(t, dict) or (keep is not None and not keep(name)):
                 continue
             numel = 1
             for d in t.get("shape", []):
@@ -243,30 +286,93 @@ def safetensors_numel_by_dtype(files: list[Path]) -> dict[str, int]:
     return out
 
 
-def safetensors_parameter_bytes(files: list[Path], dtype_itemsize: int) -> int:
-    """Bytes the weights take at the compute dtype, from the safetensors headers alone (no tensor read).
+def safetensors_parameter_bytes(files: list[Path], dtype_itemsize: int | None,
+                                keep: Callable[[str], bool] | None = None) -> int:
+    """Bytes the weights (those ``keep`` names) take at the compute dtype, from the safetensors headers alone.
 
     Floating tensors are cast to the compute dtype on load; others keep their stored size.
+    ``dtype_itemsize=None``: every tensor at its stored size.
     """
-    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-             "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-    return sum(numel * (dtype_itemsize if kind.startswith(("F", "BF")) else sizes.get(kind, 4))
-               for kind, numel in safetensors_numel_by_dtype(files).items())
+    return sum(numel * (dtype_itemsize if dtype_itemsize and kind.startswith(("F", "BF"))
+                        else _SAFETENSORS_SIZES.get(kind, 4))
+               for kind, numel in safetensors_numel_by_dtype(files, keep).items())
 
 
 def parameter_count(cfg: ModelConfig, info: TargetInfo) -> int:
     """The target's parameters (elements of every stored tensor; a meta-device build for ``tiny``)."""
     if info.weight_files:
-        return sum(safetensors_numel_by_dtype(info.weight_files).values())
-    return _tiny_numel(cfg, info)
+        return sum(safetensors_numel_by_dtype(info.weight_files, info.loads).values())
+    return _meta_numel(cfg, info)
 
 
-def _tiny_numel(cfg: ModelConfig, info: TargetInfo) -> int:
-    """Parameters of the built-in random target (a meta-device build: no memory, no init)."""
-    config = tiny.build_config(cfg.random, info.vocab_size)
+def _meta_numel(cfg: ModelConfig, info: TargetInfo) -> int:
+    """Parameters of what would load (a meta-device build: no memory, no init): the built-in random target, or a
+    checkpoint's class from its config.json alone (no weight files here: a dry run before the download)."""
+    if cfg.path == TINY:
+        config = tiny.build_config(cfg.random, info.vocab_size)
+        cls = tiny.causal_lm_class(config)
+    else:
+        config = _transformers_config(cfg, info)
+        cls = target_class(info)
     with torch.device("meta"):
-        model = tiny.causal_lm_class(config)(config)
+        if cls is None:  # the checkpoint's own code (model.trust_remote_code=true, checked before)
+            from transformers import AutoModelForCausalLM
+
+            # transformers leaves from_config unannotated
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)  # type: ignore[no-untyped-call]
+        else:
+            model = cls(config)
     return sum(p.numel() for p in model.parameters())
+
+
+def _transformers_config(cfg: ModelConfig, info: TargetInfo) -> Any:
+    """transformers' config of a checkpoint directory (config.json alone)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(info.local_dir or cfg.path), trust_remote_code=cfg.trust_remote_code)
+    except Exception as exc:
+        raise TargetError(f"transformers cannot read the config of model.path={cfg.path!r}: {exc}") from exc
+
+
+ATTN_AUTO = "auto"
+# model.attn_implementation -> the class flag transformers checks before it dispatches to it
+_ATTN_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+               "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}
+
+
+def target_class(info: TargetInfo) -> Any | None:
+    """The class a checkpoint loads as: its causal LM, the language-model-only class of an image-text checkpoint,
+    or None (a class only the checkpoint's own code defines)."""
+    if info.part is not None:
+        return language_model_class(info.part.checkpoint_class)
+    if info.model_class is None:
+        return None
+    import transformers
+
+    return getattr(transformers, info.model_class)
+
+
+def choose_attention(requested: str | None, cls: Any | None) -> str | None:
+    """The attention implementation the target runs with, decided from the class's own flags before weights load.
+
+    ``auto``: sdpa where transformers has it for ``cls``, else eager (DeepSeek V4 in 5.24). An explicit choice is
+    kept, and refused when ``cls`` lacks it. ``None`` (and ``auto`` on a checkpoint's own code): transformers'
+    own default.
+    """
+    if cls is None:
+        return None if requested == ATTN_AUTO else requested
+    if requested == ATTN_AUTO:
+        return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    flag = _ATTN_FLAGS.get(str(requested))
+    if flag is not None and not getattr(cls, flag, False):
+        import transformers
+
+        has = ["eager", *(k for k, f in _ATTN_FLAGS.items() if getattr(cls, f, False))]
+        raise TargetError(f"model.attn_implementation={requested!r}: {cls.__name__} has no {requested} attention in "
+                          f"transformers {transformers.__version__} (it has {', '.join(has)}); pass one of those, or "
+                          "model.attn_implementation=auto to let this tool choose")
+    return requested
 
 
 def inspect_target(cfg: ModelConfig, tokenizer: Any, fingerprint: bool = True) -> TargetInfo:
@@ -274,31 +380,17 @@ def inspect_target(cfg: ModelConfig, tokenizer: Any, fingerprint: bool = True) -
 
     Everything here reads small files only (config, safetensors headers) plus the weight
     hashes, so an unsupported target is refused before any weights load. ``fingerprint=False``
-    (a dry run) skips the hashes: nothing is read beyond the headers and nothing is remembered.
+    (a dry run) skips the hashes: nothing is read beyond the headers and nothing is remembered,
+    and a directory with config.json but no weight files yet is planned from the config alone
+    (its fingerprint is then not computed; a real run refuses it).
     """
     if cfg.path == TINY:
         return _tiny_info(cfg, tokenizer)
     local = resolve_local_dir(cfg.path, cfg.revision)
     config_file = local / "config.json"
-    if not config_file.is_file():
-        raise TargetError(f"model.path={cfg.path!r} has no config.json at {local}")
-    try:
-        cdict = json.loads(config_file.read_text())
-    except ValueError as exc:
-        raise TargetError(f"{config_file} is not valid JSON ({exc})") from None
-    if not isinstance(cdict, dict):
-        raise TargetError(f"{config_file} is not a JSON object")
-    problems = []
+    cdict = _read_config_json(cfg, local)
     model_type = str(cdict.get("model_type", ""))
-    if any(k in cdict for k in _MULTIMODAL_KEYS):
-        problems.append(
-            f"model.path={cfg.path!r} is a multimodal config ({model_type}); point model.path at a text-only "
-            "checkpoint of the language model"
-        )
-    else:
-        problem = _causal_lm_problem(cfg, cdict, model_type)
-        if problem:
-            problems.append(problem)
+    problems = [p for p in [_causal_lm_problem(cfg, cdict, model_type)] if p]
     text = cdict.get("text_config", cdict)
     n_layers, hidden, vocab = text.get("num_hidden_layers"), text.get("hidden_size"), text.get("vocab_size")
     if not (isinstance(n_layers, int) and isinstance(hidden, int) and isinstance(vocab, int)):
@@ -308,16 +400,8 @@ def inspect_target(cfg: ModelConfig, tokenizer: Any, fingerprint: bool = True) -
         )
     if problems:
         raise TargetError("; ".join(problems))
-    weights = sorted(f for f in local.iterdir() if f.suffix == ".safetensors")
-    if not weights:
-        pickled = sorted(f.name for f in local.iterdir() if f.suffix in _WEIGHT_SUFFIXES)
-        if pickled:
-            raise TargetError(
-                f"model.path={cfg.path!r} has only pickled weights ({', '.join(pickled[:3])}); this tool loads "
-                "safetensors only, because unpickling runs code. Convert the checkpoint to safetensors "
-                "(model.save_pretrained(dir, safe_serialization=True) in a trusted environment)")
-        raise TargetError(f"model.path={cfg.path!r} has no weight files (*.safetensors) in {local}")
-    return TargetInfo(
+    weights = _weight_files(cfg, local, required=fingerprint)
+    info = TargetInfo(
         path=cfg.path,
         model_type=model_type,
         num_hidden_layers=n_layers,
@@ -329,14 +413,66 @@ def inspect_target(cfg: ModelConfig, tokenizer: Any, fingerprint: bool = True) -
         tied=bool(text.get("tie_word_embeddings", cdict.get("tie_word_embeddings", True))),
         weight_files=weights, extra=sharding.shape_facts(cdict),
     )
+    _resolve_class(cfg, cdict, info)
+    return info
+
+
+def _read_config_json(cfg: ModelConfig, local: Path) -> dict[str, Any]:
+    config_file = local / "config.json"
+    if not config_file.is_file():
+        raise TargetError(f"model.path={cfg.path!r} has no config.json at {local}")
+    try:
+        cdict = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise TargetError(f"{config_file} is not valid JSON ({exc})") from None
+    if not isinstance(cdict, dict):
+        raise TargetError(f"{config_file} is not a JSON object")
+    return cdict
+
+
+def _weight_files(cfg: ModelConfig, local: Path, required: bool) -> list[Path]:
+    """The safetensors files; none is an error for a real run (``required``), a plan from config.json for a dry run."""
+    weights = sorted(f for f in local.iterdir() if f.suffix == ".safetensors")
+    if weights:
+        return weights
+    pickled = sorted(f.name for f in local.iterdir() if f.suffix in _WEIGHT_SUFFIXES)
+    if pickled:
+        raise TargetError(
+            f"model.path={cfg.path!r} has only pickled weights ({', '.join(pickled[:3])}); this tool loads "
+            "safetensors only, because unpickling runs code. Convert the checkpoint to safetensors "
+            "(model.save_pretrained(dir, safe_serialization=True) in a trusted environment)")
+    if required:
+        raise TargetError(f"model.path={cfg.path!r} has no weight files (*.safetensors) in {local}; download them "
+                          "first (dry_run=true plans the run from config.json and the tokenizer alone)")
+    log.info("model.path=%r has no weight files yet: planning from config.json alone (weights fingerprint not "
+             "computed)", cfg.path)
+    return []
+
+
+def _resolve_class(cfg: ModelConfig, cdict: dict[str, Any], info: TargetInfo) -> None:
+    """The class the checkpoint loads as, what of an image-text checkpoint is left out, and the attention choice."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = image_text_class_name(cdict)
+    if name is not None:
+        part = part_of(name, _transformers_config(cfg, info))
+        nested = any(LANGUAGE_MODEL in t.split(".")[:-1] for t in safetensors_names(info.weight_files))
+        info.part = dataclasses.replace(part, nested=nested or not info.weight_files)
+        info.model_class = name
+        if info.weight_files:
+            info.skipped_bytes = safetensors_parameter_bytes(info.weight_files, None,
+                                                             lambda t: not info.loads(t))
+    elif "AutoModelForCausalLM" not in (cdict.get("auto_map") or {}):
+        info.model_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(info.model_type)
+    info.attn_implementation = choose_attention(cfg.attn_implementation, target_class(info))
 
 
 def weight_bytes(cfg: ModelConfig, info: TargetInfo, dtype: torch.dtype) -> int:
     """What the target's parameters take in memory at ``dtype`` (headers or a meta-device build)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     if info.weight_files:
-        return safetensors_parameter_bytes(info.weight_files, itemsize)
-    return _tiny_numel(cfg, info) * itemsize
+        return safetensors_parameter_bytes(info.weight_files, itemsize, info.loads)
+    return _meta_numel(cfg, info) * itemsize
 
 
 def rank_weight_bytes(total: int, par: ParallelConfig) -> int:
@@ -456,10 +592,16 @@ def load_target(cfg: ModelConfig, info: TargetInfo, vocab_size: int, device: tor
     par = par or ParallelConfig()
     # safetensors only: a pickled .bin checkpoint would run arbitrary code on load.
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code, "use_safetensors": True}
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
+    if info.attn_implementation:
+        kwargs["attn_implementation"] = info.attn_implementation
+    if not info.weight_files and cfg.path != TINY:
+        raise TargetError(f"model.path={cfg.path!r} has no weight files (*.safetensors) in {info.local_dir}")
+    if info.part is not None:
+        log.info("loading the language model of %s (model.%s); left unread: %s (%s bytes)",
+                 info.part.checkpoint_class, LANGUAGE_MODEL, ", ".join(info.part.skipped_modules),
+                 f"{info.skipped_bytes:,}" if info.skipped_bytes is not None else "?")
     if cfg.path == TINY and not par.sharded:
-        built = tiny.build_target(cfg.random, vocab_size, dtype)
+        built = tiny.build_target(cfg.random, vocab_size, dtype, info.attn_implementation)
         if cfg.random.model_type == "qwen3":  # the built model as it is (what every earlier tiny cache holds)
             return built.to(device)
         return sharding.load_tiny_sharded(built, kwargs, None, 1).to(device)
@@ -468,10 +610,11 @@ def load_target(cfg: ModelConfig, info: TargetInfo, vocab_size: int, device: tor
             torch.cuda.set_device(device)
         try:
             if cfg.path == TINY:
-                model: Any = sharding.load_tiny_sharded(tiny.build_target(cfg.random, vocab_size, dtype), kwargs, par,
-                                                   world)
+                model: Any = sharding.load_tiny_sharded(
+                    tiny.build_target(cfg.random, vocab_size, dtype, info.attn_implementation), kwargs, par, world)
             else:
-                model = sharding.load_sharded(str(info.local_dir or cfg.path), kwargs, par, world)
+                model = sharding.load_sharded(str(info.local_dir or cfg.path), kwargs, par, world,
+                                              target_class(info))
         except Exception as exc:
             raise TargetError(f"cannot load the target from {cfg.path!r} sharded as parallel.fsdp={par.fsdp} "
                               f"parallel.ep={par.ep} parallel.tp={par.tp}: {exc}") from exc
@@ -482,8 +625,9 @@ def load_target(cfg: ModelConfig, info: TargetInfo, vocab_size: int, device: tor
 
     if cfg.device_map:
         kwargs["device_map"] = cfg.device_map
+    cls: Any = AutoModelForCausalLM if info.part is None else target_class(info)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(info.local_dir or cfg.path), **kwargs)
+        model = cls.from_pretrained(str(info.local_dir or cfg.path), **kwargs)
     except Exception as exc:
         raise TargetError(f"cannot load the target from {cfg.path!r}: {exc}") from exc
     if not cfg.device_map:

@@ -35,18 +35,32 @@ def shape_facts(cdict: dict[str, Any]) -> dict[str, int]:
     experts = next((text[k] for k in _EXPERT_KEYS if isinstance(text.get(k), int)), None)
     if experts:
         out["num_experts"] = int(experts)
+    if isinstance(cdict.get("text_config"), dict) and "vision_config" in cdict:
+        out["image_text"] = 1
     return out
 
 
+# Image-text families whose language model transformers 5.24 does not load correctly under a DistributedConfig
+# (measured on the tiny checkpoints, 2 gloo ranks, 2026-12-06): refused before the weights load.
+SHARDING_LIMITS = {
+    "qwen3_vl_moe": "transformers 5.24 fails to load its experts sharded (the checkpoint's transposed "
+                    "experts.down_proj meets a shard of the wrong shape: 'size mismatch')",
+    "minimax_m3_vl": "transformers 5.24 loads its language model sharded with other values than one copy (states "
+                     "off by about 1.0 from the second layer on)",
+}
+
+
 def ships_plan(model_type: str, kind: str) -> bool:
-    """Whether transformers' config class of ``model_type`` ships a ``base_model_{kind}_plan`` (ep, tp)."""
+    """Whether transformers' config class of ``model_type`` (or of its ``text_config``: an image-text checkpoint,
+    whose language model is what loads) ships a ``base_model_{kind}_plan`` (ep, tp)."""
     from transformers import CONFIG_MAPPING
 
     try:
         cls = CONFIG_MAPPING[model_type]
     except KeyError:
         return False
-    return bool(getattr(cls, f"base_model_{kind}_plan", None))
+    text = (getattr(cls, "sub_configs", None) or {}).get("text_config")
+    return any(bool(getattr(c, f"base_model_{kind}_plan", None)) for c in (cls, text) if c is not None)
 
 
 def layout_problems(par: ParallelConfig, model_type: str, facts: dict[str, int], world: int) -> list[str]:
@@ -54,6 +68,14 @@ def layout_problems(par: ParallelConfig, model_type: str, facts: dict[str, int],
     if not par.sharded:
         return []
     out = []
+    if model_type in SHARDING_LIMITS:
+        out.append(f"parallel.fsdp={par.fsdp} parallel.ep={par.ep} parallel.tp={par.tp}: {model_type}: "
+                   f"{SHARDING_LIMITS[model_type]}; run one copy per rank (parallel.fsdp=1 parallel.ep=1 "
+                   "parallel.tp=1, model.device_map=auto for a target larger than one GPU)")
+    if par.tp > 1 and facts.get("image_text"):
+        out.append(f"parallel.tp={par.tp}: transformers 5.24 applies no tensor-parallel plan to the language model "
+                   "inside an image-text checkpoint (each rank would hold nearly all of it); use parallel.fsdp, "
+                   "which shards it and keeps one copy's values")
     if world % par.group:
         out.append(f"parallel.fsdp x parallel.tp = {par.group} must divide the world size {world}: start "
                    f"{par.group} x k ranks (torchrun --nproc-per-node {par.group}, or srun --ntasks), or lower "
@@ -89,14 +111,16 @@ def distributed_config(par: ParallelConfig, world: int) -> Any:
                              dp_replicate_size=world // par.group)
 
 
-def load_sharded(source: str, kwargs: dict[str, Any], par: ParallelConfig | None, world: int) -> Any:
-    """``from_pretrained`` with the layout's DistributedConfig (each rank reads and keeps its shards only);
-    ``par=None``: one whole copy, loaded the same way."""
+def load_sharded(source: str, kwargs: dict[str, Any], par: ParallelConfig | None, world: int,
+                 cls: Any | None = None) -> Any:
+    """``cls.from_pretrained`` (default ``AutoModelForCausalLM``; the language model of an image-text checkpoint)
+    with the layout's DistributedConfig (each rank reads and keeps its shards only); ``par=None``: one whole copy,
+    loaded the same way."""
     from transformers import AutoModelForCausalLM
 
     if par is not None:
         kwargs = {**kwargs, "distributed_config": distributed_config(par, world)}
-    model: Any = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    model: Any = (cls or AutoModelForCausalLM).from_pretrained(source, **kwargs)
     return model.eval().requires_grad_(False)
 
 
