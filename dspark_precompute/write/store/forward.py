@@ -39,6 +39,7 @@ from dspark_precompute.write.plan.array_specs import ArraySpec
 from dspark_precompute.write.plan.prepare import Plan
 from dspark_precompute.write.store.batching import batch_inputs, make_batches
 from dspark_precompute.write.store.transfer import StateArray, UnitCheck, UnitTransfer, zero_samples
+from dspark_precompute.write.store.window import WindowGate
 from dspark_precompute.write.store.writer import UnitWriter, resolve_writers
 from dspark_precompute.write.target.capture import HiddenStateCapture
 
@@ -85,6 +86,7 @@ class ForwardLoop:
         self.lockstep: Lockstep | None = None  # set by run(): a sharded target's ranks move together
         self.halt: Agreement | None = None  # the group's agreement to stop (lockstep only)
         self.writes = writes  # False: a tensor-parallel rank whose group's first rank writes (it only forwards)
+        self.gate: WindowGate | None = None  # storage.window_units: a unit starts only once it fits the window
         self._in_collective = False
 
     def run(self, todo: list[int], coord: Coordinator, lockstep: Lockstep | None = None) -> int:
@@ -106,6 +108,8 @@ class ForwardLoop:
                                 int(sum(len(self.layout.unit_order[u]) for u in todo)), enabled=cfg.progress,
                                 written="raw written")
             stack.callback(progress.close)
+            if self.gate is not None:
+                self.gate.progress = progress
             stop = signals.STATE
             self._each_unit(todo, coord, capture, lambda u: self._unit(u, capture, writer, transfer, progress),
                             then=writer.drain)
@@ -121,6 +125,8 @@ class ForwardLoop:
               progress: Progress) -> None:
         """One unit: its batches forwarded into a free buffer, checked, handed to the writers."""
         cfg, layout = self.plan.cfg, self.layout
+        if self.gate is not None and not self.gate.wait(u, writer.drain):
+            return  # a signal while waiting for the trainer: nothing of this unit was started
         slot = writer.acquire()
         bufs = writer.buffers(slot)
         transfer.start(bufs)
