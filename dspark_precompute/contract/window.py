@@ -38,6 +38,7 @@ from typing import Any
 
 from dspark_precompute.contract.spec import KEY_SEPARATOR, WINDOW
 from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.faults import fault_point
 
 STREAM = f"{WINDOW}/stream.json"
 TRAINER = f"{WINDOW}/trainer.json"
@@ -181,6 +182,7 @@ def release(store: CacheStore, unit: int, group: str, world_size: int, hidden_ar
     if not store.exists(released_key(unit)):
         store.write_bytes(released_key(unit), json.dumps({"unit": unit, "group": group,
                                                           "world_size": world_size}).encode())
+    fault_point("window_release")
     keys = unit_shard_keys(hidden_arrays, unit)
     for key in keys:
         store.delete(key)

@@ -49,6 +49,7 @@ from dspark_precompute.contract.window import (
     released_units,
 )
 from dspark_precompute.errors import LoaderStateError, WindowError
+from dspark_precompute.faults import fault_point
 from dspark_precompute.humanize import human_seconds
 from dspark_precompute.read.assemble import BatchAssembler
 from dspark_precompute.read.prefetch import to_device
@@ -268,6 +269,7 @@ class StreamLoader:
             plan = self.unit_batches(u, p)
             self._plan_len = (u, p, len(plan))
             for j in range(k, len(plan)):
+                fault_point("stream_batch")
                 self._release_saved()
                 built = self._assembler.build([plan[j]])[0]
                 self._pos = (u, p, j + 1)
