@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import compose, small
+from test_s3 import bucket, local_reference, s3_endpoint, tiny_run  # noqa: F401 - fixtures
 
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.window import StreamRecord, released_units
@@ -153,3 +154,29 @@ def test_a_second_trainer_group_is_refused_and_the_first_one_resumes(tmp_path):
     with pytest.raises(WindowError, match="started with 1 rank"):
         build_dataloader(path, stream=True, batch_size=1, group="a", num_replicas=2, rank=0, distributed=True)
     assert first.state_dict()["unit"] == 0
+
+
+def test_a_stream_on_s3_is_trained_while_written_and_every_unit_is_deleted_once_consumed(
+        bucket, local_reference, tmp_path):  # noqa: F811 - test_s3's fixtures
+    from dspark_precompute.read.training import build_dataloader
+
+    url = f"s3://{bucket}/w"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    producer = subprocess.Popen([sys.executable, "-m", "dspark_precompute", *tiny_run(url), "storage.window_units=2"],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        loader = build_dataloader(url, stream=True, batch_size=1, release="delivery", poll_s=0.05,
+                                  wait_timeout_s=300)
+        got = Counter(tuple(ids[m.bool()].tolist()) for b in loader
+                      for ids, m in zip(b["input_ids"], b["attention_mask"], strict=True))
+        out, _ = producer.communicate(timeout=300)
+    finally:
+        producer.kill()
+    assert producer.returncode == 0, out
+    ref = open_cache(local_reference)
+    assert len(ref) > 0 and got == Counter(tuple(ref[i]["input_ids"].tolist()) for i in range(len(ref)))
+    store = CacheStore(url)
+    n = ref.num_units
+    assert n >= 3 and released_units(store, n) == set(range(n))
+    assert [k for k in store.file_keys(["hidden_states"]) if "/c." in k] == []
+    assert verify_cache(url).ok
