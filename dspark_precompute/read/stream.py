@@ -128,6 +128,7 @@ class StreamLoader:
         self._marked = 0  # units before this one carry this rank's done marker
         self._checkpointed = 0  # ``_finished`` when the latest state_dict() was taken
         self._plan_len = (-1, -1, -1)  # (unit, pass, its batches) being delivered
+        self.wait_s = 0.0  # seconds spent waiting for the producer to commit a unit
         self._skip_released()
 
     # -- the group and its records ---------------------------------------------------------
@@ -257,6 +258,7 @@ class StreamLoader:
                 log.info("%s: waiting %s for the producer to commit unit %d", self.store.path,
                          human_seconds(now - t0), u)
             time.sleep(self.poll_s)
+        self.wait_s += time.monotonic() - t0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         batches = self._host_batches()
