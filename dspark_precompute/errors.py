@@ -243,3 +243,18 @@ class RegenerateResumeError(RegenerateError):
             "Re-run with the recorded settings, give another regenerate.output, or delete that directory to "
             "start the regeneration over."
         )
+
+
+class WindowError(DsparkError):
+    """A windowed (streamed) cache cannot go on as asked: a window on a finished cache, a stalled trainer, a second
+    trainer group, a released unit asked for."""
+
+
+class ReleasedUnitError(WindowError, MissingChunkError):
+    """A unit's hidden states were released by the stream's trainer and deleted: gone on purpose, not damage
+    (a MissingChunkError too: it is a chunk that is not there, and code catching that catches this)."""
+
+    def __init__(self, message: str, *, unit: int | None = None, array: str | None = None,
+                 chunk: tuple[int, ...] | None = None, samples: tuple[int, ...] = ()):
+        MissingChunkError.__init__(self, message, array=array, chunk=chunk, samples=samples)
+        self.unit = unit

@@ -24,7 +24,9 @@ before the rename), ``write_part`` (after each part of such a file: a kill here 
 encoder), ``tokenize_row`` (before each row is tokenized, in whichever
 process tokenizes it; each process counts its own hits), ``export_sample`` (``dspark-cache export``, after each
 sample is written into the staging directory; ``:enospc`` there is a full disk), ``regenerate_row`` (after a
-regenerated row is fsynced to the regeneration log).
+regenerated row is fsynced to the regeneration log), ``stream_batch`` (a stream loader, before it builds each
+batch), ``window_release`` (a stream's trainer releasing a unit: its release record written, its shards not yet
+deleted).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ class Progress:
         self._last = self.t0
         self.enabled, self.interval = enabled, interval
         self._bar: Any = None
+        self.status = ""  # what the work waits on, when it waits (a window waiting for the trainer)
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -52,11 +53,20 @@ class Progress:
             self._last = now
             log.info("%s: %s", self.what, self.line())
 
+    def note(self, status: str) -> None:
+        """Show ``status`` after the counts ("" clears it); logged at once when there is no bar."""
+        self.status = status
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix())
+        elif self.enabled and status:
+            log.info("%s: %s", self.what, self.line())
+
     def _samples(self) -> str:
         return f"{self.samples}" if self.total_samples is None else f"{self.samples}/{self.total_samples}"
 
     def _postfix(self) -> str:
-        return f"{self._samples()} samples, {human_bytes(self.bytes)} {self.written}"
+        return f"{self._samples()} samples, {human_bytes(self.bytes)} {self.written}" + (
+            f", {self.status}" if self.status else "")
 
     def line(self) -> str:
         dt = max(1e-9, time.perf_counter() - self.t0)
@@ -64,7 +74,8 @@ class Progress:
         left = (self.total_tokens - self.tokens) / rate if rate > 0 else 0.0
         pct = 100.0 * self.tokens / max(1, self.total_tokens)
         return (f"{pct:5.1f}% | {self._samples()} samples | {rate:,.0f} tok/s | {self.bytes / dt / 1e6:,.1f} MB/s | "
-                f"ETA {human_seconds(left)} | {human_bytes(self.bytes)} {self.written}")
+                f"ETA {human_seconds(left)} | {human_bytes(self.bytes)} {self.written}"
+                + (f" | {self.status}" if self.status else ""))
 
     def close(self) -> None:
         """The bar's last state (or the last log line); a second call does nothing."""

@@ -55,11 +55,11 @@ from benchlib import (
     contention,
     cpu_model,
     cpu_pressure,
-    embedded_data,
     logger,
     model_overrides,
     output_args,
     save,
+    synthetic_rows,
 )
 
 GROWTH_SLACK = 1.1  # a cost may grow by at most 1.1 x the rows' ratio
@@ -68,22 +68,6 @@ log = logger("scale")
 
 
 # -- inputs --------------------------------------------------------------------------------------
-def synthetic_rows(src: Path | None, n: int, dst: Path) -> int:
-    """``n`` rows: the chat rows of ``src`` cycled, each copy distinct (its row number in its first user message)."""
-    if src is None:
-        src = embedded_data()
-    rows = [json.loads(ln) for ln in src.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    with open(dst, "w", encoding="utf-8") as fh:
-        for k in range(n):
-            row = json.loads(json.dumps(rows[k % len(rows)]))
-            for m in row.get("messages", []):
-                if m.get("role") == "user" and isinstance(m.get("content"), str):
-                    m["content"] = f"(request {k:,} of {n:,}) {m['content']}"
-                    break
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return n
-
-
 def command(target: str, data: Path, seq: int, cache: Path, hydra_dir: Path, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "dspark_precompute", *model_overrides(target), "data=jsonl", f"data.path={data}",
             f"seq_length={seq}", f"storage.path={cache}", "progress=false", f"hydra.run.dir={hydra_dir}", *extra]

@@ -306,3 +306,19 @@ def emit_json(args: argparse.Namespace, results: Any) -> None:
     if getattr(args, "json", None):
         args.json.write_text(text + "\n")
     sys.stdout.write(text + "\n")
+
+
+def synthetic_rows(src: Path | None, n: int, dst: Path) -> int:
+    """``n`` rows: the chat rows of ``src`` cycled, each copy distinct (its row number in its first user message)."""
+    if src is None:
+        src = embedded_data()
+    rows = [json.loads(ln) for ln in src.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    with open(dst, "w", encoding="utf-8") as fh:
+        for k in range(n):
+            row = json.loads(json.dumps(rows[k % len(rows)]))
+            for m in row.get("messages", []):
+                if m.get("role") == "user" and isinstance(m.get("content"), str):
+                    m["content"] = f"(request {k:,} of {n:,}) {m['content']}"
+                    break
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return n

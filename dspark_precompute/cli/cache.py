@@ -43,10 +43,25 @@ def _layers(text: str | None) -> list[int] | None:
 
 
 def _info(args: argparse.Namespace) -> int:
+    from dspark_precompute.contract.commits import committed_units
+    from dspark_precompute.contract.store import CacheStore
+    from dspark_precompute.contract.window import StreamRecord, WindowStatus
     from dspark_precompute.read.reader import open_cache
 
-    c = open_cache(args.path, allow_incomplete=args.allow_incomplete)
-    _out(json.dumps(c.summary(), indent=2, sort_keys=True, default=str) if args.json else c.describe())
+    streamed = StreamRecord.read(CacheStore(args.path)) is not None  # a stream's released units are no damage
+    c = open_cache(args.path, allow_incomplete=args.allow_incomplete or streamed)
+    n = c.num_units
+    window = WindowStatus.read(c.store, committed_units(c.store, n), n) if streamed else None
+    if args.json:
+        summary = c.summary()
+        if window is not None:
+            summary["window"] = {"units": window.window.units, "mib": window.window.mib, "captured": window.captured,
+                                 "released": window.released, "resident": window.resident,
+                                 "trainer": None if window.trainer is None else window.trainer.group,
+                                 "position": {str(r): k for r, k in window.position.items()}}
+        _out(json.dumps(summary, indent=2, sort_keys=True, default=str))
+    else:
+        _out(c.describe() + ("" if window is None else "\n" + "\n".join(window.lines(n))))
     return 0
 
 

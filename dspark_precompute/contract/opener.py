@@ -24,6 +24,7 @@ from dspark_precompute.contract.layout import table_problems
 from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.spec import BOUND_FORMAT, TABLES
 from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.contract.window import released_units
 from dspark_precompute.errors import CacheFormatError, ChecksumError, IncompleteCacheError, MissingChunkError
 from dspark_precompute.humanize import listing
 
@@ -41,6 +42,7 @@ class OpenedCache:
     source: ChunkSource
     tables: dict[str, np.ndarray] = field(default_factory=dict)
     committed: set[int] = field(default_factory=set)
+    released: set[int] = field(default_factory=set)  # a streamed cache's units whose states the trainer deleted
     dropped: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
@@ -121,6 +123,13 @@ def open_stored(path: str | CacheStore, *, allow_incomplete: bool = False, check
     store = path if isinstance(path, CacheStore) else CacheStore(str(path))
     m = Manifest.read(store)
     committed = committed_units(store, m.layout.num_units)
+    released = released_units(store, m.layout.num_units)
+    if released and not allow_incomplete:
+        raise IncompleteCacheError(
+            f"{store.path} was streamed through a window: {len(released)} of its {m.layout.num_units} units were "
+            "released by the trainer and their hidden states deleted (window/released/). open_cache(..., "
+            "allow_incomplete=True) reads the units still there; build_dataloader(path, stream=True) trains on the "
+            "stream; write the cache without storage.window_units to keep every unit.")
     if not m.complete and not allow_incomplete:
         raise IncompleteCacheError(
             f"{store.path} is incomplete ({len(committed)}/{m.layout.num_units} units committed): the precompute run "
@@ -145,5 +154,6 @@ def open_stored(path: str | CacheStore, *, allow_incomplete: bool = False, check
             raise CacheFormatError(listing(f"{store.path}: the sample/unit tables disagree with the layout", wrong,
                                            "Samples would be read from the wrong tokens, so the cache is refused. "
                                            f"Run `dspark-cache verify {store.path}` for a full report; {_FIX}."))
-    return OpenedCache(store, m, zstore, metas, source, tables, committed, dropped_samples(store, m, committed))
+    return OpenedCache(store, m, zstore, metas, source, tables, committed, released,
+                       dropped_samples(store, m, committed))
 

@@ -66,6 +66,7 @@ TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS)
 GROUPS = ("samples", "units", HIDDEN_GROUP, SCALE_GROUP)
 KEY_SEPARATOR = "."  # format 2 chunk keys: ``c.3.0``, files beside each other (format 1: ``c/3/0``, a dir each)
 COORD = "coord"  # failure markers of a multi-rank job
+WINDOW = "window"  # a streamed cache's window records (contract/window.py)
 HYDRA_RECORD = ".hydra"  # the Hydra record (composed config, overrides) of the run that wrote the cache
 LOCK = ".writer.lock"
 
@@ -74,7 +75,7 @@ LOCK = ".writer.lock"
 # that holds nothing else.
 OWN_ENTRIES = frozenset({
     "zarr.json", MANIFEST, WEIGHTS, REJECTS, COMMITS, COORD, HYDRA_RECORD, LOCK,
-    INPUT_IDS, LOSS_MASK, HIDDEN_GROUP, SCALE_GROUP, "samples", "units",
+    INPUT_IDS, LOSS_MASK, HIDDEN_GROUP, SCALE_GROUP, "samples", "units", WINDOW,
 })
 
 
@@ -83,7 +84,7 @@ TEMPORARY = re.compile(r"^\.(?P<target>[^/]+)\.[a-z0-9_]{8}\.tmp$")
 # what the tool writes inside its own directories: zarr.json, chunks and shards, commit records, the Hydra
 # record, a multi-rank job's failure markers
 _OWN_INNER = re.compile(r"^(zarr\.json|c(\.\d+)+|u\d{6,}\.json|tokens\.json|failed-\d+\.json|"
-                        r"(config|hydra|overrides)\.yaml)$")
+                        r"(config|hydra|overrides)\.yaml|stream\.json|trainer\.json|u\d{6,}\.r\d{4,}\.json)$")
 
 
 def is_own_temporary(name: str) -> bool:
@@ -120,6 +121,7 @@ _OWN_NESTED = {
     "samples": re.compile(rf"^{_GROUP_FILES}$"), "units": re.compile(rf"^{_GROUP_FILES}$"),
     COMMITS: re.compile(r"^(u\d{6,}|tokens)\.json$"), COORD: re.compile(r"^[^/]+/failed-\d+\.json$"),
     HYDRA_RECORD: re.compile(r"^(config|hydra|overrides)\.yaml$"),
+    WINDOW: re.compile(r"^(stream|trainer)\.json$|^done/u\d{6,}\.r\d{4,}\.json$|^released/u\d{6,}\.json$"),
 }
 
 

@@ -31,7 +31,8 @@ from dspark_precompute.contract.commits import committed_units
 from dspark_precompute.contract.layout import SampleIndex
 from dspark_precompute.contract.opener import OpenedCache
 from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, TABLES
-from dspark_precompute.errors import DamagedShardError, MissingChunkError
+from dspark_precompute.contract.window import released_units
+from dspark_precompute.errors import DamagedShardError, MissingChunkError, ReleasedUnitError
 
 Job = tuple[str, int]  # (array name, chunk number along the token axis)
 
@@ -131,6 +132,13 @@ class CacheChunks:
         num_units = self.manifest.layout.num_units
         pending = [] if self.manifest.complete else sorted(set(units) - committed_units(self.store, num_units))
         where = f"chunk {idx} ({'in shard ' if meta.sharded else 'file '}{key})"
+        gone = sorted(set(units) & released_units(self.store, num_units))
+        if gone:  # a streamed cache's trainer released the unit: deleted on purpose (contract/window.py)
+            return ReleasedUnitError(
+                f"{self.path}: array {name!r} {where} was deleted on purpose: unit(s) {gone} were released by the "
+                "stream's trainer (window/released/); only units not yet released can be read. Read another "
+                "sample, or write the cache in full (no storage.window_units) to keep every unit.",
+                unit=gone[0], array=name, chunk=idx, samples=tuple(int(i) for i in holds))
         if pending:  # slots of a unit the run has not committed: nothing is damaged
             return MissingChunkError(
                 f"{self.path}: array {name!r} {where} is not written yet: it belongs to unit(s) {pending}, which have "

@@ -94,7 +94,7 @@ class CacheReader:
         opened = open_stored(str(path), allow_incomplete=allow_incomplete)
         self.store, self.manifest = opened.store, opened.manifest
         self.path: str = opened.path
-        self.complete: bool = self.manifest.complete and _units is None
+        self.complete: bool = self.manifest.complete and _units is None and not opened.released
         m = self.manifest
         self.layer_ids: list[int] = list(m.layer_ids)
         self.hidden_size: int = m.hidden_size
@@ -114,7 +114,8 @@ class CacheReader:
         t = opened.tables
         self._start, self._length, self._unit = t["samples/start"], t["samples/length"], t["samples/unit"]
         self._source_row, self._untruncated = t["samples/source_row"], t["samples/untruncated_length"]
-        units = _units if _units is not None else (None if m.complete else sorted(opened.committed))
+        units = _units if _units is not None else (
+            None if m.complete and not opened.released else sorted(opened.committed - opened.released))
         self._readable_units = units
         self.indices = opened.readable(units)
         self._cut = self._cut_lengths()

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dspark_precompute.contract.window import DEFAULT_GROUP
 from dspark_precompute.read.dataset import BATCH_KEYS, CacheDataset, PadCollator, collate
 from dspark_precompute.read.loader import (
     DEFAULT_PREFETCH_BYTES,
@@ -37,11 +38,12 @@ from dspark_precompute.read.sampling import (
     default_block_chunks,
     padding_fraction,
 )
+from dspark_precompute.read.stream import StreamLoader
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BATCH_KEYS", "CacheBatchSampler", "CacheDataset", "CacheLoader", "PadCollator", "TokenBudgetBatchSampler",
-           "build_dataloader", "collate", "padding_fraction", "to_device"]
+__all__ = ["BATCH_KEYS", "CacheBatchSampler", "CacheDataset", "CacheLoader", "PadCollator", "StreamLoader",
+           "TokenBudgetBatchSampler", "build_dataloader", "collate", "padding_fraction", "to_device"]
 
 
 def build_dataloader(cache: str | Path | CacheReader | CacheDataset, *, batch_size: int | None = None,
@@ -53,7 +55,9 @@ def build_dataloader(cache: str | Path | CacheReader | CacheDataset, *, batch_si
                      block_chunks: int | None = None, window_blocks: int = DEFAULT_WINDOW_BLOCKS,
                      num_replicas: int | None = None, rank: int | None = None,
                      prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, prefetch_requests: int = DEFAULT_PREFETCH_REQUESTS,
-                     max_length: int | None = None, **loader_kwargs: Any) -> CacheLoader:
+                     max_length: int | None = None, stream: bool = False, passes: int = 1,
+                     group: str = DEFAULT_GROUP, release: str = "checkpoint",
+                     **loader_kwargs: Any) -> CacheLoader | StreamLoader:
     """A loader over a cache: fixed ``batch_size`` (NeMo's way) or a ``max_tokens`` budget (length-grouped).
 
     ``shuffle``: ``True``/``"exact"`` (every sample in a uniformly random order),
@@ -70,9 +74,17 @@ def build_dataloader(cache: str | Path | CacheReader | CacheDataset, *, batch_si
     do not depend on later ones) and samples left without a supervised token are dropped. Other
     keyword arguments go to the torch ``DataLoader`` that runs the workers (``prefetch_factor``,
     ``timeout``, ...).
+
+    ``stream=True`` trains on a cache while its run writes it through a window
+    (``storage.window_units``): a :class:`~dspark_precompute.read.stream.StreamLoader` that takes the
+    units in order as they commit, makes ``passes`` shuffled passes over each (``batch_size`` only),
+    then releases it (``release``: after the next checkpoint, or at delivery) for trainer ``group``.
     """
     if (batch_size is None) == (max_tokens is None):
         raise ValueError(f"pass exactly one of batch_size={batch_size} or max_tokens={max_tokens}")
+    if stream:
+        return _stream(cache, batch_size, max_tokens, shuffle, seed, distributed, num_replicas, rank, layers, pad_to,
+                       pad_to_multiple_of, drop_last, device, max_length, passes, group, release, loader_kwargs)
     if isinstance(cache, CacheDataset) and max_length is not None and max_length != cache.seq_length:
         raise ValueError(f"max_length={max_length} but the dataset serves {cache.seq_length} tokens; build the "
                          "CacheDataset with max_length, or pass a path here")
@@ -95,3 +107,38 @@ def build_dataloader(cache: str | Path | CacheReader | CacheDataset, *, batch_si
                        pad_to_multiple_of=pad_to_multiple_of, prefetch_bytes=prefetch_bytes,
                        prefetch_requests=prefetch_requests, **loader_kwargs)
 
+
+
+def _world(distributed: bool | None, num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """(world size, rank): torch.distributed's when it is initialised (unless overridden), else one process."""
+    import torch.distributed as dist
+
+    on = (dist.is_available() and dist.is_initialized()) if distributed is None else distributed
+    if on:
+        return (dist.get_world_size() if num_replicas is None else int(num_replicas),
+                dist.get_rank() if rank is None else int(rank))
+    return (1 if num_replicas is None else int(num_replicas)), (0 if rank is None else int(rank))
+
+
+def _stream(cache: Any, batch_size: int | None, max_tokens: int | None, shuffle: bool | str, seed: int,
+            distributed: bool | None, num_replicas: int | None, rank: int | None, layers: Sequence[int] | None,
+            pad_to: int | None, pad_to_multiple_of: int | None, drop_last: bool, device: Any,
+            max_length: int | None, passes: int, group: str, release: str,
+            extra: dict[str, Any]) -> StreamLoader:
+    """``build_dataloader(..., stream=True)``: the stream loader, refusing what it does not take."""
+    if batch_size is None or max_tokens is not None:
+        raise ValueError(f"stream=True takes batch_size (got max_tokens={max_tokens}): a unit's samples are split "
+                         "over the ranks by count")
+    if shuffle not in (True, False, "exact"):
+        raise ValueError(f"stream=True shuffles within each unit (shuffle=True) or not (False), not "
+                         f"shuffle={shuffle!r}")
+    if not isinstance(cache, (str, Path)):
+        raise ValueError("stream=True takes the cache's path (it opens the stream itself)")
+    refused = sorted(set(extra) - {"poll_s", "wait_timeout_s"})
+    if refused:
+        raise ValueError(f"{refused} are not options of the stream loader (it builds batches in this process)")
+    world, r = _world(distributed, num_replicas, rank)
+    return StreamLoader(cache, batch_size=batch_size, passes=passes, shuffle=bool(shuffle), seed=seed,
+                        num_replicas=world, rank=r, group=group, layers=layers, pad_to=pad_to,
+                        pad_to_multiple_of=pad_to_multiple_of, drop_last=drop_last, device=device,
+                        max_length=max_length, release=release, **extra)

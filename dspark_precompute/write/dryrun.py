@@ -22,7 +22,7 @@ from dspark_precompute.contract.commits import committed_units
 from dspark_precompute.contract.inventory import inventory
 from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.manifest import Manifest, identity_differences
-from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS, UNIT_ARRAYS
+from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS, TOKEN_ARRAYS, UNIT_ARRAYS
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import DsparkError
 from dspark_precompute.humanize import human_bytes
@@ -134,6 +134,13 @@ class DryRunPlan:
     fit: str = ""  # whether one rank's share fits this machine, and the layout that would
     target_part: str = ""  # an image-text checkpoint: what loads, what is left out
 
+    def _unit_line(self) -> str:
+        """What sizes a window (storage.window_units): a unit's raw hidden states at most."""
+        row = sum(a.row_bytes for a in self.arrays if a.name not in TOKEN_ARRAYS)
+        unit = self.unit_tokens * row
+        return (f"at most {unit:,} B ({human_bytes(unit)}) of raw hidden states; a stream through "
+                f"storage.window_units=N holds at most N units of them (and the one being written)")
+
     def rows(self) -> list[tuple[str, str]]:
         """The plan as (label, value) lines: the CLI's table and the log's report."""
         n = self.rejected_by_reason
@@ -153,6 +160,7 @@ class DryRunPlan:
             ("truncated samples", f"{self.truncated_samples:,}"),
             ("units", f"{self.num_units:,} of up to {self.unit_tokens:,} tokens (a shard each per array), chunks of "
                       f"{self.chunk_tokens:,}; {self.written_slots:,} token slots written"),
+            ("per unit", self._unit_line()),
             ("files", f"{self.files:,} files and {self.directories:,} directories, exact "
                       f"({self.entries_per_tb:,.0f} per TB of raw hidden states)"),
             ("forward tokens", f"{self.forward_tokens:,} ({pad:.1f}% padding in the length-sorted batches)"),

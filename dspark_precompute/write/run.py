@@ -31,6 +31,7 @@ from dspark_precompute.contract.spec import (
     LOCK,
     MANIFEST,
     REJECTS,
+    TOKEN_ARRAYS,
     TOKEN_DIGESTS,
     WEIGHTS,
 )
@@ -69,6 +70,7 @@ from dspark_precompute.write.samples.tokenize import (
 )
 from dspark_precompute.write.store.allocate import allocate, write_tokens
 from dspark_precompute.write.store.forward import ForwardLoop, torch_dtype
+from dspark_precompute.write.store.window import WindowGate, check_window
 from dspark_precompute.write.target.capture import export_weights
 from dspark_precompute.write.target.load import load_target
 
@@ -178,6 +180,9 @@ class _Run:
         try:
             manifest = ranks.broadcast(ranks.together(self._decide))
             if manifest is not None and manifest.complete:
+                if ranks.main:  # a window asked of a cache written in full is refused, saying why
+                    check_window(self.store, self.cfg.storage, True, manifest.layout.num_units,
+                                 manifest.layout.num_units, self.cfg.parallel.sharded)
                 log.info("cache %s is complete (%d samples): nothing to do", plan.path, manifest.counts.samples)
                 return RunResult.of(plan.path, manifest.counts, self.store.nbytes(),
                                     time.perf_counter() - self.t_start, 0, manifest.layout.num_units)
@@ -242,6 +247,7 @@ class _Run:
         t0 = time.perf_counter()
         try:
             loop = ForwardLoop(plan, model, ids, layout, self._device(), samples.tokens, writes=writes)
+            loop.gate = self._gate(layout, len(done))
             lockstep = Lockstep(ranks, self.cfg.parallel.sharded)  # a rank without units still joins the forwards
             written = loop.run(mine, coord, lockstep) if mine or lockstep.enabled else 0
             self.timing.update(loop.stats.as_dict())
@@ -263,6 +269,19 @@ class _Run:
                                 False, self.timing)
         coord.cleanup()
         return self._finish(samples, created, done, written, hosts, model)
+
+    def _gate(self, layout: Layout, committed: int) -> WindowGate | None:
+        """storage.window_units/window_mib: the wait that keeps this rank's units inside the window (None: no
+        window). Rank 0 checks the window against the cache and records it; every rank gets it."""
+        storage = self.cfg.storage
+        window = self.ranks.broadcast(self.ranks.together(lambda: check_window(
+            self.store, storage, False, committed, layout.num_units, self.cfg.parallel.sharded)
+            if self.ranks.main else None))
+        if window is None:
+            return None
+        row = sum(s.row_bytes for s in self.plan.specs if s.name not in TOKEN_ARRAYS)
+        return WindowGate(self.store, window, (layout.unit_stop - layout.unit_start).astype(np.int64) * row,
+                          storage.window_timeout_s)
 
     def _setup(self, manifest: Manifest | None, samples: _Samples) -> tuple[str, set[int]]:
         """Rank 0: allocate a fresh cache (tables, rejects, manifest), or find a resumed one's committed units."""

@@ -46,6 +46,7 @@ from dspark_precompute.contract.spec import (
 from dspark_precompute.contract.store import CacheStore, open_regular
 from dspark_precompute.contract.vocab import Check
 from dspark_precompute.contract.weights import weights_problems
+from dspark_precompute.contract.window import StreamRecord, released_units
 from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, NotRegularFileError
 from dspark_precompute.read.verify.report import Collector, VerifyReport
 
@@ -67,6 +68,7 @@ class Context:
     source: ChunkSource | None = None
     committed: set[int] = field(default_factory=set)
     records: dict[int, CommitRecord] = field(default_factory=dict)
+    released: set[int] = field(default_factory=set)  # a streamed cache's units whose states were deleted on purpose
     offsets_ok: bool = False
     supervised: np.ndarray | None = None
     mask_ok: bool = True
@@ -322,8 +324,11 @@ def check_chunks(ctx: Context) -> None:
     ctx.supervised = np.zeros(len(start), dtype=np.int64)
     ctx.mask_ok = LOSS_MASK in ctx.arrays
     total = ctx.m.layout.total_token_slots
+    note_window(ctx)
     for name, meta in ctx.arrays.items():
         for u in ctx.readable_units:
+            if u in ctx.released and name not in TOKEN_ARRAYS:
+                continue  # released: its states were deleted on purpose (contract/window.py); its tokens stay
             jobs = [(name, c) for c in _unit_chunks(ctx, meta, u)]
             try:
                 raws = ctx.source.read(jobs)
@@ -352,6 +357,25 @@ def check_chunks(ctx: Context) -> None:
                 ctx.report.chunks_checked += 1
                 if where is not None:
                     _check_values(ctx, name, meta.chunk_index(c), data[:hi - lo], lo, holds, u)
+
+
+def note_window(ctx: Context) -> None:
+    """A streamed cache: which units the trainer released (their states are gone on purpose, not damage); a release
+    record of a unit without a commit record is a problem (only a committed unit can have been consumed)."""
+    assert ctx.m is not None
+    window = StreamRecord.read(ctx.store)
+    ctx.released = released_units(ctx.store, ctx.m.layout.num_units)
+    if window is None and not ctx.released:
+        return
+    committed = ctx.committed or committed_units(ctx.store, ctx.m.layout.num_units)
+    for u in sorted(ctx.released - committed):
+        ctx.bad.add(Check.commits, f"unit {u} has a release record (window/released/) but no commit record: a trainer "
+                                   "can release only a unit it read. The window records were altered; re-create "
+                                   "the cache", unit=u)
+    desc = window.describe() if window is not None else "unknown (window/stream.json missing)"
+    ctx.report.notes.append(f"streamed through a window of {desc}: {len(ctx.released)} of {ctx.m.layout.num_units} "
+                            "unit(s) released by the trainer, their hidden states deleted on purpose (their token "
+                            "ids and masks are kept and checked)")
 
 
 def _decoded(ctx: Context, meta: ArrayMeta, c: int, raw: bytes | None, u: int, holds: np.ndarray

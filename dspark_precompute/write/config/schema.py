@@ -383,6 +383,15 @@ class StorageConfig:
     fsync: bool = True
     """Make each shard and commit record durable before it counts; false keeps the atomic renames (safe against a
     killed process, not a power loss)."""
+    window_units: int | None = None
+    """Stream through a window: at most this many units on disk that the trainer (build_dataloader(path,
+    stream=True)) has not released; the run waits for it when full. null: the full cache (the default)."""
+    window_mib: int | None = None
+    """A window's byte cap: at most this many MiB of hidden states in units not released (alone or with
+    window_units)."""
+    window_timeout_s: float | None = None
+    """With a window: stop (resumable) after waiting this long without the trainer releasing a unit; null: wait and
+    say so every minute."""
 
     def resolved_last_dtype(self) -> StorageDtype:
         """The post-norm state's storage dtype: ``last_dtype``, else ``dtype`` (bf16 for an fp8 ``dtype``).
@@ -434,12 +443,28 @@ class StorageConfig:
             out.append(f"storage.writer_slots={self.writer_slots} must be >= 1")
         if self.writers is not None and self.writers < 1:
             out.append(f"storage.writers={self.writers} must be >= 1, or null for one per spare core")
+        out += self._window_problems()
         if not str(self.root).strip():
             out.append("storage.root='' is empty; give a directory (or s3:// prefix) under which caches are derived")
         if self.path is not None and not str(self.path).strip():
             out.append("storage.path='' is empty; give a directory for the cache, or leave storage.path null to "
                        "derive one under storage.root")
         return out
+
+    def _window_problems(self) -> list[str]:
+        out = []
+        for key in ("window_units", "window_mib"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                out.append(f"storage.{key}={v!r} must be a positive whole number, or null for no window")
+        if self.window_timeout_s is not None and not self.window_timeout_s > 0:
+            out.append(f"storage.window_timeout_s={self.window_timeout_s!r} must be > 0 seconds, or null to wait for "
+                       "the trainer indefinitely")
+        return out
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_units is not None or self.window_mib is not None
 
     def host_problems(self) -> list[str]:
         """What this machine's filesystem says about ``storage.path`` (a file, a symlink loop)."""

@@ -43,6 +43,7 @@ from dspark_precompute.write.plan.array_specs import ArraySpec
 from dspark_precompute.write.plan.prepare import Plan
 from dspark_precompute.write.store.batching import batch_inputs, make_batches
 from dspark_precompute.write.store.transfer import StateArray, UnitCheck, UnitTransfer, zero_samples
+from dspark_precompute.write.store.window import WindowGate
 from dspark_precompute.write.store.writer import UnitWriter, resolve_writers
 from dspark_precompute.write.target.capture import HiddenStateCapture
 
@@ -88,6 +89,7 @@ class ForwardLoop:
         self.hidden = state_arrays(plan.specs)
         self.lockstep = Lockstep(Ranks(), False)  # set by run(): a sharded target's ranks move together
         self.writes = writes  # False: a tensor-parallel rank whose group's first rank writes (it only forwards)
+        self.gate: WindowGate | None = None  # storage.window_units: a unit starts only once it fits the window
 
     def run(self, todo: list[int], coord: Coordinator, lockstep: Lockstep | None = None) -> int:
         """Forward every unit in ``todo``; the number handed to the writers and committed."""
@@ -109,6 +111,8 @@ class ForwardLoop:
                                 int(sum(len(self.layout.unit_order[u]) for u in todo)), enabled=cfg.progress,
                                 written="raw written")
             stack.callback(progress.close)
+            if self.gate is not None:
+                self.gate.progress = progress
             stop = signals.STATE
             self._each_unit(todo, coord, capture, lambda u: self._unit(u, capture, writer, transfer, progress),
                             writer)
@@ -124,6 +128,8 @@ class ForwardLoop:
               progress: Progress) -> None:
         """One unit: its batches forwarded into a free buffer, checked, handed to the writers."""
         cfg, layout = self.plan.cfg, self.layout
+        if self.gate is not None and not self.gate.wait(u, writer.drain):
+            return  # a signal while waiting for the trainer: nothing of this unit was started
         slot = writer.acquire()
         bufs = writer.buffers(slot)
         transfer.start(bufs)

@@ -1,0 +1,182 @@
+"""Capture and training at once through a window: the producer and a trainer as separate processes, each killed
+(DSPARK_FAULT) and restarted; what the trainer received equals a full cache of the same rows, each sample
+``passes`` times, and the window's records leave a cache ``verify`` and ``info`` accept."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from helpers import compose, small
+from test_s3 import bucket, local_reference, s3_endpoint, tiny_run  # noqa: F401 - fixtures
+
+from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.contract.window import StreamRecord, released_units
+from dspark_precompute.errors import WindowError
+from dspark_precompute.read.reader import open_cache
+from dspark_precompute.read.verify import verify_cache
+from dspark_precompute.write.run import run
+
+UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=512", "data.max_samples=16")
+PASSES = 2
+
+TRAIN = r'''
+import json, os, sys
+from dspark_precompute.read.training import build_dataloader
+
+path, ckpt = sys.argv[1], sys.argv[2]
+loader = build_dataloader(path, stream=True, batch_size=1, passes=int(sys.argv[3]), seed=5, poll_s=0.05)
+seen = []
+if os.path.exists(ckpt):  # a restart: the last checkpoint's history and the stream position
+    saved = json.load(open(ckpt))
+    seen = saved["seen"]
+    loader.load_state_dict(saved["loader"])
+for batch in loader:
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    for r in range(len(ids)):
+        m = mask[r].bool()
+        seen.append([ids[r][m].tolist(), float(batch["target_hidden_states"][r][m].double().sum()),
+                     float(batch["target_last_hidden_states"][r][m].double().sum())])
+    tmp = ckpt + ".tmp"  # a checkpoint after every step, atomically
+    with open(tmp, "w") as f:
+        json.dump({"seen": seen, "loader": loader.state_dict()}, f)
+    os.replace(tmp, ckpt)
+loader.close()
+'''
+
+
+def _expected(path: str) -> Counter:
+    c = open_cache(path)
+    out: Counter = Counter()
+    for i in range(len(c)):
+        s = c[i]
+        out[(tuple(s["input_ids"].tolist()), float(s["target_hidden_states"].double().sum()),
+             float(s["target_last_hidden_states"].double().sum()))] += PASSES
+    return out
+
+
+def _supervise(commands: dict[str, list[list[str]]], faults: dict[str, list[str | None]], cwd: Path,
+               deadline_s: float = 400) -> dict[str, list[int]]:
+    """Run each side's command, restarting it with its next fault (None: none) each time it is killed, until every
+    side exits 0; the exit codes of each side's runs."""
+    env0 = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env0.pop("DSPARK_FAULT", None)
+    codes: dict[str, list[int]] = {k: [] for k in commands}
+    logs = {k: (cwd / f"{k}.log").open("w") for k in commands}
+
+    def start(side: str) -> subprocess.Popen:
+        fault = faults[side][len(codes[side])]
+        env = {**env0, **({"DSPARK_FAULT": fault} if fault else {})}
+        return subprocess.Popen(commands[side][0], cwd=cwd, env=env, stdout=logs[side], stderr=subprocess.STDOUT)
+
+    procs = {side: start(side) for side in commands}
+    end = time.time() + deadline_s
+    while procs and time.time() < end:
+        for side, p in list(procs.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            codes[side].append(rc)
+            if rc == 0 or len(codes[side]) >= len(faults[side]):
+                del procs[side]
+            else:
+                procs[side] = start(side)
+        time.sleep(0.05)
+    for p in procs.values():
+        p.kill()
+    for f in logs.values():
+        f.close()
+    return codes
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    run(compose(small(tmp, *UNITS, name="full")))
+    return str(tmp / "full")
+
+
+def test_producer_and_trainer_each_killed_and_resumed_deliver_every_sample_the_promised_times(tmp_path, full):
+    cache, ckpt = tmp_path / "c", tmp_path / "ckpt.json"
+    produce = [sys.executable, "-m", "dspark_precompute", *small(tmp_path, *UNITS, name="c"),
+               "storage.window_units=2", "log_level=INFO"]
+    train = [sys.executable, "-c", TRAIN, str(cache), str(ckpt), str(PASSES)]
+    faults = {"producer": ["unit_submitted=3", None], "trainer": ["stream_batch=5", "window_release=2", None]}
+    codes = _supervise({"producer": [produce], "trainer": [train]}, faults, tmp_path)
+    logs = {k: (tmp_path / f"{k}.log").read_text() for k in codes}
+    assert codes == {"producer": [-9, 0], "trainer": [-9, -9, 0]}, logs
+    assert "waits until the trainer releases unit" in logs["producer"]
+    seen = json.loads(ckpt.read_text())["seen"]
+    got = Counter((tuple(ids), a, b) for ids, a, b in seen)
+    want = _expected(full)
+    assert len(want) > 0 and got == want
+    store = CacheStore(str(cache))
+    n = json.loads((cache / "manifest.json").read_text())["layout"]["num_units"]
+    assert n >= 5 and released_units(store, n) == set(range(n))
+    assert not list((cache / "hidden_states").rglob("c.*"))  # every unit's states deleted once consumed
+    report = verify_cache(str(cache))
+    assert report.ok and any("released by the trainer" in note for note in report.notes), report.format()
+    info = subprocess.run([sys.executable, "-m", "dspark_precompute.cli.cache", "info", str(cache)],
+                          capture_output=True, text=True, check=True).stdout
+    assert f"units captured {n} of {n}, released {n}, resident 0" in info
+
+
+def test_a_window_on_a_cache_written_in_full_is_refused_saying_so(full):
+    with pytest.raises(WindowError, match="already written in full"):
+        run(compose([*small(Path(full).parent, *UNITS, name="full"), "storage.window_units=2"]))
+
+
+def test_a_trainer_that_never_comes_back_stops_the_producer_with_a_resumable_message(tmp_path):
+    cfg = compose(small(tmp_path, *UNITS, name="c") + ["storage.window_units=1", "storage.window_timeout_s=1"])
+    with pytest.raises(WindowError, match="released no unit for .* re-run the same command"):
+        run(cfg)
+    assert StreamRecord.read(CacheStore(str(tmp_path / "c"))) == StreamRecord(1, None)
+    c = open_cache(str(tmp_path / "c"), allow_incomplete=True)
+    assert 0 < c.num_units and len(c) > 0  # the units written so far are committed and readable
+
+
+def test_a_second_trainer_group_is_refused_and_the_first_one_resumes(tmp_path):
+    from dspark_precompute.read.training import build_dataloader
+
+    cfg = compose(small(tmp_path, *UNITS, name="c") + ["storage.window_units=1", "storage.window_timeout_s=1"])
+    with pytest.raises(WindowError):
+        run(cfg)
+    path = str(tmp_path / "c")
+    first = build_dataloader(path, stream=True, batch_size=1, group="a")
+    with pytest.raises(WindowError, match="streamed to trainer group 'a'"):
+        build_dataloader(path, stream=True, batch_size=1, group="b")
+    with pytest.raises(WindowError, match="started with 1 rank"):
+        build_dataloader(path, stream=True, batch_size=1, group="a", num_replicas=2, rank=0, distributed=True)
+    assert first.state_dict()["unit"] == 0
+
+
+def test_a_stream_on_s3_is_trained_while_written_and_every_unit_is_deleted_once_consumed(
+        bucket, local_reference, tmp_path):  # noqa: F811 - test_s3's fixtures
+    from dspark_precompute.read.training import build_dataloader
+
+    url = f"s3://{bucket}/w"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    producer = subprocess.Popen([sys.executable, "-m", "dspark_precompute", *tiny_run(url), "storage.window_units=2"],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        loader = build_dataloader(url, stream=True, batch_size=1, release="delivery", poll_s=0.05,
+                                  wait_timeout_s=300)
+        got = Counter(tuple(ids[m.bool()].tolist()) for b in loader
+                      for ids, m in zip(b["input_ids"], b["attention_mask"], strict=True))
+        out, _ = producer.communicate(timeout=300)
+    finally:
+        producer.kill()
+    assert producer.returncode == 0, out
+    ref = open_cache(local_reference)
+    assert len(ref) > 0 and got == Counter(tuple(ref[i]["input_ids"].tolist()) for i in range(len(ref)))
+    store = CacheStore(url)
+    n = ref.num_units
+    assert n >= 3 and released_units(store, n) == set(range(n))
+    assert [k for k in store.file_keys(["hidden_states"]) if "/c." in k] == []
+    assert verify_cache(url).ok
