@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any, cast
 
 from dspark_precompute.contract.vocab import Message
@@ -20,6 +21,7 @@ from dspark_precompute.errors import DataError
 from dspark_precompute.faults import fault_point
 from dspark_precompute.write.parallel import processes
 from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
+from dspark_precompute.write.samples.media import MediaEncoder, MediaSpec
 from dspark_precompute.write.samples.normalize import Conversation, Reject, normalize
 from dspark_precompute.write.samples.rows import RawRow
 
@@ -34,14 +36,27 @@ class RowEncoder:
     mask_generation_prompt: bool
     data_format: str
     mask_rule: str = "nemo"
+    media: MediaSpec | None = None  # an image-text target: rows with images go through its processor
+    data_root: str | None = None  # the folder relative image paths resolve against (with each row's file)
 
     def build(self, tokenizer: Any) -> ChatEncoder:
-        return ChatEncoder(tokenizer, self.template, self.seq_length, self.mask_reasoning_content,
+        chat = ChatEncoder(tokenizer, self.template, self.seq_length, self.mask_reasoning_content,
                            self.mask_generation_prompt, mask_rule=self.mask_rule)
+        if self.media is not None:
+            chat.media = MediaEncoder(chat, self.media)
+        return chat
+
+    def image_base(self, raw: RawRow) -> Path | None:
+        """The folder a row's relative image paths resolve against: that of the data file holding it."""
+        if self.data_root is None:
+            return None
+        return Path(self.data_root) / Path(raw.file).parent if raw.file else Path(self.data_root)
 
     def encode(self, encoder: ChatEncoder, raw: RawRow, sel: int) -> Encoded | Reject:
-        item: Conversation | Encoded | Reject = normalize(raw, self.data_format)
-        if isinstance(item, Conversation):
+        item: Conversation | Encoded | Reject = normalize(raw, self.data_format, media=self.media is not None)
+        if isinstance(item, Conversation) and item.media:
+            item = encoder.media.encode(item, self.image_base(raw), raw.row)
+        elif isinstance(item, Conversation):
             item = encoder.encode(item, raw.row)
         if isinstance(item, Reject):
             # row: index in the selection (what samples/source_row counts); file/file_row/line: the source
