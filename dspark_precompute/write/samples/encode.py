@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
 from typing import Any, cast
 
 from dspark_precompute.contract.vocab import Message
@@ -21,6 +20,7 @@ from dspark_precompute.errors import DataError
 from dspark_precompute.faults import fault_point
 from dspark_precompute.write.parallel import processes
 from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
+from dspark_precompute.write.samples.images import image_base
 from dspark_precompute.write.samples.media import MediaEncoder, MediaSpec
 from dspark_precompute.write.samples.normalize import Conversation, Reject, normalize
 from dspark_precompute.write.samples.rows import RawRow
@@ -46,16 +46,10 @@ class RowEncoder:
             chat.media = MediaEncoder(chat, self.media)
         return chat
 
-    def image_base(self, raw: RawRow) -> Path | None:
-        """The folder a row's relative image paths resolve against: that of the data file holding it."""
-        if self.data_root is None:
-            return None
-        return Path(self.data_root) / Path(raw.file).parent if raw.file else Path(self.data_root)
-
     def encode(self, encoder: ChatEncoder, raw: RawRow, sel: int) -> Encoded | Reject:
         item: Conversation | Encoded | Reject = normalize(raw, self.data_format, media=self.media is not None)
         if isinstance(item, Conversation) and item.media:
-            item = encoder.media.encode(item, self.image_base(raw), raw.row)
+            item = encoder.media.encode(item, image_base(self.data_root, raw.file), raw.row)
         elif isinstance(item, Conversation):
             item = encoder.encode(item, raw.row)
         if isinstance(item, Reject):

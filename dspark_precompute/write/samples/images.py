@@ -321,3 +321,24 @@ def resolve_source(source: str, base: Path | None) -> str:
     parsed = urlparse(source)
     path = Path(unquote(parsed.path)) if parsed.scheme == "file" else Path(source)
     return str(path if path.is_absolute() or base is None else (base / path).resolve())
+
+
+def data_root(path: str) -> str:
+    """The folder relative image paths start from: ``data.path``'s own folder (a file) or ``data.path`` (a folder)."""
+    p = Path(path).expanduser()
+    return str((p if p.is_dir() else p.parent).resolve())
+
+
+def image_base(root: str | None, file: str | None) -> Path | None:
+    """The folder a row's relative image paths resolve against: that of the data file holding it."""
+    if root is None:
+        return None
+    return Path(root) / Path(file).parent if file else Path(root)
+
+
+def content_sha256(where: str) -> str:
+    """The sha256 of an image's bytes, or ``missing:<reason>`` (the row becomes a reject; its absence is identity)."""
+    try:
+        return hashlib.sha256(_read_bytes(where, None)).hexdigest()
+    except MediaProblem as exc:
+        return f"missing:{exc.reason}"

@@ -14,21 +14,26 @@ from typing import Any
 
 import numpy as np
 
+from dspark_precompute.write.config.schema import DataConfig, ImageConfig
 from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
+from dspark_precompute.write.samples.files import resolve_source as resolve_data_source
 from dspark_precompute.write.samples.images import (
     LoadedImage,
     MediaProblem,
     SampleImages,
     VisionTokens,
+    content_sha256,
     expand,
     fitting_images,
+    image_base,
     image_sources,
     load_image,
     load_processor,
     resolve_source,
     without_sources,
 )
-from dspark_precompute.write.samples.normalize import Conversation, Reject
+from dspark_precompute.write.samples.normalize import Conversation, Reject, normalize
+from dspark_precompute.write.samples.rows import iter_rows
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +103,42 @@ class MediaEncoder:
         ids = torch.as_tensor(np.asarray(input_ids, dtype=np.int64))[None]
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
                 "mm_token_type_ids": (ids == self.vision.image).to(torch.int64)}
+
+
+def media_spec_for(model_dir: Path | None, image: ImageConfig) -> MediaSpec | None:
+    """The media spec of an image-text checkpoint (``vision_config``, ``preprocessor_config.json``), else None."""
+    import json
+
+    if model_dir is None or not (model_dir / "preprocessor_config.json").is_file():
+        return None
+    try:
+        cdict = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cdict, dict) or not isinstance(cdict.get("vision_config"), dict):
+        return None
+    return MediaSpec(str(model_dir), image.min_pixels, image.max_pixels, image.max_input_pixels)
+
+
+def images_sha256(data: DataConfig, root: str | None) -> str:
+    """One sha256 over every image the selection's rows name (source and content hash, in row order); "" when none.
+
+    Part of the data identity: a changed (or vanished) image refuses a resume like a changed row. Each image is
+    read once (a source named twice is hashed once).
+    """
+    import hashlib
+
+    digest, seen, count = hashlib.sha256(), dict[str, str](), 0
+    for raw in iter_rows(resolve_data_source(data.path), data):
+        conv = normalize(raw, data.format, media=True)
+        if not isinstance(conv, Conversation) or not conv.media:
+            continue
+        base = image_base(root, raw.file)
+        for source in image_sources(conv.messages):
+            where = resolve_source(source, base)
+            if where not in seen:
+                seen[where] = content_sha256(where)
+            digest.update(f"{raw.row}\t{where if not where.startswith('data:') else 'data:'}\t{seen[where]}\n"
+                          .encode())
+            count += 1
+    return digest.hexdigest() if count else ""
