@@ -159,6 +159,14 @@ class RejectReason(StrEnum):
     MASK_OPTION_ERROR = "mask_option_error"
     """data.mask_generation_prompt or mask_reasoning_content could not be applied to this row (rendering a part of
     the conversation failed), so its header or reasoning would have stayed supervised."""
+    IMAGE_MISSING = "image_missing"
+    """An image the row names cannot be read (no such file, a web URL, more placeholders than images)."""
+    IMAGE_UNDECODABLE = "image_undecodable"
+    """An image whose bytes do not decode (not an image, a broken file or base64 payload)."""
+    IMAGE_TOO_LARGE = "image_too_large"
+    """An image file over 64 MiB, or with more pixels than data.image.max_input_pixels."""
+    VIDEO_UNSUPPORTED = "video_unsupported"
+    """A video part or <video> placeholder: the video processors need torchvision, absent here."""
     NONFINITE = "nonfinite_hidden_states"
     """NaN or Inf in a stored state, found after the forward; the sample is dropped from the cache."""
 

@@ -253,6 +253,35 @@ class ModelConfig:
 
 
 @dataclass
+class ImageConfig:
+    """How rows with images are read when the target is an image-text checkpoint (its processor expands them)."""
+
+    min_pixels: int | None = None
+    """The image processor's lower resize bound in pixels (Qwen's min_pixels); null: the checkpoint's. Part of the
+    identity when set."""
+    max_pixels: int | None = None
+    """The image processor's upper resize bound in pixels (Qwen's max_pixels: fewer vision tokens per image); null:
+    the checkpoint's. Part of the identity when set."""
+    max_input_pixels: int | None = None
+    """An input image with more pixels (width x height) is an image_too_large reject before it is decoded; null:
+    2^28 (a decompression-bomb guard). Part of the identity when set."""
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("min_pixels", "max_pixels", "max_input_pixels"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                out.append(f"data.image.{name}={v!r} must be a positive number of pixels or null")
+        if isinstance(self.min_pixels, int) and isinstance(self.max_pixels, int) and self.min_pixels > self.max_pixels:
+            out.append(f"data.image.min_pixels={self.min_pixels} is above data.image.max_pixels={self.max_pixels}")
+        return out
+
+    def identity(self) -> dict[str, int]:
+        """The keys set (a cache written before they existed keeps its hash)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass
 class DataConfig:
     """The chat dataset and how its conversations become tokens and loss masks."""
 
@@ -294,9 +323,12 @@ class DataConfig:
     on_nonfinite: OnNonfinite = OnNonfinite.reject
     """A sample whose stored states hold NaN or Inf (after the cast to the storage dtype): reject (dropped, a
     nonfinite_hidden_states line in rejects.jsonl) or error (stop, naming the sample)."""
+    image: ImageConfig = field(default_factory=ImageConfig)
+    """Rows with images (OpenAI image parts, or <image> placeholders and an images list; relative paths resolve
+    against the data file's folder): the processor's pixel limits."""
 
     def problems(self) -> list[str]:
-        out = []
+        out = self.image.problems()
         if self.num_workers is not None and self.num_workers < 0:
             out.append(f"data.num_workers={self.num_workers} must be >= 0 (0 tokenizes in this process) or null")
         if self.on_nonfinite not in ON_NONFINITE:

@@ -48,6 +48,8 @@ from dspark_precompute.write.plan.provenance import plan_capture
 from dspark_precompute.write.samples.chat import mask_rule_problem, resolve_chat_template, sha256_text
 from dspark_precompute.write.samples.encode import RowEncoder
 from dspark_precompute.write.samples.files import resolve_source
+from dspark_precompute.write.samples.images import data_root
+from dspark_precompute.write.samples.media import MediaSpec, images_sha256, media_spec_for
 from dspark_precompute.write.samples.tokenize import RowEncoding
 from dspark_precompute.write.target import sharding
 from dspark_precompute.write.target.load import (
@@ -137,6 +139,7 @@ class Plan:
     data_sha256: str
     capture: Capture | None = None  # the manifest's capture facts known before weights load
     fit: str | None = None  # a dry run: why this rank's share of the weights would not fit here (None: it fits)
+    media: MediaSpec | None = None  # an image-text target: rows with images go through its processor
 
     def manifest(self, layout: Layout, counts: Counts, created_at: str = "") -> Manifest:
         """The cache's manifest for this plan (incomplete until the run marks it complete)."""
@@ -161,8 +164,9 @@ class Plan:
     def encoding(self) -> RowEncoding:
         """How this plan turns rows into samples (what tokenizing takes, not the whole plan)."""
         d = self.cfg.data
+        root = data_root(str(d.path)) if self.media is not None else None
         spec = RowEncoder(self.template, self.cfg.seq_length, d.mask_reasoning_content, d.mask_generation_prompt,
-                          d.format, d.mask_rule)
+                          d.format, d.mask_rule, self.media, root)
         return RowEncoding(spec, self.tokenizer)
 
     @property
@@ -197,10 +201,13 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
     store = CacheStore(path)  # resolves a local path: after the checks of it (a symlink loop would raise)
     state = LastState(cfg.capture.last_state)
     specs, names, chunk, unit = array_layout(cfg, layer_ids, target, state)
-    identity = cache_identity(cfg, target, tokenizer, template, data_sha, layer_ids, compute_dtype, chunk, unit)
+    media = media_spec_for(target.local_dir, cfg.data.image)
+    images = images_sha256(cfg.data, data_root(str(cfg.data.path))) if media is not None else ""
+    identity = cache_identity(cfg, target, tokenizer, template, data_sha, layer_ids, compute_dtype, chunk, unit,
+                              images)
     return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,
                 config_hash(identity), specs, names, chunk, unit, data_sha,
-                plan_capture(cfg.model, cfg.data, template, target, cfg.model.fingerprint, state), fit)
+                plan_capture(cfg.model, cfg.data, template, target, cfg.model.fingerprint, state), fit, media)
 
 
 def _resolve_inputs(cfg: PrecomputeConfig, fingerprint: bool) -> tuple[str, Any, str | None, TargetInfo | None,
@@ -302,8 +309,11 @@ def array_layout(cfg: PrecomputeConfig, layer_ids: list[int], target: TargetInfo
 
 
 def cache_identity(cfg: PrecomputeConfig, target: TargetInfo, tokenizer: Any, template: str, data_sha: str,
-                   layer_ids: list[int], compute_dtype: torch.dtype, chunk: int, unit: int) -> dict[str, Any]:
+                   layer_ids: list[int], compute_dtype: torch.dtype, chunk: int, unit: int, images_sha: str = ""
+                   ) -> dict[str, Any]:
     """What ``config_hash`` covers: everything that changes a stored value or the layout, nothing else.
+
+    ``images_sha``: every image the rows name, hashed (:func:`~dspark_precompute.write.samples.media.images_sha256`).
 
     A key added later is recorded only when it is not its default, so caches written before it existed keep their
     hash (and a resume of them is not refused).
@@ -336,6 +346,10 @@ def cache_identity(cfg: PrecomputeConfig, target: TargetInfo, tokenizer: Any, te
                if cfg.data.max_row_bytes != DataConfig.max_row_bytes else {}),
             # the supervision rule; recorded only when not NeMo's (the default), likewise
             **({"mask_rule": cfg.data.mask_rule} if cfg.data.mask_rule != DataConfig.mask_rule else {}),
+            # rows with images (an image-text target): their content and the processor's pixel limits; recorded
+            # only when there are images / a limit is set, so every text cache keeps its hash
+            **({"images_sha256": images_sha} if images_sha else {}),
+            **({"image": cfg.data.image.identity()} if cfg.data.image.identity() else {}),
         },
         "seq_length": cfg.seq_length,
         "layer_ids": layer_ids,

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from dspark_precompute.write.samples.images import SampleImages
 from dspark_precompute.write.samples.normalize import Conversation, Reason, Reject
 
 GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -102,6 +103,7 @@ class Encoded:
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]
     untruncated_length: int
+    images: SampleImages | None = None  # a row with images: their sources, hashes and grids (samples/images.py)
 
     @property
     def truncated(self) -> bool:
@@ -289,6 +291,7 @@ class ChatEncoder:
         self.has_generation = bool(GENERATION_RE.search(chat_template))
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.added_ids = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
+        self.media: Any = None  # a MediaEncoder (samples/media.py) when the target reads images
 
     # -- primitives -------------------------------------------------------------------
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -305,6 +308,14 @@ class ChatEncoder:
 
     # -- public -----------------------------------------------------------------------
     def encode(self, conv: Conversation, row: int = -1) -> Encoded | Reject:
+        out = self.render_with_mask(conv, row)
+        if isinstance(out, Reject):
+            return out
+        _full, ids, mask = out
+        return self.finish(ids, mask, len(ids), row)
+
+    def render_with_mask(self, conv: Conversation, row: int = -1) -> tuple[str, list[int], list[int]] | Reject:
+        """The full render, its ids and its loss mask (untruncated), or a reject."""
         rule = self.span_rule
         if rule is not None:
             conv = rule.reduce(conv, rule.system_prompt)
@@ -333,18 +344,23 @@ class ChatEncoder:
             return Reject(row, Reason.MASK_OPTION_ERROR, str(exc))
         except Exception as exc:
             return Reject(row, Reason.TEMPLATE_ERROR, f"rendering a part of the conversation failed: {exc}")
-        n = len(ids)
-        ids_arr = np.asarray(ids[: self.seq_length], dtype=np.int32)
-        mask_arr = np.asarray(mask[: self.seq_length], dtype=np.uint8)
+        return full, ids, mask
+
+    def finish(self, ids: Any, mask: Any, n: int, row: int = -1, cut: int | None = None) -> Encoded | Reject:
+        """The sample truncated at ``cut`` (default seq_length), or a reject when nothing is left to supervise."""
+        rule = self.span_rule
+        cut = self.seq_length if cut is None else cut
+        ids_arr = np.asarray(ids[:cut], dtype=np.int32)
+        mask_arr = np.asarray(mask[:cut], dtype=np.uint8)
         if not mask_arr.any():
             return Reject(
                 row, Reason.NO_SUPERVISED_TOKENS,
-                f"no supervised token within the first {self.seq_length} of {n} tokens",
+                f"no supervised token within the first {cut} of {n} tokens",
             )
         if rule is not None and int(mask_arr.sum()) < rule.min_supervised:
             return Reject(
                 row, Reason.TOO_FEW_SUPERVISED_TOKENS,
-                f"{int(mask_arr.sum())} supervised tokens within the first {self.seq_length} of {n}, fewer than "
+                f"{int(mask_arr.sum())} supervised tokens within the first {cut} of {n}, fewer than "
                 f"{rule.trainer}'s minimum of {rule.min_supervised} (data.mask_rule={self.mask_rule})",
             )
         return Encoded(ids_arr, mask_arr, n)

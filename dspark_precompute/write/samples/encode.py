@@ -20,6 +20,8 @@ from dspark_precompute.errors import DataError
 from dspark_precompute.faults import fault_point
 from dspark_precompute.write.parallel import processes
 from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
+from dspark_precompute.write.samples.images import image_base
+from dspark_precompute.write.samples.media import MediaEncoder, MediaSpec
 from dspark_precompute.write.samples.normalize import Conversation, Reject, normalize
 from dspark_precompute.write.samples.rows import RawRow
 
@@ -34,14 +36,21 @@ class RowEncoder:
     mask_generation_prompt: bool
     data_format: str
     mask_rule: str = "nemo"
+    media: MediaSpec | None = None  # an image-text target: rows with images go through its processor
+    data_root: str | None = None  # the folder relative image paths resolve against (with each row's file)
 
     def build(self, tokenizer: Any) -> ChatEncoder:
-        return ChatEncoder(tokenizer, self.template, self.seq_length, self.mask_reasoning_content,
+        chat = ChatEncoder(tokenizer, self.template, self.seq_length, self.mask_reasoning_content,
                            self.mask_generation_prompt, mask_rule=self.mask_rule)
+        if self.media is not None:
+            chat.media = MediaEncoder(chat, self.media)
+        return chat
 
     def encode(self, encoder: ChatEncoder, raw: RawRow, sel: int) -> Encoded | Reject:
-        item: Conversation | Encoded | Reject = normalize(raw, self.data_format)
-        if isinstance(item, Conversation):
+        item: Conversation | Encoded | Reject = normalize(raw, self.data_format, media=self.media is not None)
+        if isinstance(item, Conversation) and item.media:
+            item = encoder.media.encode(item, image_base(self.data_root, raw.file), raw.row)
+        elif isinstance(item, Conversation):
             item = encoder.encode(item, raw.row)
         if isinstance(item, Reject):
             # row: index in the selection (what samples/source_row counts); file/file_row/line: the source

@@ -11,6 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from dspark_precompute.contract.vocab import RejectReason
+from dspark_precompute.write.samples.images import (
+    VIDEO_REFUSAL,
+    MediaProblem,
+    content_parts,
+    has_media,
+    split_placeholders,
+)
 from dspark_precompute.write.samples.rows import RawRow
 
 log = logging.getLogger(__name__)
@@ -35,6 +42,7 @@ Reason = RejectReason  # the reject codes are part of the format: contract/vocab
 class Conversation:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
+    media: bool = False  # some content is a list of parts holding images (write/samples/images.py)
 
 
 _MESSAGE_CAP = 2000  # a reject keeps at most this much of its message (values can be huge)
@@ -132,7 +140,41 @@ class _RowProblem(Exception):
         self.reason = reason
 
 
-def _normalize_message(m: Any, i: int, sharegpt: bool) -> dict[str, Any]:
+@dataclass
+class _Media:
+    """A row's media as normalization meets it: the ShareGPT ``images``/``videos`` lists and placeholders used."""
+
+    images: list[Any]
+    videos: list[Any]
+    used: list[int]
+
+
+def _content(content: Any, where: str, media: _Media | None) -> Any:
+    """Text, or (``media`` on) content parts with images where the row has them."""
+    if media is None:
+        return _text(content, where)
+    try:
+        if has_media(content):
+            return content_parts(content, where)
+        if isinstance(content, str) and ("<image>" in content or "<video>" in content) and (
+                media.images or media.videos or "<video>" in content):
+            parts = split_placeholders(content, media.images, media.videos, where, media.used)
+            return parts if any(p["type"] != "text" for p in parts) else content
+    except MediaProblem as exc:
+        raise _RowProblem(exc.reason, str(exc)) from None
+    return _text(content, where)
+
+
+def _row_media(rec: dict[str, Any]) -> _Media:
+    images, videos = rec.get("images") or [], rec.get("videos") or []
+    if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
+        raise _RowProblem(Reason.IMAGE_MISSING, f"'images' is a JSON {_json_type(images)}, expected a list of paths")
+    if not isinstance(videos, list):
+        raise _RowProblem(Reason.VIDEO_UNSUPPORTED, "'videos' is not a list")
+    return _Media(images, videos, [0])
+
+
+def _normalize_message(m: Any, i: int, sharegpt: bool, media: _Media | None = None) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise _RowProblem(Reason.MISSING_MESSAGES, f"message {i} is a JSON {_json_type(m)}, expected an object")
     if sharegpt:
@@ -147,7 +189,7 @@ def _normalize_message(m: Any, i: int, sharegpt: bool) -> dict[str, Any]:
         raise _RowProblem(Reason.UNKNOWN_ROLE, f"message {i} has role {raw_role!r}; expected one of {list(ROLES)}")
     out = {k: v for k, v in m.items() if k not in ("from", "value")}
     out["role"] = role
-    out["content"] = _text(content, f"message {i} content")
+    out["content"] = _content(content, f"message {i} content", media)
     if "reasoning_content" in m and m["reasoning_content"] is not None:
         out["reasoning_content"] = _text(m["reasoning_content"], f"message {i} reasoning_content")
     if m.get("tool_calls") is not None:
@@ -160,8 +202,12 @@ def _normalize_message(m: Any, i: int, sharegpt: bool) -> dict[str, Any]:
     return out
 
 
-def normalize(raw: RawRow, fmt: str = "auto") -> Conversation | Reject:
-    """Turn one raw row into a conversation the chat template can render, or a reject."""
+def normalize(raw: RawRow, fmt: str = "auto", media: bool = False) -> Conversation | Reject:
+    """Turn one raw row into a conversation the chat template can render, or a reject.
+
+    ``media``: the target reads images, so image parts (and ShareGPT ``<image>`` placeholders with an
+    ``images`` list) become content parts; otherwise they are non_text_content rejects.
+    """
     if raw.error is not None:
         return Reject(raw.row, raw.error[0], raw.error[1], raw.line, raw.file_row, raw.file)
     rec = raw.record
@@ -182,7 +228,13 @@ def normalize(raw: RawRow, fmt: str = "auto") -> Conversation | Reject:
             raise _RowProblem(Reason.EMPTY_CONVERSATION, "the conversation has no messages")
         _check_unicode(msgs, "conversations" if sharegpt else "messages")
         _check_unicode(rec.get("tools"), "tools")
-        messages = [_normalize_message(m, i, sharegpt) for i, m in enumerate(msgs)]
+        found = _row_media(rec) if media else None
+        messages = [_normalize_message(m, i, sharegpt, found) for i, m in enumerate(msgs)]
+        if found is not None and found.used[0] != len(found.images):
+            raise _RowProblem(Reason.IMAGE_MISSING, f"the row's 'images' list holds {len(found.images)} images but "
+                                                    f"its text has {found.used[0]} <image> placeholders")
+        if found is not None and found.videos:
+            raise _RowProblem(Reason.VIDEO_UNSUPPORTED, f"the row has a 'videos' list: {VIDEO_REFUSAL}")
         if not any(m["role"] == "assistant" for m in messages):
             raise _RowProblem(Reason.NO_ASSISTANT_TURN, "the conversation has no assistant message to supervise")
         tools = rec.get("tools")
@@ -190,6 +242,7 @@ def normalize(raw: RawRow, fmt: str = "auto") -> Conversation | Reject:
             tools = _loads(tools, "'tools' (a string)") if tools.strip() else None
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise _RowProblem(Reason.NON_TEXT_CONTENT, "'tools' must be a list of function schemas")
-        return Conversation(messages=messages, tools=tools or None)
+        return Conversation(messages=messages, tools=tools or None,
+                            media=any(isinstance(m["content"], list) for m in messages))
     except _RowProblem as exc:
         return Reject(raw.row, exc.reason, str(exc), raw.line, raw.file_row, raw.file)

@@ -39,8 +39,9 @@ def decoder_of(model: Any) -> Any:
 class HiddenStateCapture:
     """Runs the decoder once per batch and returns the chosen layers' hidden states."""
 
-    def __init__(self, model: Any, layer_ids: list[int], pre_norm: bool = False):
+    def __init__(self, model: Any, layer_ids: list[int], pre_norm: bool = False, media: bool = False):
         self.model = model
+        self.media = media  # rows with images: the whole image-text model runs, state -1 is layer 0's input
         self.decoder = decoder_of(model)
         self.num_layers = len(self.decoder.layers)
         self.layer_ids = list(layer_ids)
@@ -52,6 +53,10 @@ class HiddenStateCapture:
             for lid in self.keys:
                 if lid == self.num_layers - 1:
                     continue  # the post-norm output of the decoder itself
+                if lid == -1 and media:  # the embeddings with the vision features merged in (HF hidden_states[0])
+                    self._handles.append(self.decoder.layers[0].register_forward_pre_hook(self._pre_hook(lid),
+                                                                                          with_kwargs=True))
+                    continue
                 module = self.decoder.embed_tokens if lid == -1 else self.decoder.layers[min(lid, self.num_layers - 1)]
                 self._handles.append(module.register_forward_hook(self._hook(lid)))
         except BaseException:
@@ -64,15 +69,28 @@ class HiddenStateCapture:
             self._store[lid] = reduce_streams(state)
         return fn
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-                 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        with self._grad_off():
-            return self._forward(input_ids, attention_mask)
+    def _pre_hook(self, lid: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], None]:
+        def fn(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            state = args[0] if args else kwargs["hidden_states"]
+            self._store[lid] = reduce_streams(state)
+        return fn
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-                 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 media: dict[str, torch.Tensor] | None = None) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """States of one batch; ``media``: a row's image inputs (``pixel_values``, ``image_grid_thw``, ...), run
+        through the whole image-text model (the vision tower's features replace the image pads' embeddings)."""
+        with self._grad_off():
+            return self._forward(input_ids, attention_mask, media)
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 media: dict[str, torch.Tensor] | None = None) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         self._store = {}
-        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        if media is not None:
+            device = input_ids.device
+            inputs = {k: v.to(device) for k, v in media.items()}
+            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **inputs)
+        else:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         last = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         # Under device_map the layers (so their outputs) sit on several devices: bring every
         # state to the device of input_ids, where the caller's masks and buffers live.

@@ -1,0 +1,144 @@
+"""A conversation with images -> a sample: the chat template's render and mask, the images read, the processor's
+expansion, and a truncation that never splits an image.
+
+The mask comes from the same rules as text rows (the render with one image pad per image); the processor then
+repeats each pad once per merged patch, and every vision token (pads and the start/end markers) gets mask 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dspark_precompute.write.config.schema import DataConfig, ImageConfig
+from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
+from dspark_precompute.write.samples.files import resolve_source as resolve_data_source
+from dspark_precompute.write.samples.images import (
+    LoadedImage,
+    MediaProblem,
+    SampleImages,
+    VisionTokens,
+    content_sha256,
+    expand,
+    fitting_images,
+    image_base,
+    image_sources,
+    load_image,
+    load_processor,
+    resolve_source,
+    without_sources,
+)
+from dspark_precompute.write.samples.normalize import Conversation, Reject, normalize
+from dspark_precompute.write.samples.rows import iter_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MediaSpec:
+    """How image rows are read: the checkpoint whose processor expands them, and the pixel limits (picklable)."""
+
+    model_dir: str
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_input_pixels: int | None = None
+
+    def pixels(self) -> dict[str, int]:
+        return {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v is not None}
+
+
+class MediaEncoder:
+    """Encodes conversations with images with a :class:`ChatEncoder` and the checkpoint's processor."""
+
+    def __init__(self, chat: ChatEncoder, spec: MediaSpec):
+        self.chat, self.spec = chat, spec
+        self.processor = load_processor(Path(spec.model_dir), chat.tokenizer, chat.template, spec.pixels())
+        self.vision = VisionTokens.of(self.processor)
+
+    def images(self, conv: Conversation, base: Path | None) -> list[LoadedImage]:
+        """The conversation's images, read and decoded (a bad one raises :class:`MediaProblem`)."""
+        return [load_image(s, base, self.spec.max_input_pixels) for s in image_sources(conv.messages)]
+
+    def encode(self, conv: Conversation, base: Path | None, row: int = -1) -> Encoded | Reject:
+        """The sample of a conversation with images (relative paths resolve against ``base``), or a reject."""
+        try:
+            loaded = self.images(conv, base)
+        except MediaProblem as exc:
+            return Reject(row, exc.reason, str(exc))
+        bare = Conversation(without_sources(conv.messages), conv.tools, media=True)
+        out = self.chat.render_with_mask(bare, row)
+        if isinstance(out, Reject):
+            return out
+        full, ids, mask = out
+        try:
+            ex = expand(self.processor, full, ids, mask, loaded)
+        except MediaProblem as exc:
+            return Reject(row, exc.reason, str(exc))
+        n_img, cut = fitting_images(ex.input_ids, self.vision.image, self.chat.seq_length)
+        enc = self.chat.finish(ex.input_ids, ex.loss_mask, len(ex.input_ids), row, cut)
+        if isinstance(enc, Reject):
+            return enc
+        sources = tuple(resolve_source(s, base) for s in image_sources(conv.messages))[:n_img]
+        enc.images = SampleImages(sources, tuple(i.sha256 for i in loaded[:n_img]), ex.image_grid_thw[:n_img])
+        return enc
+
+    def pixel_inputs(self, images: SampleImages, input_ids: Any) -> dict[str, Any]:
+        """The forward's image inputs of a sample (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``: 1 on
+        image pads, as the processor gives them), from its images read again.
+
+        A sample keeps references, not pixels (a row's pixel values weigh megabytes); an image that changed since
+        tokenizing gives another grid and is refused here.
+        """
+        loaded = [load_image(s, None, self.spec.max_input_pixels) for s in images.sources]
+        if tuple(i.sha256 for i in loaded) != images.sha256:
+            raise MediaProblem("image_changed", f"an image of {list(images.sources)} changed since the row was "
+                               "tokenized; rerun from the start")
+        out = self.processor.image_processor(images=[i.image for i in loaded], return_tensors="pt")
+        import torch
+
+        ids = torch.as_tensor(np.asarray(input_ids, dtype=np.int64))[None]
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
+                "mm_token_type_ids": (ids == self.vision.image).to(torch.int64)}
+
+
+def media_spec_for(model_dir: Path | None, image: ImageConfig) -> MediaSpec | None:
+    """The media spec of an image-text checkpoint (``vision_config``, ``preprocessor_config.json``), else None."""
+    import json
+
+    if model_dir is None or not (model_dir / "preprocessor_config.json").is_file():
+        return None
+    try:
+        cdict = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cdict, dict) or not isinstance(cdict.get("vision_config"), dict):
+        return None
+    return MediaSpec(str(model_dir), image.min_pixels, image.max_pixels, image.max_input_pixels)
+
+
+def images_sha256(data: DataConfig, root: str | None) -> str:
+    """One sha256 over every image the selection's rows name (source and content hash, in row order); "" when none.
+
+    Part of the data identity: a changed (or vanished) image refuses a resume like a changed row. Each image is
+    read once (a source named twice is hashed once).
+    """
+    import hashlib
+
+    digest, seen, count = hashlib.sha256(), dict[str, str](), 0
+    for raw in iter_rows(resolve_data_source(data.path), data):
+        conv = normalize(raw, data.format, media=True)
+        if not isinstance(conv, Conversation) or not conv.media:
+            continue
+        base = image_base(root, raw.file)
+        for source in image_sources(conv.messages):
+            where = resolve_source(source, base)
+            if where not in seen:
+                seen[where] = content_sha256(where)
+            digest.update(f"{raw.row}\t{where if not where.startswith('data:') else 'data:'}\t{seen[where]}\n"
+                          .encode())
+            count += 1
+    return digest.hexdigest() if count else ""

@@ -1,0 +1,188 @@
+"""Rows with images through an image-text checkpoint's own processor, and their states through the capture.
+
+The oracle is the checkpoint's own processor on the rendered conversation and its own forward
+(``AutoModelForImageTextToText`` with ``output_hidden_states``) on the processor's inputs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+from dspark_precompute.write.samples.chat import Encoded
+from dspark_precompute.write.samples.encode import RowEncoder
+from dspark_precompute.write.samples.images import image_sources, load_image, without_sources
+from dspark_precompute.write.samples.media import MediaSpec
+from dspark_precompute.write.samples.normalize import Reject, normalize
+from dspark_precompute.write.samples.rows import RawRow
+from dspark_precompute.write.target.capture import HiddenStateCapture
+from dspark_precompute.write.target.tiny import save_image_text_checkpoint
+
+
+def write_images(folder, sizes=((96, 64), (48, 80))):
+    """Small JPEGs with seeded noise (real decodes, distinct content), as a data folder holds them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    names = []
+    for i, (w, h) in enumerate(sizes):
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / f"{i + 1}.jpg")
+        names.append(f"imgs/{i + 1}.jpg")
+    return names
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_qwen3_vl")
+    save_image_text_checkpoint("qwen3_vl", d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vision_data")
+    write_images(d / "imgs")
+    return d
+
+
+def sharegpt_row(names):
+    return {"messages": [{"role": "user", "content": "<image>Who are they?"},
+                         {"role": "assistant", "content": "Two players."},
+                         {"role": "user", "content": "And here?<image>"},
+                         {"role": "assistant", "content": "A goal."}],
+            "images": list(names)}
+
+
+def openai_row(names):
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": names[0]}},
+                                                      {"type": "text", "text": "Who are they?"}]},
+                         {"role": "assistant", "content": "Two players."},
+                         {"role": "user", "content": [{"type": "text", "text": "And here?"},
+                                                      {"type": "image", "image": names[1]}]},
+                         {"role": "assistant", "content": "A goal."}]}
+
+
+def encoder(vl_dir, data_dir, seq_length=4096, **pixels):
+    tok = AutoTokenizer.from_pretrained(vl_dir)
+    spec = RowEncoder(tok.chat_template, seq_length, False, False, "auto", media=MediaSpec(str(vl_dir), **pixels),
+                      data_root=str(data_dir))
+    return spec, spec.build(tok)
+
+
+def encode(vl_dir, data_dir, record, **kw):
+    spec, enc = encoder(vl_dir, data_dir, **kw)
+    return spec.encode(enc, RawRow(0, 1, record=record, file="rows.jsonl"), 0), enc
+
+
+def processor_inputs(enc, data_dir, record):
+    """The processor's own inputs for the row: its chat template's render and the decoded images."""
+    conv = normalize(RawRow(0, 1, record=record), media=True)
+    text = enc.media.processor.apply_chat_template(without_sources(conv.messages), tokenize=False)
+    images = [load_image(s, data_dir, None).image for s in image_sources(conv.messages)]
+    return enc.media.processor(text=[text], images=images, return_tensors="pt")
+
+
+def test_both_row_forms_give_the_processors_expanded_ids(vl_dir, data_dir):
+    names = write_images(data_dir / "imgs")
+    a, enc = encode(vl_dir, data_dir, sharegpt_row(names))
+    b, _ = encode(vl_dir, data_dir, openai_row(names))
+    assert isinstance(a, Encoded) and isinstance(b, Encoded)
+    ref = processor_inputs(enc, data_dir, openai_row(names))
+    assert np.array_equal(a.input_ids, ref["input_ids"][0].numpy())
+    assert np.array_equal(b.input_ids, a.input_ids)
+    assert np.array_equal(a.images.grid_thw, ref["image_grid_thw"].numpy())
+    pads = int((a.input_ids == enc.media.vision.image).sum())
+    assert pads == int(ref["image_grid_thw"].prod(-1).sum()) // 4 > 2  # one pad per merged 2x2 patch
+
+
+def test_the_loss_mask_is_zero_on_vision_tokens_and_one_on_the_answers(vl_dir, data_dir):
+    names = write_images(data_dir / "imgs")
+    e, enc = encode(vl_dir, data_dir, sharegpt_row(names))
+    vision = np.isin(e.input_ids, sorted(enc.media.vision.markers))
+    assert vision.sum() > 10 and not e.loss_mask[vision].any()
+    tok = enc.tokenizer
+    supervised = tok.decode(e.input_ids[e.loss_mask.astype(bool)].tolist())
+    assert "Two players." in supervised and "A goal." in supervised and "Who are they?" not in supervised
+    text_only, _ = encode(vl_dir, data_dir, {"messages": [{"role": "user", "content": "Who are they?"},
+                                                          {"role": "assistant", "content": "Two players."}]})
+    assert text_only.images is None and text_only.loss_mask.sum() > 0
+
+
+def test_relative_file_url_and_data_url_images_are_the_same_image(vl_dir, data_dir, tmp_path):
+    import base64
+
+    names = write_images(data_dir / "imgs")
+    raw = (data_dir / names[0]).read_bytes()
+    forms = [names[0], f"file://{data_dir / names[0]}", "data:image/jpeg;base64," + base64.b64encode(raw).decode()]
+    got = []
+    for url in forms:
+        row = openai_row([url, names[1]])
+        e, _ = encode(vl_dir, data_dir, row)
+        got.append((e.input_ids.tolist(), e.images.sha256))
+    assert got[0] == got[1] == got[2]
+
+
+def test_states_of_an_image_row_equal_the_checkpoints_own_forward_within_one_bf16_step(vl_dir, data_dir):
+    names = write_images(data_dir / "imgs")
+    e, enc = encode(vl_dir, data_dir, sharegpt_row(names))
+    model = AutoModelForImageTextToText.from_pretrained(vl_dir).eval()
+    ref_inputs = processor_inputs(enc, data_dir, openai_row(names))
+    with torch.no_grad():
+        ref = model(**ref_inputs, output_hidden_states=True).hidden_states
+    n = len(ref) - 1
+    ids = torch.from_numpy(e.input_ids.astype(np.int64))[None]
+    with HiddenStateCapture(model, [-1, 1, n - 1], media=True) as cap:
+        states, _ = cap(ids, media=enc.media.pixel_inputs(e.images, e.input_ids))
+    for lid in (-1, 1, n - 1):
+        stored = states[lid].to(torch.bfloat16).float()
+        want = ref[lid + 1]
+        step = want.abs().clamp_min(2.0 ** -126) * 2.0 ** -7  # one bf16 step at each value
+        assert stored.shape == want.shape and bool(((stored - want).abs() <= step).all()), lid
+    # the vision tower is what the image positions hold: without it the states there differ
+    with HiddenStateCapture(model, [1]) as cap:
+        text_states, _ = cap(ids)
+    img = torch.from_numpy(e.input_ids == enc.media.vision.image)
+    assert not torch.allclose(text_states[1][0, img], states[1][0, img])
+
+
+def test_a_missing_undecodable_or_oversized_image_is_a_reject_with_its_reason(vl_dir, data_dir):
+    names = write_images(data_dir / "imgs")
+    (data_dir / "imgs" / "bad.jpg").write_bytes(b"not a jpeg at all")
+    cases = {"image_missing": [names[0], "imgs/none.jpg"], "image_undecodable": [names[0], "imgs/bad.jpg"]}
+    for reason, imgs in cases.items():
+        e, _ = encode(vl_dir, data_dir, sharegpt_row(imgs))
+        assert isinstance(e, Reject) and e.reason == reason, e
+        assert imgs[1].split("/")[1] in e.message
+    big, _ = encode(vl_dir, data_dir, sharegpt_row(names), max_input_pixels=1000)
+    assert isinstance(big, Reject) and big.reason == "image_too_large" and "data.image.max_input_pixels" in big.message
+    few, _ = encode(vl_dir, data_dir, sharegpt_row(names[:1]))
+    assert isinstance(few, Reject) and few.reason == "image_missing" and "placeholders" in few.message
+
+
+def test_video_rows_are_refused_naming_torchvision(vl_dir, data_dir):
+    row = {"messages": [{"role": "user", "content": "<video>What happens?"},
+                        {"role": "assistant", "content": "A goal."}], "videos": ["imgs/1.mp4"]}
+    e, _ = encode(vl_dir, data_dir, row)
+    assert isinstance(e, Reject) and e.reason == "video_unsupported" and "torchvision" in e.message
+
+
+def test_pixel_limits_change_the_grid(vl_dir, data_dir):
+    names = write_images(data_dir / "imgs")
+    small, _ = encode(vl_dir, data_dir, sharegpt_row(names), max_pixels=32 * 32 * 4)
+    large, _ = encode(vl_dir, data_dir, sharegpt_row(names))
+    assert small.images.grid_thw.prod(-1).sum() < large.images.grid_thw.prod(-1).sum()
+
+
+def test_truncation_never_cuts_inside_an_image(vl_dir, data_dir):
+    names = write_images(data_dir / "imgs")
+    full, enc = encode(vl_dir, data_dir, sharegpt_row(names))
+    image = enc.media.vision.image
+    second = int(np.flatnonzero(full.input_ids == image)[-1])  # inside the second image
+    cut, _ = encode(vl_dir, data_dir, sharegpt_row(names), seq_length=second)
+    assert isinstance(cut, Encoded) and len(cut.images.sources) == 1
+    assert int((cut.input_ids == image).sum()) == int(full.images.grid_thw[0].prod()) // 4
+    assert json.dumps(cut.images.sources)  # absolute paths: the forward reads them again
