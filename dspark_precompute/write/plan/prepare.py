@@ -203,6 +203,15 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
     specs, names, chunk, unit = array_layout(cfg, layer_ids, target, state)
     media = media_spec_for(target.local_dir, cfg.data.image)
     images = images_sha256(cfg.data, data_root(str(cfg.data.path))) if media is not None else ""
+    if images:
+        # The rows' images are read, hashed and expanded by the processor, but the forward loop does not yet pass
+        # their pixels to the vision tower: capturing them now would store the language model's states at image
+        # pad tokens, wrong numbers. Refused until the capture of image rows lands (docs/targets.md).
+        raise ConfigError([f"data.path={cfg.data.path}: rows with images cannot be captured yet (the forward with "
+                           "the images' pixel inputs is not wired into a run in this version); select text rows "
+                           "(data.max_samples / a file without image parts) or wait for image-row capture"])
+    if not images:
+        media = None  # text rows: the processor is never loaded (MiniMax M3's needs torchvision)
     identity = cache_identity(cfg, target, tokenizer, template, data_sha, layer_ids, compute_dtype, chunk, unit,
                               images)
     return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,

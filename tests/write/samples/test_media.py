@@ -186,3 +186,22 @@ def test_truncation_never_cuts_inside_an_image(vl_dir, data_dir):
     assert isinstance(cut, Encoded) and len(cut.images.sources) == 1
     assert int((cut.input_ids == image).sum()) == int(full.images.grid_thw[0].prod()) // 4
     assert json.dumps(cut.images.sources)  # absolute paths: the forward reads them again
+
+
+def test_a_run_over_rows_with_images_is_refused_before_weights_load_not_captured_without_their_pixels(
+        vl_dir, data_dir, tmp_path, monkeypatch):
+    """Image rows are parsed and expanded, but a run does not pass their pixels to the vision tower yet: it must
+    refuse them rather than store the language model's states at image pad tokens."""
+    from helpers import compose, refuse_building_weights, small
+
+    from dspark_precompute.errors import ConfigError
+    from dspark_precompute.write.run import run
+
+    rows = data_dir / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in (sharegpt_row(write_images(data_dir / "imgs")),
+                                                        {"messages": [{"role": "user", "content": "hi"},
+                                                                      {"role": "assistant", "content": "hello"}]})))
+    refuse_building_weights(monkeypatch)
+    with pytest.raises(ConfigError, match="rows with images cannot be captured yet"):
+        run(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}")))
+    assert not (tmp_path / "cache" / "manifest.json").exists()
