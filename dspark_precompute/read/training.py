@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -44,6 +44,36 @@ log = logging.getLogger(__name__)
 
 __all__ = ["BATCH_KEYS", "CacheBatchSampler", "CacheDataset", "CacheLoader", "PadCollator", "StreamLoader",
            "TokenBudgetBatchSampler", "build_dataloader", "collate", "padding_fraction", "to_device"]
+
+
+@overload
+def build_dataloader(cache: str | Path | CacheReader | CacheDataset, *, batch_size: int | None = None,
+                     max_tokens: int | None = None, pad_to: int | None = None, shuffle: bool | str = True,
+                     seed: int = 0, num_workers: int = 0, distributed: bool | None = None,
+                     layers: Sequence[int] | None = None, drop_last: bool = False,
+                     device: str | torch.device | None = None, pin_memory: bool | None = None,
+                     pad_to_multiple_of: int | None = None, max_batch_size: int | None = None,
+                     block_chunks: int | None = None, window_blocks: int = DEFAULT_WINDOW_BLOCKS,
+                     num_replicas: int | None = None, rank: int | None = None,
+                     prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, prefetch_requests: int = DEFAULT_PREFETCH_REQUESTS,
+                     max_length: int | None = None, stream: Literal[False] = False, passes: int = 1,
+                     group: str = DEFAULT_GROUP, release: str = "checkpoint",
+                     **loader_kwargs: Any) -> CacheLoader: ...
+
+
+@overload
+def build_dataloader(cache: str | Path | CacheReader | CacheDataset, *, batch_size: int | None = None,
+                     max_tokens: int | None = None, pad_to: int | None = None, shuffle: bool | str = True,
+                     seed: int = 0, num_workers: int = 0, distributed: bool | None = None,
+                     layers: Sequence[int] | None = None, drop_last: bool = False,
+                     device: str | torch.device | None = None, pin_memory: bool | None = None,
+                     pad_to_multiple_of: int | None = None, max_batch_size: int | None = None,
+                     block_chunks: int | None = None, window_blocks: int = DEFAULT_WINDOW_BLOCKS,
+                     num_replicas: int | None = None, rank: int | None = None,
+                     prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, prefetch_requests: int = DEFAULT_PREFETCH_REQUESTS,
+                     max_length: int | None = None, stream: Literal[True], passes: int = 1,
+                     group: str = DEFAULT_GROUP, release: str = "checkpoint",
+                     **loader_kwargs: Any) -> StreamLoader: ...
 
 
 def build_dataloader(cache: str | Path | CacheReader | CacheDataset, *, batch_size: int | None = None,
