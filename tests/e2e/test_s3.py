@@ -10,7 +10,6 @@ The progress line (``progress.py``: tokens/s, ETA, bytes) is checked here too.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -334,24 +333,31 @@ def test_a_shard_larger_than_a_part_goes_up_in_parts_and_a_kill_mid_upload_leave
     assert_same_through_the_reader(url, str(local))
 
 
-def _asyncio_errors_to_stderr(_: int) -> None:
-    """In a worker, asyncio's error log (where aiohttp reports unclosed sessions) goes to stderr, not to the pytest
-    capture handler the fork copied."""
+WORKERS_STOPPED_MID_EPOCH = """
+import gc, logging, sys
+from dspark_precompute.read.training import build_dataloader
+
+def errors_to_stderr(_):
+    # in a worker, asyncio's error log (where aiohttp reports unclosed sessions) goes to stderr, and what the
+    # worker drops is collected at once, as a long-running worker's would be
     logging.getLogger("asyncio").addHandler(logging.StreamHandler(sys.__stderr__))
-    gc.set_threshold(1, 1, 1)  # what a worker drops is collected at once, as a long-running worker's would be
+    gc.set_threshold(1, 1, 1)
+
+loader = build_dataloader(sys.argv[1], batch_size=1, shuffle="block", seed=3, num_workers=2,
+                          worker_init_fn=errors_to_stderr)
+it = iter(loader)
+assert all(next(it)["input_ids"].shape[0] == 1 for _ in range(3))
+del it, loader  # a training loop that breaks out: the workers stop mid-epoch
+gc.collect()
+"""
 
 
-def test_workers_stopped_mid_epoch_leave_the_parents_bucket_sessions_alone(bucket, local_reference, capfd):
+def test_workers_stopped_mid_epoch_leave_the_parents_bucket_sessions_alone(bucket, local_reference, tmp_path):
     """A forked worker re-opens the cache; the handle it inherited is never collected there (collecting it dropped
-    the parent's aiohttp sessions: "Unclosed client session" on stderr each time a worker stopped)."""
-    from dspark_precompute.read.training import build_dataloader
-
+    the parent's aiohttp sessions: "Unclosed client session" on stderr each time a worker stopped). A fresh
+    training process: this one's earlier tests leave threads and sessions a fork would drop, unrelated to this."""
     url, _ = copy_to_bucket(local_reference, bucket)
-    capfd.readouterr()
-    loader = build_dataloader(url, batch_size=1, shuffle="block", seed=3, num_workers=2,
-                              worker_init_fn=_asyncio_errors_to_stderr)
-    it = iter(loader)
-    assert all(next(it)["input_ids"].shape[0] == 1 for _ in range(3))
-    del it, loader  # a training loop that breaks out: the workers stop mid-epoch
-    gc.collect()
-    assert "Unclosed client session" not in capfd.readouterr().err
+    proc = subprocess.run([sys.executable, "-c", WORKERS_STOPPED_MID_EPOCH, url], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Unclosed client session" not in proc.stderr
