@@ -47,7 +47,7 @@ def test_submitits_local_executor_runs_two_tasks_as_two_ranks_into_one_cache(tmp
     assert_same_cache(str(tmp_path / "single"), str(tmp_path / "slurm"))
 
 
-@pytest.mark.slow  # 22 s here; the submitit local executor test below keeps the launcher in the default lane
+@pytest.mark.slow  # 22 s here; the submitit local executor test above keeps the launcher in the default lane
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a GPU job submitted from a machine without")
 def test_a_gpu_sweep_submitted_from_a_machine_without_cuda_is_launched_and_each_task_checks_its_own_device(tmp_path):
     """The SLURM path from a login node: composing and submitting do not look at this machine's GPUs; every
