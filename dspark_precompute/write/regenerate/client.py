@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from dspark_precompute.errors import MissingDependencyError, RegenerateError
 
@@ -156,7 +156,8 @@ def _retry_after(exc: Any) -> float | None:
         return None
 
 
-_END = object()
+J = TypeVar("J")
+R = TypeVar("R")
 
 
 class Pool:
@@ -179,14 +180,14 @@ class Pool:
                 return True
             return False
 
-    def run(self, jobs: Iterable[Any], work: Callable[[Server, Any], Any]) -> Iterator[tuple[Any, Any]]:
+    def run(self, jobs: Iterable[J], work: Callable[[Server, J], R]) -> Iterator[tuple[J, R | Exception]]:
         """``(job, work(server, job))`` in completion order; an exception of ``work`` is yielded as the result.
 
         ``jobs`` is consumed as the threads need it (a few per thread ahead), never whole: a generator
         over the paper's 1.3M rows holds only what is in flight.
         """
-        todo: queue.Queue[Any] = queue.Queue()
-        done: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        todo: queue.Queue[J] = queue.Queue()
+        done: queue.Queue[tuple[J, R | Exception]] = queue.Queue()
         stop = threading.Event()
         source = iter(jobs)
 
@@ -196,6 +197,7 @@ class Pool:
                     job = todo.get(timeout=0.05)
                 except queue.Empty:
                     continue
+                result: R | Exception
                 try:
                     result = work(server, job)
                 except ServerDown as exc:
@@ -217,12 +219,11 @@ class Pool:
                 t.start()
             while True:
                 while more and todo.qsize() < ahead:
-                    job = next(source, _END)
-                    if job is _END:
-                        more = False
-                    else:
-                        todo.put(job)
+                    try:
+                        todo.put(next(source))
                         in_flight += 1
+                    except StopIteration:
+                        more = False
                 if not in_flight:
                     return
                 yield done.get()

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dspark_precompute.write.config.schema import OnLength, PrecomputeConfig, Reasoning, Turns
 from dspark_precompute.write.regenerate.accounting import RegenCounts, RegenReason, RowRejected
@@ -45,6 +45,30 @@ class Regenerated:
 def sibling(output: Path, suffix: str) -> Path:
     """A file beside the output (``.rejects.jsonl``, ``.meta.json``)."""
     return output.with_name(output.name.removesuffix(".jsonl") + suffix)
+
+
+class _Job(NamedTuple):
+    """One source row to ask: its key, its row in the selection, its conversation."""
+
+    key: str
+    row: int
+    conv: Conversation
+
+
+@dataclass
+class _Done:
+    """A row the servers answered: the regenerated conversation and its cut turns."""
+
+    spliced: Spliced
+    cut: int
+
+
+@dataclass
+class _Rejected:
+    """A row the engine's answer rejects (final: logged), with the turns cut before it."""
+
+    reject: RowRejected
+    cut: int
 
 
 @dataclass
@@ -108,19 +132,19 @@ class _Checker:
         return out
 
 
-def _record(key: str, conv: Conversation, result: Any, checker: _Checker, row: int) -> dict[str, Any] | None:
+def _record(job: _Job, result: _Done | _Rejected | BaseException, checker: _Checker) -> dict[str, Any] | None:
     """The log record of one finished row; None for a failed request (not final: asked again next run)."""
     if isinstance(result, RequestFailed):
         return None
-    if isinstance(result, RowRejected):
-        return {"key": key, "reject": {"reason": str(result.reason), "message": result.message[:2000]},
-                "stats": result.stats if hasattr(result, "stats") else {}}
+    if isinstance(result, _Rejected):
+        reject = {"reason": str(result.reject.reason), "message": result.reject.message[:2000]}
+        return {"key": job.key, "reject": reject, "stats": {"cut_turns": result.cut}}
     if isinstance(result, BaseException):
         raise result
-    spliced, cut = result
-    stats = {**checker.stats(spliced, conv.tools, row), "cut_turns": cut}
-    row_out: dict[str, Any] = {"messages": spliced.messages, **({"tools": conv.tools} if conv.tools else {})}
-    return {"key": key, "row": row_out, "stats": stats}
+    stats = {**checker.stats(result.spliced, job.conv.tools, job.row), "cut_turns": result.cut}
+    row_out: dict[str, Any] = {"messages": result.spliced.messages,
+                               **({"tools": job.conv.tools} if job.conv.tools else {})}
+    return {"key": job.key, "row": row_out, "stats": stats}
 
 
 @dataclass
@@ -159,8 +183,7 @@ def _select(cfg: PrecomputeConfig, store: ResumeStore) -> _Selection:
     return sel
 
 
-def _pending(cfg: PrecomputeConfig, store: ResumeStore, sel: _Selection) -> Iterator[tuple[str, tuple[int,
-                                                                                                    Conversation]]]:
+def _pending(cfg: PrecomputeConfig, store: ResumeStore, sel: _Selection) -> Iterator[_Job]:
     """The rows to ask, read from the source again in source order, as the servers take them.
 
     A source that cannot be read again (deleted, renamed) ends the rows here: those not asked are then
@@ -170,7 +193,7 @@ def _pending(cfg: PrecomputeConfig, store: ResumeStore, sel: _Selection) -> Iter
     try:
         for i, key, conv in _rows(cfg, store.settings_sha):
             if isinstance(conv, Conversation) and sel.pending.get(key) == i:
-                yield key, (i, conv)
+                yield _Job(key, i, conv)
     except OSError as exc:
         log.warning("reading %s again failed (%s): the rows not asked yet are left for the next run",
                     cfg.data.path, exc)
@@ -183,25 +206,22 @@ def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: 
     sampling, checker = Sampling.of(r), _Checker(cfg)
     turns, reasoning = Turns(r.turns), Reasoning(r.reasoning)
 
-    def work(server: Server, job: tuple[str, tuple[int, Conversation]]) -> tuple[Spliced, int]:
-        conv = job[1][1]
+    def work(server: Server, job: _Job) -> _Done | _Rejected:
         ask = _Turn(server, sampling, info.served_model, OnLength(r.on_length), reasoning)
         try:
-            return splice(conv.messages, conv.tools, turns, reasoning, ask), ask.cut
+            return _Done(splice(job.conv.messages, job.conv.tools, turns, reasoning, ask), ask.cut)
         except RowRejected as exc:
-            exc.stats = {"cut_turns": ask.cut}  # type: ignore[attr-defined]  # carried to the log record
-            raise
+            return _Rejected(exc, ask.cut)
 
     failed: dict[str, str] = {}
     total, step = len(sel.pending), max(1, len(sel.pending) // 10)
     log.info("regenerating %d row(s) on %d server(s) (%d already in %s)", total, len(servers),
              len(sel.keys) - total, store.parts)
-    for n, ((key, (row, conv)), result) in enumerate(Pool(servers, r.concurrency).run(_pending(cfg, store, sel),
-                                                                                      work), 1):
-        record = _record(key, conv, result, checker, row)
+    for n, (job, result) in enumerate(Pool(servers, r.concurrency).run(_pending(cfg, store, sel), work), 1):
+        record = _record(job, result, checker)
         if record is None:
-            failed[key] = str(result)
-            log.warning("row %d: %s", row, result)
+            failed[job.key] = str(result)
+            log.warning("row %d: %s", job.row, result)
         else:
             store.append(record)
         if n % step == 0:
