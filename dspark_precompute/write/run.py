@@ -60,6 +60,7 @@ from dspark_precompute.write.parallel.distributed import (
 from dspark_precompute.write.plan import resume
 from dspark_precompute.write.plan.prepare import Plan, prepare
 from dspark_precompute.write.plan.provenance import run_record, with_loaded_model
+from dspark_precompute.write.samples.media import media_inputs
 from dspark_precompute.write.samples.normalize import Reject
 from dspark_precompute.write.samples.tokenize import (
     Tokenized,
@@ -213,6 +214,11 @@ class _Run:
                             "again and rewriting every unit's input_ids and loss_mask", self.plan.path, len(damaged),
                             damaged[0], f"; +{len(damaged) - 1} more" if len(damaged) > 1 else "")
                 manifest.tokens_stored = False
+        if manifest is not None and manifest.tokens_stored and not manifest.complete and self.plan.media is not None:
+            # rows with images: the forward reads each image again from the references tokenizing gives (the ids
+            # alone do not name them); the images' hashes in the identity already proved them unchanged
+            log.info("%s: rows with images: tokenizing again to find their images", self.plan.path)
+            manifest.tokens_stored = False
         return manifest
 
     def _samples(self, manifest: Manifest | None) -> _Samples:
@@ -248,6 +254,8 @@ class _Run:
         try:
             loop = ForwardLoop(plan, model, ids, layout, self._device(), samples.tokens, writes=writes)
             loop.gate = self._gate(layout, len(done))
+            if plan.media is not None and samples.tok is not None:
+                loop.media = media_inputs(plan.encoding.spec.build(plan.tokenizer), samples.tok.encoded)
             lockstep = Lockstep(ranks, self.cfg.parallel.sharded)  # a rank without units still joins the forwards
             written = loop.run(mine, coord, lockstep) if mine or lockstep.enabled else 0
             self.timing.update(loop.stats.as_dict())

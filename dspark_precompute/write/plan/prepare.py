@@ -191,9 +191,23 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
     device = resolve_device(cfg.model.device)
     compute_dtype = resolve_compute_dtype(cfg.model.dtype, device)
     fit: str | None = None
+    media: MediaSpec | None = None
+    images = ""
     if target is not None:
         problems += sharding.layout_problems(cfg.parallel, target.model_type, target.extra,
                                              cfg.parallel.group if world is None else world)
+        media = media_spec_for(target.local_dir, cfg.data.image)
+        if media is not None and data_sha:
+            images = images_sha256(cfg.data, data_root(str(cfg.data.path)))
+        if images:
+            target.load_vision()  # the vision tower runs on the rows' pixels: loaded, and counted in the fit
+            if cfg.parallel.sharded:
+                problems.append(f"data.path={cfg.data.path}: rows with images under parallel.fsdp/ep/tp are not "
+                                "supported yet (the whole image-text model, vision tower included, has not been "
+                                "checked sharded); run one copy per rank (parallel.* = 1, several ranks split the "
+                                "units), or select text rows only")
+        else:
+            media = None  # text rows: the processor is never loaded (MiniMax M3's needs torchvision)
         fit = _target_storage_problems(cfg, target, device, compute_dtype, problems, refuse_fit=fingerprint)
     if problems:
         raise ConfigError(problems)
@@ -201,17 +215,6 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
     store = CacheStore(path)  # resolves a local path: after the checks of it (a symlink loop would raise)
     state = LastState(cfg.capture.last_state)
     specs, names, chunk, unit = array_layout(cfg, layer_ids, target, state)
-    media = media_spec_for(target.local_dir, cfg.data.image)
-    images = images_sha256(cfg.data, data_root(str(cfg.data.path))) if media is not None else ""
-    if images:
-        # The rows' images are read, hashed and expanded by the processor, but the forward loop does not yet pass
-        # their pixels to the vision tower: capturing them now would store the language model's states at image
-        # pad tokens, wrong numbers. Refused until the capture of image rows lands (docs/targets.md).
-        raise ConfigError([f"data.path={cfg.data.path}: rows with images cannot be captured yet (the forward with "
-                           "the images' pixel inputs is not wired into a run in this version); select text rows "
-                           "(data.max_samples / a file without image parts) or wait for image-row capture"])
-    if not images:
-        media = None  # text rows: the processor is never loaded (MiniMax M3's needs torchvision)
     identity = cache_identity(cfg, target, tokenizer, template, data_sha, layer_ids, compute_dtype, chunk, unit,
                               images)
     return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,

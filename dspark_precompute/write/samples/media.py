@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from dspark_precompute.errors import DataError
 from dspark_precompute.write.config.schema import DataConfig, ImageConfig
 from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
 from dspark_precompute.write.samples.files import resolve_source as resolve_data_source
@@ -103,6 +104,33 @@ class MediaEncoder:
         ids = torch.as_tensor(np.asarray(input_ids, dtype=np.int64))[None]
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
                 "mm_token_type_ids": (ids == self.vision.image).to(torch.int64)}
+
+
+@dataclass
+class MediaInputs:
+    """The forward's image inputs: the samples with images (their references, from tokenizing) and the encoder
+    whose processor turns them into pixels, one sample at a time (a row's pixels are never kept)."""
+
+    images: dict[int, SampleImages]
+    encoder: MediaEncoder
+
+    def of(self, sample: int, input_ids: Any) -> dict[str, Any] | None:
+        """Sample ``sample``'s forward inputs beside its ids; None for a text sample."""
+        refs = self.images.get(int(sample))
+        if refs is None:
+            return None
+        try:
+            return self.encoder.pixel_inputs(refs, input_ids)
+        except MediaProblem as exc:
+            raise DataError(f"sample {sample}: {exc}") from None
+
+
+def media_inputs(encoder: ChatEncoder, encoded: dict[int, Encoded]) -> MediaInputs | None:
+    """The image inputs of the tokenized samples ``encoded`` (None when none holds an image)."""
+    images = {s: e.images for s, e in encoded.items() if e.images is not None and e.images.sources}
+    if not images or encoder.media is None:
+        return None
+    return MediaInputs(images, encoder.media)
 
 
 def media_spec_for(model_dir: Path | None, image: ImageConfig) -> MediaSpec | None:

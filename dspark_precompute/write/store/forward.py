@@ -41,6 +41,7 @@ from dspark_precompute.progress import Progress
 from dspark_precompute.write.parallel.distributed import ERROR, Coordinator, Lockstep, Ranks
 from dspark_precompute.write.plan.array_specs import ArraySpec
 from dspark_precompute.write.plan.prepare import Plan
+from dspark_precompute.write.samples.media import MediaInputs
 from dspark_precompute.write.store.batching import batch_inputs, make_batches
 from dspark_precompute.write.store.transfer import StateArray, UnitCheck, UnitTransfer, zero_samples
 from dspark_precompute.write.store.window import WindowGate
@@ -90,6 +91,7 @@ class ForwardLoop:
         self.lockstep = Lockstep(Ranks(), False)  # set by run(): a sharded target's ranks move together
         self.writes = writes  # False: a tensor-parallel rank whose group's first rank writes (it only forwards)
         self.gate: WindowGate | None = None  # storage.window_units: a unit starts only once it fits the window
+        self.media: MediaInputs | None = None  # rows with images: their pixels go through the vision tower
 
     def run(self, todo: list[int], coord: Coordinator, lockstep: Lockstep | None = None) -> int:
         """Forward every unit in ``todo``; the number handed to the writers and committed."""
@@ -100,9 +102,7 @@ class ForwardLoop:
             return self._follow(todo, coord)
         n_writers = resolve_writers(cfg.storage.writers)
         with ExitStack() as stack:
-            capture = stack.enter_context(HiddenStateCapture(self.model, self.plan.layer_ids,
-                                                             pre_norm=any(s.final == "pre_norm"
-                                                                          for s in self.plan.specs)))
+            capture = stack.enter_context(self._capture())
             writer = stack.enter_context(UnitWriter(self.plan.store, self.plan.specs, self.layout, cfg.storage, todo,
                                                     writers=n_writers, pin_memory=self.device.type == "cuda"))
             transfer = UnitTransfer(self.hidden, device=self.device)
@@ -127,7 +127,7 @@ class ForwardLoop:
     def _unit(self, u: int, capture: HiddenStateCapture, writer: UnitWriter, transfer: UnitTransfer,
               progress: Progress) -> None:
         """One unit: its batches forwarded into a free buffer, checked, handed to the writers."""
-        cfg, layout = self.plan.cfg, self.layout
+        layout = self.layout
         if self.gate is not None and not self.gate.wait(u, writer.drain):
             return  # a signal while waiting for the trainer: nothing of this unit was started
         slot = writer.acquire()
@@ -135,7 +135,7 @@ class ForwardLoop:
         transfer.start(bufs)
         base = int(layout.unit_start[u])
         order = layout.unit_order[u]
-        for batch in make_batches(order, self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples):
+        for batch in self._batches(order):
             c0 = time.perf_counter()
             blens = self.lengths[batch]
             ids, _ = batch_inputs(self.ids, batch, self.lengths, self.plan.pad_id, self.device)
@@ -144,7 +144,7 @@ class ForwardLoop:
                 writer.release(slot)  # drop the unit in flight, keep the ones the writers hold
                 return
             c1 = time.perf_counter()
-            states, last = self._forward(capture, ids)
+            states, last = self._forward(capture, ids, self._pixels(batch))
             c2 = time.perf_counter()
             transfer.add(batch, blens, ids.shape[1], states, last, int(layout.start[batch[0]]) - base)
             c3 = time.perf_counter()
@@ -168,18 +168,14 @@ class ForwardLoop:
     def _follow(self, todo: list[int], coord: Coordinator) -> int:
         """A tensor-parallel rank that does not write: the batches of its group's writer, in the same order (each
         forward is a collective of the group, and every rank of it holds the same full states), nothing stored."""
-        cfg = self.plan.cfg
-
         def unit(u: int) -> None:
-            for batch in make_batches(self.layout.unit_order[u], self.lengths, cfg.batch.max_tokens,
-                                      cfg.batch.max_samples):
+            for batch in self._batches(self.layout.unit_order[u]):
                 ids, _ = batch_inputs(self.ids, batch, self.lengths, self.plan.pad_id, self.device)
                 if not self._go():
                     return
-                self._forward(capture, ids)
+                self._forward(capture, ids, self._pixels(batch))
 
-        with HiddenStateCapture(self.model, self.plan.layer_ids,
-                                pre_norm=any(s.final == "pre_norm" for s in self.plan.specs)) as capture:
+        with self._capture() as capture:
             self._each_unit(todo, coord, capture, unit)
             self._group_stopped(coord)
             if signals.STATE.signum is not None:
@@ -226,10 +222,42 @@ class ForwardLoop:
         """Whether to run the next forward: this rank's signal flag, or (lockstep) what every rank agreed."""
         return self.lockstep.go(has_work, signals.STATE.signum)
 
-    def _forward(self, capture: HiddenStateCapture, ids: torch.Tensor) -> tuple[dict[int, torch.Tensor],
-                                                                                torch.Tensor]:
+    def _capture(self) -> HiddenStateCapture:
+        return HiddenStateCapture(self.model, self.plan.layer_ids,
+                                  pre_norm=any(s.final == "pre_norm" for s in self.plan.specs),
+                                  media=self.media is not None)
+
+    def _batches(self, order: np.ndarray) -> list[np.ndarray]:
+        """A unit's forward batches, in its order (each batch a run of it: its samples sit side by side on disk).
+
+        A sample with images is a batch of its own: its pixels, grids and multi-axis positions are one row's, and
+        a padded batch of them would be checked against single rows again for every model."""
+        cfg = self.plan.cfg
+        if self.media is None:
+            return make_batches(order, self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples)
+        out: list[np.ndarray] = []
+        start = 0
+        for k, s in enumerate(order):
+            if int(s) in self.media.images:
+                if k > start:
+                    out += make_batches(order[start:k], self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples)
+                out.append(order[k:k + 1])
+                start = k + 1
+        if start < len(order):
+            out += make_batches(order[start:], self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples)
+        return out
+
+    def _pixels(self, batch: np.ndarray) -> dict[str, torch.Tensor] | None:
+        """The image inputs of a one-sample batch with images; None for text batches."""
+        if self.media is None or len(batch) != 1:
+            return None
+        s = int(batch[0])
+        return self.media.of(s, self.ids[s])
+
+    def _forward(self, capture: HiddenStateCapture, ids: torch.Tensor,
+                 pixels: dict[str, torch.Tensor] | None = None) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         with self.lockstep.collective():
-            return capture(ids)
+            return capture(ids, media=pixels)
 
     def _idle(self, capture: HiddenStateCapture) -> None:
         """Lockstep: dummy 1-token forwards while another rank still has batches (their collectives need ours)."""

@@ -8,10 +8,14 @@ the weights load, and their tensors are left unread (transformers reads a safete
 only when a module takes it). What runs is then exactly the checkpoint's own language model,
 its forward equal to the full checkpoint's on text input. The fit check and the per-rank bytes
 count the loaded tensors only; the manifest's ``capture.target_part`` says what was left out.
+
+When the selected rows hold images the whole checkpoint loads (:meth:`ImageTextPart.with_vision`):
+the vision tower's features replace the image pads' embeddings, so its bytes count in the fit check.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -31,6 +35,11 @@ class ImageTextPart:
     skipped_modules: tuple[str, ...]  # module paths not built (model.visual, ...)
     ignored_patterns: tuple[str, ...]  # the class's own unexpected-key patterns (^mtp.*: the MTP head)
     nested: bool = True  # the checkpoint names its language model's tensors ``...language_model...``
+    vision: bool = False  # rows with images: the whole checkpoint loads (vision tower and projector too)
+
+    def with_vision(self) -> ImageTextPart:
+        """The part loaded for rows with images: every module (the class's ignored keys, an MTP head, stay unread)."""
+        return dataclasses.replace(self, skipped_modules=(), vision=True)
 
     def loads(self, tensor: str) -> bool:
         """Whether the checkpoint's tensor ``tensor`` is read.
@@ -41,6 +50,8 @@ class ImageTextPart:
         ``visual.*``) loads all but the skipped modules and the class's ignored keys.
         """
         parts = tensor.split(".")
+        if self.vision:
+            return not any(re.search(p, tensor) for p in self.ignored_patterns)
         if self.nested:
             return LANGUAGE_MODEL in parts[:-1] or parts[0] == "lm_head"
         leaves = {m.rsplit(".", 1)[-1] for m in self.skipped_modules}
@@ -50,7 +61,8 @@ class ImageTextPart:
 
     def record(self, skipped_bytes: int | None) -> dict[str, Any]:
         """``capture.target_part``: the part loaded, its class, the modules and bytes left out."""
-        return {"loaded": f"model.{LANGUAGE_MODEL}", "checkpoint_class": self.checkpoint_class,
+        loaded = "model" if self.vision else f"model.{LANGUAGE_MODEL}"
+        return {"loaded": loaded, "checkpoint_class": self.checkpoint_class,
                 "skipped_modules": list(self.skipped_modules), "skipped_bytes": skipped_bytes}
 
 

@@ -24,6 +24,7 @@ from dspark_precompute.write.target import sharding, tiny
 from dspark_precompute.write.target.image_text import (
     LANGUAGE_MODEL,
     ImageTextPart,
+    checkpoint_class,
     image_text_class_name,
     language_model_class,
     part_of,
@@ -58,6 +59,14 @@ class TargetInfo:
     def loads(self, tensor: str) -> bool:
         """Whether the checkpoint's tensor named ``tensor`` is read when the target loads."""
         return self.part is None or self.part.loads(tensor)
+
+    def load_vision(self) -> None:
+        """Rows with images: load the whole image-text checkpoint (its vision tower runs on their pixels)."""
+        if self.part is None or self.part.vision:
+            return
+        self.part = self.part.with_vision()
+        if self.weight_files:
+            self.skipped_bytes = safetensors_parameter_bytes(self.weight_files, None, lambda t: not self.loads(t))
 
     def capture_part(self) -> dict[str, Any] | None:
         """``capture.target_part``: what of an image-text checkpoint was loaded; None for a causal LM."""
@@ -345,6 +354,8 @@ def target_class(info: TargetInfo) -> Any | None:
     """The class a checkpoint loads as: its causal LM, the language-model-only class of an image-text checkpoint,
     or None (a class only the checkpoint's own code defines)."""
     if info.part is not None:
+        if info.part.vision:
+            return checkpoint_class(info.part.checkpoint_class)
         return language_model_class(info.part.checkpoint_class)
     if info.model_class is None:
         return None
@@ -596,7 +607,10 @@ def load_target(cfg: ModelConfig, info: TargetInfo, vocab_size: int, device: tor
         kwargs["attn_implementation"] = info.attn_implementation
     if not info.weight_files and cfg.path != TINY:
         raise TargetError(f"model.path={cfg.path!r} has no weight files (*.safetensors) in {info.local_dir}")
-    if info.part is not None:
+    if info.part is not None and info.part.vision:
+        log.info("loading the whole of %s (vision tower included: the selected rows hold images)",
+                 info.part.checkpoint_class)
+    elif info.part is not None:
         log.info("loading the language model of %s (model.%s); left unread: %s (%s bytes)",
                  info.part.checkpoint_class, LANGUAGE_MODEL, ", ".join(info.part.skipped_modules),
                  f"{info.skipped_bytes:,}" if info.skipped_bytes is not None else "?")

@@ -7,6 +7,7 @@ The oracle is the checkpoint's own processor on the rendered conversation and it
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,20 +189,148 @@ def test_truncation_never_cuts_inside_an_image(vl_dir, data_dir):
     assert json.dumps(cut.images.sources)  # absolute paths: the forward reads them again
 
 
-def test_a_run_over_rows_with_images_is_refused_before_weights_load_not_captured_without_their_pixels(
+TEXT_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
+
+
+def image_run(vl_dir, data_dir, tmp_path, *extra):
+    """A run over two image rows (both forms) and a text row, seq_length 4096 (nothing cut)."""
+    from helpers import compose, small
+
+    from dspark_precompute.write.run import run
+
+    names = write_images(data_dir / "imgs")
+    rows = data_dir / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in (sharegpt_row(names), TEXT_ROW, openai_row(names))) + "\n")
+    cfg = compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", "seq_length=4096",
+                        "batch.max_tokens=8192", "model.dtype=fp32", "model.layer_ids=[0,1]", *extra))
+    return run(cfg), names
+
+
+def test_a_run_over_rows_with_images_stores_the_expanded_ids_and_the_full_checkpoints_states(vl_dir, data_dir,
+                                                                                             tmp_path):
+    """The oracle: the processor's own ids on the rendered conversation, and AutoModelForImageTextToText's own
+    forward on the processor's inputs (output_hidden_states); the mask is 0 on every vision token."""
+    from dspark_precompute.read.reader import CacheReader
+
+    result, names = image_run(vl_dir, data_dir, tmp_path)
+    cache = CacheReader(result.path)
+    assert len(cache) == 3
+    manifest = json.loads((Path(result.path) / "manifest.json").read_text())
+    assert manifest["capture"]["target_part"]["loaded"] == "model"  # the vision tower was loaded and ran
+    _, enc = encoder(vl_dir, data_dir)
+    model = AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    rows = {int(r): k for k, r in enumerate(cache.source_row)}
+    vision = {enc.media.vision.image, *enc.media.vision.markers}
+    for row, record in ((0, sharegpt_row(names)), (2, openai_row(names))):
+        got = cache.sample(rows[row])
+        ref_inputs = processor_inputs(enc, data_dir, record)
+        ids = ref_inputs["input_ids"][0].numpy()
+        assert np.array_equal(got["input_ids"].numpy(), ids), row
+        is_vision = np.isin(ids, sorted(vision))
+        assert is_vision.sum() > 8 and not got["loss_mask"].numpy()[is_vision].any()
+        assert got["loss_mask"].numpy().sum() > 0
+        with torch.no_grad():
+            ref = model(**ref_inputs, output_hidden_states=True).hidden_states
+        want = torch.cat([ref[1][0], ref[2][0]], dim=-1)  # layers 0 and 1's outputs
+        stored = got["target_hidden_states"].float()
+        step = want.abs().clamp_min(2.0 ** -126) * 2.0 ** -7  # one bf16 step at each value
+        assert stored.shape == want.shape and bool(((stored - want).abs() <= step).all()), row
+        want_last = ref[-1][0]  # the post-norm state
+        got_last = got["target_last_hidden_states"].float()
+        assert bool(((got_last - want_last).abs() <= want_last.abs().clamp_min(2.0 ** -126) * 2.0 ** -7).all())
+    text = cache.sample(rows[1])
+    assert not np.isin(text["input_ids"].numpy(), sorted(vision)).any()
+
+
+def image_rows(data_dir, names, n=9):
+    """``n`` rows alternating the two image forms with text rows, each with its own wording."""
+    rows = data_dir / "rows.jsonl"
+    out = []
+    for k in range(n):
+        r = json.loads(json.dumps(sharegpt_row(names) if k % 3 == 0 else openai_row(names) if k % 3 == 1
+                                  else TEXT_ROW))
+        r["messages"][-1]["content"] += f" ({k})"
+        out.append(r)
+    rows.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return rows
+
+
+IMAGE_UNITS = ("storage.chunk_tokens=64", "storage.unit_tokens=256", "seq_length=256", "batch.max_tokens=1024")
+
+
+def test_an_image_run_stopped_after_a_unit_resumes_to_the_uninterrupted_cache(vl_dir, data_dir, tmp_path,
+                                                                             monkeypatch):
+    from helpers import assert_same_cache, compose, small
+
+    from dspark_precompute import faults
+    from dspark_precompute.contract.commits import committed_units
+    from dspark_precompute.contract.store import CacheStore
+    from dspark_precompute.write.run import run
+
+    rows = image_rows(data_dir, write_images(data_dir / "imgs"))
+    ref = run(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", *IMAGE_UNITS, name="ref")))
+    overrides = small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", *IMAGE_UNITS, name="c")
+    monkeypatch.setenv("DSPARK_FAULT", "unit_submitted=2:raise")
+    faults.reload()
+    with pytest.raises(Exception, match="fault"):
+        run(compose(overrides))
+    monkeypatch.delenv("DSPARK_FAULT")
+    faults.reload()
+    m = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    done = committed_units(CacheStore(tmp_path / "c"))
+    assert 0 < len(done) < m["layout"]["num_units"]
+    result = run(compose(overrides))
+    assert result.complete and result.resumed_units == len(done)
+    assert_same_cache(str(ref.path), str(tmp_path / "c"))
+
+
+def test_a_changed_image_refuses_the_resume_naming_the_images_hash(vl_dir, data_dir, tmp_path, monkeypatch):
+    from helpers import compose, small
+
+    from dspark_precompute import faults
+    from dspark_precompute.errors import IncompatibleCacheError
+    from dspark_precompute.write.run import run
+
+    names = write_images(data_dir / "imgs")
+    rows = image_rows(data_dir, names)
+    overrides = small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", *IMAGE_UNITS, name="c")
+    monkeypatch.setenv("DSPARK_FAULT", "unit_submitted=1:raise")
+    faults.reload()
+    with pytest.raises(Exception, match="fault"):
+        run(compose(overrides))
+    monkeypatch.delenv("DSPARK_FAULT")
+    faults.reload()
+    Image.fromarray(np.zeros((64, 96, 3), dtype=np.uint8)).save(data_dir / names[0])  # same size, other pixels
+    with pytest.raises(IncompatibleCacheError, match="images_sha256"):
+        run(compose(overrides))
+
+
+def test_rows_with_images_count_the_vision_tower_in_the_fit_and_are_refused_sharded_before_weights_load(
         vl_dir, data_dir, tmp_path, monkeypatch):
-    """Image rows are parsed and expanded, but a run does not pass their pixels to the vision tower yet: it must
-    refuse them rather than store the language model's states at image pad tokens."""
     from helpers import compose, refuse_building_weights, small
 
     from dspark_precompute.errors import ConfigError
-    from dspark_precompute.write.run import run
+    from dspark_precompute.write.plan.prepare import prepare
+    from dspark_precompute.write.target.load import weight_bytes
 
-    rows = data_dir / "rows.jsonl"
-    rows.write_text("\n".join(json.dumps(r) for r in (sharegpt_row(write_images(data_dir / "imgs")),
-                                                        {"messages": [{"role": "user", "content": "hi"},
-                                                                      {"role": "assistant", "content": "hello"}]})))
     refuse_building_weights(monkeypatch)
-    with pytest.raises(ConfigError, match="rows with images cannot be captured yet"):
-        run(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}")))
-    assert not (tmp_path / "cache" / "manifest.json").exists()
+    rows = image_rows(data_dir, write_images(data_dir / "imgs"))
+    text = data_dir / "text.jsonl"
+    text.write_text(json.dumps(TEXT_ROW) + "\n")
+    with_images = prepare(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}")))
+    text_only = prepare(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={text}")))
+    assert with_images.media is not None and text_only.media is None
+    assert with_images.target.capture_part()["loaded"] == "model"
+    assert text_only.target.capture_part()["loaded"] == "model.language_model"
+    full = weight_bytes(with_images.cfg.model, with_images.target, torch.float32)
+    lm = weight_bytes(text_only.cfg.model, text_only.target, torch.float32)
+    from safetensors import safe_open
+
+    vision = 0
+    for f in vl_dir.glob("*.safetensors"):  # the oracle: the checkpoint's own tensors outside the language model
+        with safe_open(str(f), "np") as fh:
+            vision += sum(int(np.prod(fh.get_slice(k).get_shape())) for k in fh.keys()
+                          if "language_model" not in k and not k.startswith("lm_head"))
+    assert vision > 0 and full - lm == vision * 4  # fp32
+    with pytest.raises(ConfigError, match="rows with images under parallel"):
+        prepare(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", "parallel.fsdp=2")), world=2)
