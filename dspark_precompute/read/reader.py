@@ -56,11 +56,6 @@ DEFAULT_CHUNK_CACHE_BYTES = 64 << 20
 _MASK_WINDOW = 1 << 22  # loss_mask tokens read at a time when counting supervised tokens
 
 
-def torch_dtype(d: str) -> torch.dtype:
-    """The torch dtype a storage dtype is returned as (fp8 dequantized to bf16)."""
-    return getattr(torch, StorageDtype(d).torch_name)  # type: ignore[no-any-return]
-
-
 def to_torch(a: np.ndarray, storage_dtype: str) -> torch.Tensor:
     """A stored hidden-state array as a tensor of its logical dtype (bf16 bits viewed back)."""
     a = np.ascontiguousarray(a)

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark_precompute.contract.store import fsync_dir
+from dspark_precompute.contract.fp8 import convert
+from dspark_precompute.contract.store import fsync_dir, write_atomically
 from dspark_precompute.errors import CacheFormatError, ExportError, IncompleteCacheError, StorageWriteError
 from dspark_precompute.faults import fault_point
 from dspark_precompute.progress import Progress
@@ -51,17 +52,14 @@ def tmp_name(path: Path) -> Path:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary name beside ``path``, fsync it, rename it into place."""
-    tmp = tmp_name(path)
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write ``data`` whole or not at all under a temporary name beside ``path``
+    (:func:`~dspark_precompute.contract.store.write_atomically`)."""
+    write_atomically(path, [data], tmp=tmp_name(path))
+
+
+def bf16_bits(values: np.ndarray, dtype: str) -> np.ndarray:
+    """bf16 bits (uint16) of a block in the reader's output dtype (rounded to nearest even from fp16/fp32)."""
+    return values if dtype == "bf16" else convert(values, dtype, "bf16")
 
 
 def json_bytes(obj: Any) -> bytes:

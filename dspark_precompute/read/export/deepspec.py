@@ -35,7 +35,6 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dspark_precompute.contract.fp8 import convert
 from dspark_precompute.errors import ExportError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.progress import Progress
@@ -44,6 +43,7 @@ from dspark_precompute.read.export.common import (
     Selection,
     StagedExport,
     atomic_write_bytes,
+    bf16_bits,
     export_marker,
     export_progress,
     json_bytes,
@@ -66,11 +66,6 @@ DEEPSPEC_QWEN_TEMPLATE = "qwen"  # the registry name its configs use for Qwen ta
 
 def shard_file(index: int) -> str:
     return f"shard-{index:05d}.bin"
-
-
-def _bf16(values: np.ndarray, dtype: str) -> np.ndarray:
-    """bf16 bits (uint16) of a block in the reader's output dtype (rounded to nearest even from fp16/fp32)."""
-    return values if dtype == "bf16" else convert(values, dtype, "bf16")
 
 
 def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers: list[int] | None = None,
@@ -142,8 +137,8 @@ def _sample_parts(c: CacheReader, raw: dict[str, np.ndarray]) -> list[np.ndarray
         np.ascontiguousarray(raw["input_ids"], dtype="<i4"),
         np.ones(T, dtype=np.uint8),
         np.ascontiguousarray(raw["loss_mask"], dtype=np.uint8),
-        np.ascontiguousarray(_bf16(raw["target_hidden_states"], c.output_dtype)),
-        np.ascontiguousarray(_bf16(raw["target_last_hidden_states"], c.last_output_dtype)),
+        np.ascontiguousarray(bf16_bits(raw["target_hidden_states"], c.output_dtype)),
+        np.ascontiguousarray(bf16_bits(raw["target_last_hidden_states"], c.last_output_dtype)),
     ]
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_precompute.contract.fp8 import convert
+from dspark_precompute.contract.spec import PRE_NORM
 from dspark_precompute.errors import ExportError, MissingDependencyError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.progress import Progress
@@ -37,6 +37,7 @@ from dspark_precompute.read.export.common import (
     SafetensorsStreamWriter,
     Selection,
     StagedExport,
+    bf16_bits,
     export_marker,
     export_progress,
     open_complete,
@@ -47,7 +48,6 @@ from dspark_precompute.read.reader import CacheReader
 
 log = logging.getLogger(__name__)
 
-PRE_NORM = "pre_norm"  # the manifest ``arrays`` key (and reader array name) of the pre-norm state
 HS_DIR = "hidden_states"
 INSTALL = 'pip install "datasets>=4,<=5.1"  (or pip install -e ".[interop]")'
 
@@ -57,14 +57,6 @@ _DTYPE_OF = {"<u2": "bf16", "<f2": "fp16", "<f4": "fp32"}  # the reader's output
 
 def hs_file(i: int) -> str:
     return f"{HS_DIR}/hs_{i}.safetensors"
-
-
-def has_pre_norm(c: CacheReader) -> bool:
-    return PRE_NORM in c.array_names
-
-
-def _bf16(values: np.ndarray, dtype: str) -> np.ndarray:
-    return values if dtype == "bf16" else convert(values, dtype, "bf16")
 
 
 @contextlib.contextmanager
@@ -87,7 +79,7 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
     """Write vLLM speculators' ``datasets`` folder and ``hidden_states/hs_{i}.safetensors`` for ``cache``."""
     t0 = time.perf_counter()
     c = open_complete(cache, "speculators' training data")
-    if not has_pre_norm(c):
+    if not c.has_pre_norm:
         last = c.manifest.capture.last_state if c.manifest.capture is not None else None
         raise ExportError(
             f"{c.path} stores no pre-norm last state (its last state is {last or 'post_final_norm'}): speculators "
@@ -135,9 +127,9 @@ def _write_hidden_states(stage: StagedExport, c: CacheReader, plan: Selection, p
     for j, raw in plan.iter_disk_order(last=False, pre_norm=True):
         T = len(raw["input_ids"])
         hs = np.empty((T, k + 1, H), dtype=np.uint16)
-        hs[:, :k, :] = _bf16(raw["target_hidden_states"], c.output_dtype).reshape(T, k, H)
+        hs[:, :k, :] = bf16_bits(raw["target_hidden_states"], c.output_dtype).reshape(T, k, H)
         pre = raw[f"target_{PRE_NORM}_hidden_states"]
-        hs[:, k, :] = _bf16(pre, _DTYPE_OF[pre.dtype.str])
+        hs[:, k, :] = bf16_bits(pre, _DTYPE_OF[pre.dtype.str])
         with stage.writing():
             w = SafetensorsStreamWriter(stage.dir / hs_file(j), {
                 "token_ids": ("I64", (T,), 8),
