@@ -41,7 +41,7 @@ from dspark_precompute.read.export.common import (
     export_marker,
     export_progress,
     open_complete,
-    plan_export,
+    select_export,
     staging,
 )
 from dspark_precompute.read.reader import CacheReader
@@ -91,9 +91,9 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
         from datasets.arrow_writer import ArrowWriter  # noqa: F401
     except ImportError as exc:
         raise MissingDependencyError(f"export to speculators writes a `datasets` folder: {INSTALL}") from exc
-    plan = plan_export(c, layers, max_length)
-    n = len(plan)
-    if not plan.layers:
+    sel = select_export(c, layers, max_length)
+    n = len(sel)
+    if not sel.layers:
         raise ExportError("layers=[]: speculators needs at least one captured layer before the verifier state")
     notes: list[str] = []
     if c.manifest.storage_dtype == "fp8_e4m3":
@@ -103,28 +103,28 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
     for note in notes:
         log.warning("export speculators: %s", note)
     stage = StagedExport(Path(out), c.path, overwrite, "speculators training data")
-    prog = export_progress("speculators", plan, progress)
+    prog = export_progress("speculators", sel, progress)
     with staging(stage, prog):
-        total = _write_hidden_states(stage, c, plan, prog)
+        total = _write_hidden_states(stage, c, sel, prog)
         prog.close()
-        _write_rows(stage, plan, progress)
+        _write_rows(stage, sel, progress)
         total += sum(p.stat().st_size for p in stage.dir.iterdir() if p.is_file())
-        total += stage.finish(export_marker(c, plan, "speculators", notes, slots=[*plan.layers, PRE_NORM],
+        total += stage.finish(export_marker(c, sel, "speculators", notes, slots=[*sel.layers, PRE_NORM],
                                             checked_with="speculators==0.9.0, hs-connectors==0.9.0"))
     secs = time.perf_counter() - t0
     log.info("export speculators: %d samples, %s -> %s (%.1fs)", n, human_bytes(total), out, secs)
-    return ExportResult(str(out), n, n, 1, total, secs, target="speculators", layers=list(plan.layers),
-                        max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)
+    return ExportResult(str(out), n, n, 1, total, secs, target="speculators", layers=list(sel.layers),
+                        max_length=sel.max_length, dropped=dict(sel.dropped), notes=notes)
 
 
-def _write_hidden_states(stage: StagedExport, c: CacheReader, plan: Selection, prog: Progress) -> int:
+def _write_hidden_states(stage: StagedExport, c: CacheReader, sel: Selection, prog: Progress) -> int:
     """``hidden_states/hs_{j}.safetensors`` per export row, in disk order: ``token_ids`` and the captured layers with
     the pre-norm state as the last slot, bf16. Returns the bytes written."""
-    H, k = c.hidden_size, len(plan.layers)
+    H, k = c.hidden_size, len(sel.layers)
     total = 0
     with stage.writing():
         (stage.dir / HS_DIR).mkdir()
-    for j, raw in plan.iter_disk_order(last=False, pre_norm=True):
+    for j, raw in sel.iter_disk_order(last=False, pre_norm=True):
         T = len(raw["input_ids"])
         hs = np.empty((T, k + 1, H), dtype=np.uint16)
         hs[:, :k, :] = bf16_bits(raw["target_hidden_states"], c.output_dtype).reshape(T, k, H)
@@ -147,7 +147,7 @@ def _write_hidden_states(stage: StagedExport, c: CacheReader, plan: Selection, p
     return total
 
 
-def _write_rows(stage: StagedExport, plan: Selection, progress: bool) -> None:
+def _write_rows(stage: StagedExport, sel: Selection, progress: bool) -> None:
     """The ``datasets`` folder of ids, masks and lengths (row ``j`` <-> ``hs_{j}``), through an Arrow file beside
     the staging directory (``datasets`` refuses to save a dataset into the folder holding its file); only ids and
     masks are read."""
@@ -160,8 +160,8 @@ def _write_rows(stage: StagedExport, plan: Selection, progress: bool) -> None:
     with stage.writing():
         aw = ArrowWriter(features=features, path=str(rows_file), writer_batch_size=1000)
     try:
-        for j in range(len(plan)):  # export order: row j <-> hs_{j}; only ids and masks are read here
-            ids, mask = plan.read_tokens(j)
+        for j in range(len(sel)):  # export order: row j <-> hs_{j}; only ids and masks are read here
+            ids, mask = sel.read_tokens(j)
             with stage.writing():
                 aw.write({"input_ids": ids.astype(np.int64), "loss_mask": mask.astype(np.int64),
                           "seq_len": int(len(ids))})
