@@ -142,3 +142,21 @@ def test_the_layout_rules_follow_the_format_version(version, layout, words):
     data["format_version"] = version
     data["layout"].update(layout)
     assert any(words in p for p in manifest_problems(data)), manifest_problems(data)
+
+
+def test_each_storage_dtypes_names_come_from_one_table_and_invert_back_to_it():
+    """storage name -> logical (torch's) name -> storage name is the identity for every member, and each name
+    is what its own library calls the dtype: numpy for the disk dtype, torch for the logical one, the
+    safetensors writer for the code of the output."""
+    import safetensors.torch
+    import torch
+
+    assert len(StorageDtype) == 4
+    for d in StorageDtype:
+        assert StorageDtype.from_logical(d.logical) is d and StorageDtype(d.value) is d
+        assert getattr(torch, d.logical).itemsize == d.disk.itemsize
+        blob = safetensors.torch.save({"x": torch.zeros(1, dtype=getattr(torch, d.torch_name))})
+        header = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
+        assert header["x"]["dtype"] == d.safetensors
+    assert {d.disk.name for d in StorageDtype} == {"uint16", "float16", "float32", "uint8"}
+    assert StorageDtype.from_logical("float64") is None and StorageDtype.from_logical("fp32") is None

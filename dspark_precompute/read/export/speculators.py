@@ -52,7 +52,6 @@ HS_DIR = "hidden_states"
 INSTALL = 'pip install "datasets>=4,<=5.1"  (or pip install -e ".[interop]")'
 
 
-_DTYPE_OF = {"<u2": "bf16", "<f2": "fp16", "<f4": "fp32"}  # the reader's output arrays (bf16 as its bits)
 
 
 def hs_file(i: int) -> str:
@@ -129,7 +128,7 @@ def _write_hidden_states(stage: StagedExport, c: CacheReader, sel: Selection, pr
         hs = np.empty((T, k + 1, H), dtype=np.uint16)
         hs[:, :k, :] = bf16_bits(raw["target_hidden_states"], c.output_dtype).reshape(T, k, H)
         pre = raw[f"target_{PRE_NORM}_hidden_states"]
-        hs[:, k, :] = bf16_bits(pre, _DTYPE_OF[pre.dtype.str])
+        hs[:, k, :] = bf16_bits(pre, c.last_output_dtype)  # a final state: stored as last_dtype
         with stage.writing():
             w = SafetensorsStreamWriter(stage.dir / hs_file(j), {
                 "token_ids": ("I64", (T,), 8),
