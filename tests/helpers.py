@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dspark_precompute.contract import spec as fmt
-from dspark_precompute.contract.manifest import RUN_RECORD_FIELDS
+from dspark_precompute.contract.manifest import RUN_RECORD_FIELDS, Counts, Manifest, ManifestLayout
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -25,6 +25,21 @@ CHAT = SHARED / "chat"
 if "DSPARK_CACHE_DIR" not in os.environ:
     os.environ["DSPARK_CACHE_DIR"] = tempfile.mkdtemp(prefix="dspark-test-hashes-")
     atexit.register(shutil.rmtree, os.environ["DSPARK_CACHE_DIR"], ignore_errors=True)
+
+
+def tiny_manifest(**fields) -> Manifest:
+    """A typed manifest a tiny run could write (4 layers of 64, layers [1, 2, 3], bf16, one unit), ``fields``
+    replacing its defaults: the one manifest factory of the contract tests."""
+    base = dict(
+        config_hash="cd" * 32, identity={"target": {"path": "tiny"}, "data": {
+            "path": "embedded", "split": "train", "shuffle_seed": None, "mask_reasoning_content": False}},
+        target_model="tiny", target_model_type="qwen3", target_vocab_size=263, num_hidden_layers=4,
+        hidden_size=64, layer_ids=[1, 2, 3], seq_length=256, storage_dtype="bf16", chat_template="{{ x }}",
+        arrays=fmt.hidden_arrays([1, 2, 3], 4), layout=ManifestLayout(256, 1024, 1, 1024),
+        counts=Counts(rows_in=3, samples=2, rejected=1, tokens=300, supervised_tokens=100, truncated_samples=1,
+                      rejected_by_reason={"no_supervised_tokens": 1}),
+        complete=True)
+    return Manifest(**{**base, **fields})
 
 
 def compose(overrides: list[str] | None = None):

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dspark_precompute import signals
-from dspark_precompute.errors import DsparkError, StoppedBySignal
+from dspark_precompute.errors import DsparkError, ExportError, StoppedBySignal
 
 log = logging.getLogger("dspark_precompute")
 
@@ -165,7 +165,7 @@ def _export_to(args: argparse.Namespace) -> int:
             options["shard_bytes"] = args.shard_bytes
         options["target_model_name_or_path"] = args.target_name
     elif args.target_name is not None:
-        raise ValueError("--target-name applies to --to deepspec only (the name its trainer compares)")
+        raise ExportError("--target-name applies to --to deepspec only (the name its trainer compares)")
     r = export(args.cache, args.out, to=args.to, **options)
     _out(f"exported {r.num_samples} samples ({r.target}, layers {r.layers}) in {r.num_shards} file(s), "
          f"{r.bytes_written / 1e6:.1f} MB, to {r.path} in {r.seconds:.1f}s\n" + _dropped(r)

@@ -54,6 +54,49 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def write_atomically(path: Path, parts: Iterable[Any], *, tmp: Path | None = None, fsync: bool = True,
+                     faults: bool = False) -> int:
+    """``parts`` (buffers, taken one at a time) written one after the other as ``path``, whole or not at all; the
+    bytes written. The one atomic file writer of the package (the cache's files, exports, the regeneration log).
+
+    A temporary beside ``path`` (``tmp``, else mkstemp's ``.<name>.<8 random>.tmp``, given the umask's mode:
+    readers may be other users) is written, fsynced, renamed over ``path``, and the directory fsynced (both
+    skipped when ``fsync`` is false), so after a power loss the file is absent or whole. Any error removes
+    the temporary and propagates: callers wrap it in their own message. ``faults``: the crash tests'
+    ``write_part`` and ``atomic_write`` points (the cache's own files only, so their counts stay the cache's).
+    """
+    made = tmp is None
+    if tmp is None:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = Path(name)
+    else:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        if made:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
+        written = 0
+        with os.fdopen(fd, "wb") as fh:  # buffered: many small parts (log lines) cost few syscalls
+            for part in parts:
+                view = memoryview(part).cast("B")
+                written += view.nbytes
+                fh.write(view)  # a buffered write writes it all (or raises)
+                if faults:
+                    fh.flush()  # a kill here leaves exactly the parts before it on disk
+                    fault_point("write_part")
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        if faults:
+            fault_point("atomic_write")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+    return written
+
+
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
@@ -177,27 +220,7 @@ class CacheStore:
             return self._put_parts(key, parts)
         target = self._local(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; readers may be other users
-            written = 0
-            with os.fdopen(fd, "wb", buffering=0) as fh:
-                for part in parts:
-                    view = memoryview(part).cast("B")
-                    written += view.nbytes
-                    while view.nbytes:
-                        view = view[fh.write(view):]
-                    fault_point("write_part")
-                if fsync:
-                    os.fsync(fh.fileno())
-            fault_point("atomic_write")
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        if fsync:
-            fsync_dir(target.parent)
-        return written
+        return write_atomically(target, parts, fsync=fsync, faults=True)
 
     def _put_parts(self, key: str, parts: Iterable[Any]) -> int:
         """One object from ``parts``: fsspec's buffered writer uploads blocks as they fill (multipart) and

@@ -25,12 +25,12 @@ class StorageDtype(StrEnum):
     @property
     def disk(self) -> np.dtype:
         """The numpy dtype written to disk (bf16 as its uint16 bit pattern: zarr has no bfloat16)."""
-        return np.dtype({"bf16": np.uint16, "fp16": np.float16, "fp32": np.float32, "fp8_e4m3": np.uint8}[self.value])
+        return np.dtype(_NAMES[self.value][0])
 
     @property
     def logical(self) -> str:
         """The ``logical_dtype`` attribute of its arrays (what the bits mean)."""
-        return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn"}[self.value]
+        return _NAMES[self.value][1]
 
     @property
     def output(self) -> StorageDtype:
@@ -45,11 +45,23 @@ class StorageDtype(StrEnum):
     @property
     def safetensors(self) -> str:
         """The safetensors dtype code of its output (the weights file and exports)."""
-        return {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[self.output.value]
+        return _NAMES[self.output.value][2]
 
     @property
     def is_fp8(self) -> bool:
         return self is StorageDtype.fp8_e4m3
+
+    @classmethod
+    def from_logical(cls, name: str) -> StorageDtype | None:
+        """The storage dtype whose bits mean ``name`` (its ``logical``, torch's name: ``bfloat16`` -> bf16), or None:
+        the inverse of the table, derived from it."""
+        return next((d for d in cls if d.logical == name), None)
+
+
+# storage dtype -> (disk dtype, logical dtype, safetensors code): the one table of their names, each inverse derived
+_NAMES: dict[str, tuple[type[np.generic], str, str]] = {
+    "bf16": (np.uint16, "bfloat16", "BF16"), "fp16": (np.float16, "float16", "F16"),
+    "fp32": (np.float32, "float32", "F32"), "fp8_e4m3": (np.uint8, "float8_e4m3fn", "F8_E4M3")}
 
 
 class Compressor(StrEnum):

@@ -31,7 +31,8 @@ from dspark_precompute.contract.fp8 import convert
 from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, disk_dtype
 from dspark_precompute.read.arena import BatchArena, SharedBatch, views
 from dspark_precompute.read.dataset import BATCH_KEYS
-from dspark_precompute.read.reader import CacheReader, torch_dtype
+from dspark_precompute.read.reader import CacheReader
+from dspark_precompute.tensors import torch_dtype
 
 MEMORY_KINDS = ("plain", "shared", "pinned")
 _ALIGN = 64

@@ -56,11 +56,6 @@ DEFAULT_CHUNK_CACHE_BYTES = 64 << 20
 _MASK_WINDOW = 1 << 22  # loss_mask tokens read at a time when counting supervised tokens
 
 
-def torch_dtype(d: str) -> torch.dtype:
-    """The torch dtype a storage dtype is returned as (fp8 dequantized to bf16)."""
-    return getattr(torch, StorageDtype(d).torch_name)  # type: ignore[no-any-return]
-
-
 def to_torch(a: np.ndarray, storage_dtype: str) -> torch.Tensor:
     """A stored hidden-state array as a tensor of its logical dtype (bf16 bits viewed back)."""
     a = np.ascontiguousarray(a)
@@ -225,7 +220,7 @@ class CacheReader:
                              f"capture.last_state={fix}, or pass {'last' if key == LAST else 'pre_norm'}=False")
         return name
 
-    def read_raw(self, i: int, layers: Sequence[int] | None = None, last: bool = True,
+    def read_raw(self, i: int, layers: Sequence[int] | None = None, *, last: bool = True,
                  pre_norm: bool = False) -> dict[str, np.ndarray]:
         """Sample ``i`` as stored: int32 ids, uint8 mask, hidden states in the output dtype.
 
@@ -260,7 +255,7 @@ class CacheReader:
             out[PRE_NORM_KEY] = states(finals[PRE_NORM], self.last_output_dtype)
         return out
 
-    def read_fp8(self, i: int, layers: Sequence[int] | None = None, last: bool = True) -> dict[str, Any]:
+    def read_fp8(self, i: int, layers: Sequence[int] | None = None, *, last: bool = True) -> dict[str, Any]:
         """Sample ``i``'s fp8 states as stored: e4m3 bits and their float32 scales (numpy), nothing dequantized.
 
         ``target_hidden_states`` is ``uint8 [T, L*H]`` (view it as ``torch.float8_e4m3fn``),
@@ -302,7 +297,7 @@ class CacheReader:
             out["target_last_hidden_scales"] = got[self._scales[last_name]]
         return out
 
-    def sample(self, i: int, layers: Sequence[int] | None = None, as_numpy: bool = False,
+    def sample(self, i: int, layers: Sequence[int] | None = None, *, as_numpy: bool = False,
                last: bool = True, pre_norm: bool = False) -> dict[str, Any]:
         """Sample ``i``: input_ids, loss_mask, target_hidden_states (chosen layers), last state.
 
@@ -312,7 +307,7 @@ class CacheReader:
         dequantized to bf16) with int64 ids and mask, as NeMo does; ``as_numpy=True``
         (notebooks) gives float32 for bf16 caches, numpy having no bf16.
         """
-        raw = self.read_raw(i, layers, last, pre_norm)
+        raw = self.read_raw(i, layers, last=last, pre_norm=pre_norm)
         ids = raw["input_ids"].astype(np.int64)
         mask = raw["loss_mask"].astype(np.int64)
         dtypes = {"target_hidden_states": self.output_dtype, "target_last_hidden_states": self.last_output_dtype,

@@ -48,6 +48,7 @@ from dspark_precompute.errors import (
 )
 from dspark_precompute.faults import fault_point
 from dspark_precompute.humanize import human_bytes
+from dspark_precompute.tensors import torch_dtype
 from dspark_precompute.write.config.schema import PrecomputeConfig
 from dspark_precompute.write.parallel.distributed import (
     Coordinator,
@@ -70,7 +71,7 @@ from dspark_precompute.write.samples.tokenize import (
     warn_about_rejects,
 )
 from dspark_precompute.write.store.allocate import allocate, write_tokens
-from dspark_precompute.write.store.forward import ForwardLoop, torch_dtype
+from dspark_precompute.write.store.forward import ForwardLoop
 from dspark_precompute.write.store.window import WindowGate, check_window
 from dspark_precompute.write.target.capture import export_weights
 from dspark_precompute.write.target.load import load_target

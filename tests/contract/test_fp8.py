@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_manifest
 
 from dspark_precompute.contract.arrays import expected_arrays
 from dspark_precompute.contract.fp8 import (
@@ -17,8 +18,7 @@ from dspark_precompute.contract.fp8 import (
     float32_to_bf16_bits,
     scale_problem,
 )
-from dspark_precompute.contract.manifest import Counts, Manifest, ManifestLayout, manifest_problems
-from dspark_precompute.contract.spec import hidden_arrays
+from dspark_precompute.contract.manifest import Manifest, manifest_problems
 
 
 def torch_bits(bits: np.ndarray) -> torch.Tensor:
@@ -70,17 +70,7 @@ def test_a_scale_that_is_not_finite_and_positive_is_named_with_its_row(bad):
 
 
 def fp8_manifest(**kw) -> Manifest:
-    ids, n_layers = [1, 2, 3], 4
-    fields = dict(
-        config_hash="ab" * 32, identity={"target": {"path": "tiny"}, "data": {
-            "path": "embedded", "split": "train", "shuffle_seed": None, "mask_reasoning_content": False}},
-        target_model="tiny", target_model_type="qwen3", target_vocab_size=300, num_hidden_layers=n_layers,
-        hidden_size=64, layer_ids=ids, seq_length=256, storage_dtype="fp8_e4m3", chat_template="{{ x }}",
-        arrays=hidden_arrays(ids, n_layers), layout=ManifestLayout(256, 1024, 1, 1024),
-        counts=Counts(rows_in=2, samples=2, rejected=0, tokens=200, supervised_tokens=100, truncated_samples=0),
-        complete=True, last_dtype="bf16", fp8_group=16)
-    fields.update(kw)
-    return Manifest(**fields)
+    return tiny_manifest(storage_dtype="fp8_e4m3", last_dtype="bf16", fp8_group=16, **kw)
 
 
 def test_an_fp8_manifest_names_each_arrays_storage_and_scale_array_and_reads_back_equal():

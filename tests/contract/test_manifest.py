@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import tiny_manifest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,7 +72,7 @@ def test_any_manifest_a_run_writes_passes_its_checks_and_reads_back_equal(m):
 
 
 def test_every_changed_identity_field_is_named_with_both_values():
-    m = Manifest.parse(json.loads(_one().to_bytes()))
+    m = Manifest.parse(json.loads(tiny_manifest(complete=False).to_bytes()))
     changed = json.loads(json.dumps(m.identity))
     changed["data"]["split"] = "train[:10]"
     changed["target"]["weights_fingerprint"] = "new"
@@ -81,7 +82,7 @@ def test_every_changed_identity_field_is_named_with_both_values():
 
 
 def test_the_run_record_fields_are_the_only_difference_between_two_runs_of_the_same_cache():
-    a = _one()
+    a = tiny_manifest(complete=False)
     b = Manifest.parse(json.loads(a.to_bytes()))
     b.mark_complete(timing={"wall_s": 1.0}, weights_sha256="0" * 64, provenance={"argv": ["x"]})
     a.mark_complete(timing={"wall_s": 2.0}, weights_sha256="0" * 64, provenance={"argv": ["y"]})
@@ -98,22 +99,10 @@ def test_the_run_record_fields_are_the_only_difference_between_two_runs_of_the_s
     (lambda d: d.__setitem__("arrays", {"1": "../../etc"}), "arrays"),
 ])
 def test_parse_refuses_a_bad_field_naming_it(edit, words):
-    data = json.loads(_one().to_bytes())
+    data = json.loads(tiny_manifest(complete=False).to_bytes())
     edit(data)
     with pytest.raises(CacheFormatError, match=words.replace(".", r"\.")):
         Manifest.parse(data)
-
-
-def _one() -> Manifest:
-    return Manifest(
-        config_hash="cd" * 32, identity={"target": {"path": "tiny"}, "data": {
-            "path": "embedded", "split": "train", "shuffle_seed": None, "mask_reasoning_content": False}},
-        target_model="tiny", target_model_type="qwen3", target_vocab_size=263, num_hidden_layers=4,
-        hidden_size=64, layer_ids=[1, 2, 3], seq_length=256, storage_dtype="bf16", chat_template="{{ x }}",
-        arrays=hidden_arrays([1, 2, 3], 4), layout=ManifestLayout(256, 1024, 1, 1024),
-        counts=Counts(rows_in=3, samples=2, rejected=1, tokens=300, supervised_tokens=100, truncated_samples=1,
-                      rejected_by_reason={"no_supervised_tokens": 1}),
-        complete=False)
 
 
 def test_every_field_of_the_typed_manifest_is_a_row_of_the_schema_table():
@@ -124,17 +113,17 @@ def test_every_field_of_the_typed_manifest_is_a_row_of_the_schema_table():
         for f in dataclasses.fields(record):
             if f.name not in ("layout", "counts"):
                 assert prefix + f.name in keys, f"{prefix}{f.name} is written but not in FIELDS"
-    written = json.loads(_one().to_bytes())
+    written = json.loads(tiny_manifest(complete=False).to_bytes())
     assert set(written) <= {f.key for f in FIELDS if "." not in f.key}
     table = fields_markdown()
     assert all(f"`{f.key}`" in table for f in FIELDS) and "| `tokens_stored` | true or false | yes | 2 |" in table
 
 
 def test_a_format_2_manifest_needs_tokens_stored_and_a_format_1_manifest_does_not():
-    data = json.loads(_one().to_bytes())
+    data = json.loads(tiny_manifest(complete=False).to_bytes())
     del data["tokens_stored"]
     assert manifest_problems(data) == ["manifest lacks 'tokens_stored'"]
-    v1 = json.loads(_one().to_bytes())
+    v1 = json.loads(tiny_manifest(complete=False).to_bytes())
     v1.update(format_version=1, layout={"chunk_tokens": 256, "unit_tokens": 1024, "num_units": 1,
                                         "total_token_slots": 512})
     del v1["tokens_stored"]
@@ -149,7 +138,25 @@ def test_a_format_2_manifest_needs_tokens_stored_and_a_format_1_manifest_does_no
     (4, {}, "format_version 4 is not supported"),
 ])
 def test_the_layout_rules_follow_the_format_version(version, layout, words):
-    data = json.loads(_one().to_bytes())
+    data = json.loads(tiny_manifest(complete=False).to_bytes())
     data["format_version"] = version
     data["layout"].update(layout)
     assert any(words in p for p in manifest_problems(data)), manifest_problems(data)
+
+
+def test_each_storage_dtypes_names_come_from_one_table_and_invert_back_to_it():
+    """storage name -> logical (torch's) name -> storage name is the identity for every member, and each name
+    is what its own library calls the dtype: numpy for the disk dtype, torch for the logical one, the
+    safetensors writer for the code of the output."""
+    import safetensors.torch
+    import torch
+
+    assert len(StorageDtype) == 4
+    for d in StorageDtype:
+        assert StorageDtype.from_logical(d.logical) is d and StorageDtype(d.value) is d
+        assert getattr(torch, d.logical).itemsize == d.disk.itemsize
+        blob = safetensors.torch.save({"x": torch.zeros(1, dtype=getattr(torch, d.torch_name))})
+        header = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
+        assert header["x"]["dtype"] == d.safetensors
+    assert {d.disk.name for d in StorageDtype} == {"uint16", "float16", "float32", "uint8"}
+    assert StorageDtype.from_logical("float64") is None and StorageDtype.from_logical("fp32") is None

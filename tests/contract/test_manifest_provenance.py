@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import tiny_manifest
 
 from dspark_precompute.contract.manifest import (
     RUN_RECORD_FIELDS,
     Capture,
-    Counts,
     Manifest,
-    ManifestLayout,
     MaskPolicy,
     RunProvenance,
     manifest_problems,
 )
-from dspark_precompute.contract.spec import hidden_arrays
 from dspark_precompute.errors import CacheFormatError
 
 CAPTURE = Capture(last_state="post_norm", final_norm_class="Qwen3RMSNorm", layer_preset="servable",
@@ -26,20 +24,8 @@ RECORD = RunProvenance(argv=["dspark-precompute", "seq_length=256"], overrides=[
                        versions={"torch": "2.13.0", "zarr": "3.1.6"}, hosts=["a", "b"], world_size=2)
 
 
-def one(**kw) -> Manifest:
-    return Manifest(
-        config_hash="cd" * 32, identity={"target": {"path": "tiny"}, "data": {
-            "path": "embedded", "split": "train", "shuffle_seed": None, "mask_reasoning_content": False}},
-        target_model="tiny", target_model_type="qwen3", target_vocab_size=263, num_hidden_layers=4,
-        hidden_size=64, layer_ids=[1, 2, 3], seq_length=256, storage_dtype="bf16", chat_template="{{ x }}",
-        arrays=hidden_arrays([1, 2, 3], 4), layout=ManifestLayout(256, 1024, 1, 1024),
-        counts=Counts(rows_in=3, samples=2, rejected=1, tokens=300, supervised_tokens=100, truncated_samples=1,
-                      rejected_by_reason={"no_supervised_tokens": 1}),
-        complete=True, **kw)
-
-
 def test_capture_and_provenance_are_written_and_read_back_typed():
-    m = one(capture=CAPTURE, provenance=RECORD)
+    m = tiny_manifest(capture=CAPTURE, provenance=RECORD)
     data = json.loads(m.to_bytes())
     assert manifest_problems(data) == []
     assert data["capture"]["mask"]["rule"] == "nemo_prefix" and data["provenance"]["world_size"] == 2
@@ -49,7 +35,7 @@ def test_capture_and_provenance_are_written_and_read_back_typed():
 
 
 def test_a_manifest_written_before_these_fields_existed_still_opens():
-    data = json.loads(one().to_bytes())
+    data = json.loads(tiny_manifest().to_bytes())
     assert "capture" not in data and "provenance" not in data
     data["provenance"] = {"argv": ["x"], "overrides": []}  # what 0.2.0 wrote
     back = Manifest.parse(data)
@@ -72,7 +58,7 @@ def test_a_manifest_written_before_these_fields_existed_still_opens():
      "provenance.versions = {'torch': 2} (an object) must be an object of string -> string"),
 ])
 def test_a_field_of_the_wrong_type_is_refused_naming_it(edit, words):
-    data = json.loads(one(capture=CAPTURE, provenance=RECORD).to_bytes())
+    data = json.loads(tiny_manifest(capture=CAPTURE, provenance=RECORD).to_bytes())
     edit(data)
     with pytest.raises(CacheFormatError) as err:
         Manifest.parse(data)
@@ -80,7 +66,7 @@ def test_a_field_of_the_wrong_type_is_refused_naming_it(edit, words):
 
 
 def test_the_run_record_is_not_part_of_what_two_runs_of_the_same_cache_must_agree_on_but_capture_is():
-    a, b = one(capture=CAPTURE), one(capture=CAPTURE)
+    a, b = tiny_manifest(capture=CAPTURE), tiny_manifest(capture=CAPTURE)
     a.mark_complete(provenance=RECORD)
     b.mark_complete(provenance={"argv": ["other"], "hosts": ["c"], "world_size": 8})
     assert "provenance" in RUN_RECORD_FIELDS and "capture" not in RUN_RECORD_FIELDS
@@ -93,7 +79,7 @@ def test_the_run_record_is_not_part_of_what_two_runs_of_the_same_cache_must_agre
 def test_a_pickled_manifest_keeps_its_capture_facts_and_leaves_the_run_record_behind():
     import pickle
 
-    m = one(capture=CAPTURE, provenance=RECORD)
+    m = tiny_manifest(capture=CAPTURE, provenance=RECORD)
     blob = pickle.dumps(m)
     back = pickle.loads(blob)
     assert back.capture == CAPTURE and back.provenance is None and m.provenance == RECORD

@@ -538,13 +538,16 @@ def test_a_worker_reads_the_samples_its_parent_indexed_while_a_run_commits_more(
         pickle.loads(pickle.dumps(c))
 
 
-def test_export_refuses_a_non_integer_shard_size(default_run, tmp_path):
-    from dspark_precompute.read.export import export_nemo
+def test_export_refuses_a_non_integer_shard_size_and_an_unknown_target_as_export_errors(default_run, tmp_path):
+    from dspark_precompute.errors import ExportError
+    from dspark_precompute.read.export import export, export_nemo
 
     _, result = default_run
     for bad in (0, -1, True, 2.5):
-        with pytest.raises(ValueError, match="must be >= 1"):
+        with pytest.raises(ExportError, match="must be >= 1"):
             export_nemo(result.path, tmp_path / "nemo", shard_size=bad)
+    with pytest.raises(ExportError, match="to='eagle' is not a known export target; choose one of nemo"):
+        export(result.path, tmp_path / "nemo", to="eagle")
     assert not (tmp_path / "nemo").exists()
 
 

@@ -121,6 +121,17 @@ def test_numpy_output_is_float32_holding_the_exact_bf16_values(default_run):
     assert np.array_equal(a["target_last_hidden_states"], t["target_last_hidden_states"].float().numpy())
 
 
+def test_the_readers_flags_are_keywords_so_a_bare_true_cannot_mean_another_one(default_run):
+    """``sample(i, layers, True)`` once meant as_numpy and ``read_raw(i, layers, False)`` last: now each is named."""
+    _, result = default_run
+    c = open_cache(result.path)
+    calls = (lambda: c.sample(0, None, True), lambda: c.read_raw(0, None, False), lambda: c.read_fp8(0, None, True))
+    for call in calls:
+        with pytest.raises(TypeError, match="positional argument"):
+            call()
+    assert "target_last_hidden_states" not in c.read_raw(0, None, last=False)
+
+
 def test_the_chunk_cache_size_never_changes_what_is_read(default_run):
     _, result = default_run
     ref = open_cache(result.path)

@@ -11,12 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dspark_precompute.errors import ExportError
 from dspark_precompute.read.export.common import (
     EXPORT_MARKER,
     TARGETS,
     ExportResult,
     SafetensorsStreamWriter,
-    plan_export,
+    select_export,
 )
 from dspark_precompute.read.export.deepspec import export_deepspec
 from dspark_precompute.read.export.nemo import (
@@ -40,12 +41,12 @@ _EXPORTERS: dict[str, Callable[..., ExportResult]] = {
 def export(cache: str | Path | CacheReader, out: str | Path, *, to: str, **options: Any) -> ExportResult:
     """Export ``cache`` to ``out`` in trainer ``to``'s layout (one of :data:`TARGETS`); options as that exporter's."""
     if to not in _EXPORTERS:
-        raise ValueError(f"to={to!r} is not a known export target; choose one of {', '.join(TARGETS)}")
+        raise ExportError(f"to={to!r} is not a known export target; choose one of {', '.join(TARGETS)}")
     return _EXPORTERS[to](cache, out, **options)
 
 
 __all__ = [
     "EXPORT_MARKER", "NEMO_FORMAT_VERSION", "NEMO_MANIFEST", "NEMO_SHARD_KEYS", "NEMO_WEIGHTS", "TARGETS",
     "ExportResult", "SafetensorsStreamWriter", "export", "export_deepspec", "export_nemo",
-    "export_specforge", "export_speculators", "nemo_manifest", "plan_export", "shard_name",
+    "export_specforge", "export_speculators", "nemo_manifest", "select_export", "shard_name",
 ]

@@ -1,9 +1,9 @@
-"""What every export shares: the staging directory, its destination checks, write errors, the sample plan.
+"""What every export shares: the staging directory, its destination checks, write errors, the sample selection.
 
 An export reads one sample at a time through the reader's public API (``read_raw``), in
 disk order (each chunk decoded about once), and writes it straight to its place in the
 target format. Memory is bounded by one sample's arrays, the reader's chunk cache and a
-few integers per sample (the plan's tables), whatever the cache's size.
+few integers per sample (the selection's tables), whatever the cache's size.
 
 Every export is atomic the same way (:class:`StagedExport`): it is written into a staging
 directory beside the destination, which is renamed onto it only when whole (its marker
@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark_precompute.contract.store import fsync_dir
+from dspark_precompute.contract.fp8 import convert
+from dspark_precompute.contract.store import fsync_dir, write_atomically
 from dspark_precompute.errors import CacheFormatError, ExportError, IncompleteCacheError, StorageWriteError
 from dspark_precompute.faults import fault_point
 from dspark_precompute.progress import Progress
@@ -51,17 +52,14 @@ def tmp_name(path: Path) -> Path:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary name beside ``path``, fsync it, rename it into place."""
-    tmp = tmp_name(path)
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write ``data`` whole or not at all under a temporary name beside ``path``
+    (:func:`~dspark_precompute.contract.store.write_atomically`)."""
+    write_atomically(path, [data], tmp=tmp_name(path))
+
+
+def bf16_bits(values: np.ndarray, dtype: str) -> np.ndarray:
+    """bf16 bits (uint16) of a block in the reader's output dtype (rounded to nearest even from fp16/fp32)."""
+    return values if dtype == "bf16" else convert(values, dtype, "bf16")
 
 
 def json_bytes(obj: Any) -> bytes:
@@ -165,9 +163,9 @@ class ExportResult:
         return sum(self.dropped.values())
 
 
-def export_progress(target: str, plan: Selection, enabled: bool) -> Progress:
+def export_progress(target: str, sel: Selection, enabled: bool) -> Progress:
     """The shared progress reporter, for an export to ``target``: tokens, samples and bytes written."""
-    return Progress(f"export {target}", plan.total_tokens, len(plan), enabled=enabled)
+    return Progress(f"export {target}", sel.total_tokens, len(sel), enabled=enabled)
 
 
 # -- the samples an export writes ----------------------------------------------------------
@@ -240,8 +238,8 @@ def check_max_length(max_length: int | None) -> int | None:
     return int(max_length)
 
 
-def plan_export(c: CacheReader, layers: list[int] | None, max_length: int | None,
-                keep: Callable[[np.ndarray], str | None] = keep_any_supervised) -> Selection:
+def select_export(c: CacheReader, layers: list[int] | None, max_length: int | None,
+                  keep: Callable[[np.ndarray], str | None] = keep_any_supervised) -> Selection:
     """Decide the exported samples: cut each at ``max_length`` tokens, drop those ``keep`` refuses.
 
     A causal target's states for the first L tokens do not depend on later ones, so a cut
@@ -442,7 +440,7 @@ def staging(stage: StagedExport, prog: Progress) -> Iterator[None]:
         raise
 
 
-def export_marker(c: CacheReader, plan: Selection, target: str, notes: list[str], **extra: Any) -> dict[str, Any]:
+def export_marker(c: CacheReader, sel: Selection, target: str, notes: list[str], **extra: Any) -> dict[str, Any]:
     """What every staged export records about itself: format, source cache, layers, cut, drops and conversions."""
     from dspark_precompute.version import __version__
 
@@ -452,13 +450,13 @@ def export_marker(c: CacheReader, plan: Selection, target: str, notes: list[str]
         "source": str(c.path),
         "source_config_hash": m.config_hash,
         "target_model": m.target_model,
-        "layer_ids": list(plan.layers),
+        "layer_ids": list(sel.layers),
         "hidden_size": c.hidden_size,
         "seq_length": c.seq_length,
-        "max_length": plan.max_length,
-        "num_samples": len(plan),
-        "num_tokens": plan.total_tokens,
-        "dropped_samples": dict(sorted(plan.dropped.items())),
+        "max_length": sel.max_length,
+        "num_samples": len(sel),
+        "num_tokens": sel.total_tokens,
+        "dropped_samples": dict(sorted(sel.dropped.items())),
         "source_storage_dtype": m.storage_dtype,
         "notes": list(notes),
         "dspark_precompute_version": __version__,

@@ -35,7 +35,6 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dspark_precompute.contract.fp8 import convert
 from dspark_precompute.errors import ExportError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.progress import Progress
@@ -44,11 +43,12 @@ from dspark_precompute.read.export.common import (
     Selection,
     StagedExport,
     atomic_write_bytes,
+    bf16_bits,
     export_marker,
     export_progress,
     json_bytes,
     open_complete,
-    plan_export,
+    select_export,
     staging,
 )
 from dspark_precompute.read.reader import CacheReader
@@ -68,11 +68,6 @@ def shard_file(index: int) -> str:
     return f"shard-{index:05d}.bin"
 
 
-def _bf16(values: np.ndarray, dtype: str) -> np.ndarray:
-    """bf16 bits (uint16) of a block in the reader's output dtype (rounded to nearest even from fp16/fp32)."""
-    return values if dtype == "bf16" else convert(values, dtype, "bf16")
-
-
 def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers: list[int] | None = None,
                     max_length: int | None = None, overwrite: bool = False,
                     shard_bytes: int = DEFAULT_SHARD_BYTES, target_model_name_or_path: str | None = None,
@@ -88,15 +83,15 @@ def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers:
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, (int, np.integer)) or shard_bytes < 1:
         raise ExportError(f"shard_bytes={shard_bytes!r} must be a positive number of bytes per shard file")
     c = open_complete(cache, "DeepSpec's target cache")
-    plan = plan_export(c, layers, max_length)
-    lids = plan.layers
+    sel = select_export(c, layers, max_length)
+    lids = sel.layers
     if lids != sorted(lids) or len(set(lids)) != len(lids):
         raise ExportError(f"layers={lids}: DeepSpec's manifest needs target_layer_ids in ascending order without "
                           f"repeats (its loader asserts it); pass --layers {','.join(map(str, sorted(set(lids))))}")
     if not lids:
         raise ExportError("layers=[]: DeepSpec needs at least one target layer")
     m = c.manifest
-    n = len(plan)
+    n = len(sel)
     notes, converted_from = _conversion_notes(c)
     rule = m.capture.mask.rule if m.capture is not None and m.capture.mask is not None else None
     if rule != "deepspec":
@@ -106,22 +101,22 @@ def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers:
         log.warning("export deepspec: %s", note)
     target_name = str(target_model_name_or_path or m.target_model)
     stage = StagedExport(Path(out), c.path, overwrite, "DeepSpec target cache")
-    prog = export_progress("deepspec", plan, progress)
+    prog = export_progress("deepspec", sel, progress)
     with staging(stage, prog):
-        shards, total = _write_shards(stage, c, plan, shard_bytes, prog)
+        shards, total = _write_shards(stage, c, sel, shard_bytes, prog)
         prog.close()
-        manifest = deepspec_manifest(c, plan, shards, target_name, rule, converted_from, notes)
+        manifest = deepspec_manifest(c, sel, shards, target_name, rule, converted_from, notes)
         data = json_bytes(manifest)
         with stage.writing():
             atomic_write_bytes(stage.dir / DEEPSPEC_MANIFEST, data)
         total += len(data)
-        total += stage.finish(export_marker(c, plan, "deepspec", notes, converted_from=converted_from,
+        total += stage.finish(export_marker(c, sel, "deepspec", notes, converted_from=converted_from,
                                             target_model_name_or_path=target_name))
     secs = time.perf_counter() - t0
     log.info("export deepspec: %d samples in %d shard(s), %s -> %s (%.1fs)", n, len(shards), human_bytes(total),
              out, secs)
     return ExportResult(str(out), n, len(shards), 0, total, secs, target="deepspec", layers=list(lids),
-                        max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)
+                        max_length=sel.max_length, dropped=dict(sel.dropped), notes=notes)
 
 
 def _conversion_notes(c: CacheReader) -> tuple[list[str], str | None]:
@@ -142,16 +137,16 @@ def _sample_parts(c: CacheReader, raw: dict[str, np.ndarray]) -> list[np.ndarray
         np.ascontiguousarray(raw["input_ids"], dtype="<i4"),
         np.ones(T, dtype=np.uint8),
         np.ascontiguousarray(raw["loss_mask"], dtype=np.uint8),
-        np.ascontiguousarray(_bf16(raw["target_hidden_states"], c.output_dtype)),
-        np.ascontiguousarray(_bf16(raw["target_last_hidden_states"], c.last_output_dtype)),
+        np.ascontiguousarray(bf16_bits(raw["target_hidden_states"], c.output_dtype)),
+        np.ascontiguousarray(bf16_bits(raw["target_last_hidden_states"], c.last_output_dtype)),
     ]
 
 
-def _write_shards(stage: StagedExport, c: CacheReader, plan: Selection, shard_bytes: int,
+def _write_shards(stage: StagedExport, c: CacheReader, sel: Selection, shard_bytes: int,
                   prog: Progress) -> tuple[list[dict[str, object]], int]:
     """The shard files (a new one when the next sample would pass ``shard_bytes``) and ``samples.idx``, written in
     place record by record in disk order: (the manifest's shard list, bytes written)."""
-    H, k, n = c.hidden_size, len(plan.layers), len(plan)
+    H, k, n = c.hidden_size, len(sel.layers), len(sel)
     total = 0
     shards: list[dict[str, object]] = []
     shard = _ShardFiles(stage.dir, shard_bytes)
@@ -160,7 +155,7 @@ def _write_shards(stage: StagedExport, c: CacheReader, plan: Selection, shard_by
     try:
         with stage.writing():
             os.ftruncate(idx_fd, n * INDEX_RECORD.size)
-        for j, raw in plan.iter_disk_order():
+        for j, raw in sel.iter_disk_order():
             T = len(raw["input_ids"])
             parts = _sample_parts(c, raw)
             nbytes = sum(p.nbytes for p in parts)
@@ -230,16 +225,16 @@ def _close_durably(fh: BinaryIO) -> None:
     fh.close()
 
 
-def deepspec_manifest(c: CacheReader, plan: Selection, shards: list[dict[str, object]], target_name: str,
+def deepspec_manifest(c: CacheReader, sel: Selection, shards: list[dict[str, object]], target_name: str,
                       rule: str | None, converted_from: str | None, notes: list[str]) -> dict[str, Any]:
     """DeepSpec's ``manifest.json`` (version 2), plus where the export came from and what it changed."""
     m = c.manifest
     mrule = m.capture.mask if m.capture is not None else None
     return {
         "version": DEEPSPEC_VERSION,
-        "num_samples": len(plan),
+        "num_samples": len(sel),
         "num_shards": len(shards),
-        "target_layer_ids": list(plan.layers),
+        "target_layer_ids": list(sel.layers),
         "hidden_dtype": "bfloat16",
         "token_dtype": "int32",
         "mask_dtype": "uint8",
@@ -249,7 +244,7 @@ def deepspec_manifest(c: CacheReader, plan: Selection, shards: list[dict[str, ob
         "target_model_name_or_path": target_name,
         "source_jsonl_paths": [str(m.data_identity("path"))],
         "chat_template": DEEPSPEC_QWEN_TEMPLATE if rule == "deepspec" else None,
-        "max_length": int(plan.max_length or c.seq_length),
+        "max_length": int(sel.max_length or c.seq_length),
         "min_loss_tokens": DEEPSPEC_MIN_LOSS_TOKENS if rule == "deepspec" else 1,
         "project_name": None,
         "exp_name": None,
@@ -261,6 +256,6 @@ def deepspec_manifest(c: CacheReader, plan: Selection, shards: list[dict[str, ob
         "mask_rule": rule,
         "mask_generation_prompt": getattr(mrule, "mask_generation_prompt", None),
         "converted_from": converted_from,
-        "dropped_samples": dict(sorted(plan.dropped.items())),
+        "dropped_samples": dict(sorted(sel.dropped.items())),
         "notes": notes,
     }

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from dspark_precompute.contract.vocab import StorageDtype
+from dspark_precompute.errors import ExportError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.progress import Progress
 from dspark_precompute.read.export.common import (
@@ -37,7 +38,7 @@ from dspark_precompute.read.export.common import (
     export_progress,
     json_bytes,
     open_complete,
-    plan_export,
+    select_export,
     staging,
 )
 from dspark_precompute.read.reader import CacheReader
@@ -135,12 +136,12 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     """
     t0 = time.perf_counter()
     if isinstance(shard_size, bool) or not isinstance(shard_size, (int, np.integer)) or shard_size < 1:
-        raise ValueError(f"shard_size={shard_size} must be >= 1 (samples per shard)")
+        raise ExportError(f"shard_size={shard_size} must be >= 1 (samples per shard)")
     c = open_complete(cache, "NeMo's layout")
-    plan = plan_export(c, layers, max_length)
-    lids = plan.layers
+    sel = select_export(c, layers, max_length)
+    lids = sel.layers
     out = Path(out)
-    n = len(plan)
+    n = len(sel)
     S = c.seq_length if max_length is None else min(c.seq_length, int(max_length))
     weights = c.target_weights()  # checked (sha256, shapes) before anything is written
     num_shards = -(-n // shard_size)
@@ -148,7 +149,7 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     for note in notes:
         log.info("export nemo: %s", note)
     stage = StagedExport(out, c.path, overwrite, "NeMo DSpark cache", earlier=earlier_nemo_export)
-    prog = export_progress("nemo", plan, progress)
+    prog = export_progress("nemo", sel, progress)
     with staging(stage, prog):
         total = _write_weights(weights, stage)
         del weights
@@ -156,18 +157,18 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
         starts = c.starts()
         for k in range(num_shards):
             members = np.arange(k * shard_size, min(n, (k + 1) * shard_size))
-            disk_order = members[np.argsort(starts[plan.samples[members]], kind="stable")]  # each chunk decoded once
-            total += _write_shard(stage, k, k * shard_size, disk_order, plan, rows, prog)
+            disk_order = members[np.argsort(starts[sel.samples[members]], kind="stable")]  # each chunk decoded once
+            total += _write_shard(stage, k, k * shard_size, disk_order, sel, rows, prog)
         prog.close()
         data = json_bytes(nemo_manifest(c, shard_size, lids, num_samples=n, seq_length=S))
         with stage.writing():
             atomic_write_bytes(stage.dir / NEMO_MANIFEST, data)
         total += len(data)
-        total += stage.finish(export_marker(c, plan, "nemo", notes, shard_size=int(shard_size)))
+        total += stage.finish(export_marker(c, sel, "nemo", notes, shard_size=int(shard_size)))
     secs = time.perf_counter() - t0
     log.info("export: %d samples in %d shards, %s -> %s (%.1fs)", n, num_shards, human_bytes(total), out, secs)
     return ExportResult(str(out), n, num_shards, int(shard_size), total, secs, target="nemo", layers=list(lids),
-                        max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)
+                        max_length=sel.max_length, dropped=dict(sel.dropped), notes=notes)
 
 
 class _PaddedRows:
@@ -224,7 +225,7 @@ class _PaddedRows:
         w.write_row("target_last_hidden_states", r, self.last)
 
 
-def _write_shard(stage: StagedExport, k: int, first: int, members: np.ndarray, plan: Selection, rows: _PaddedRows,
+def _write_shard(stage: StagedExport, k: int, first: int, members: np.ndarray, sel: Selection, rows: _PaddedRows,
                  prog: Progress) -> int:
     """Shard ``k``: export rows ``members`` (``first`` is its row 0), streamed in that order; committed whole or
     removed. Returns its bytes."""
@@ -232,7 +233,7 @@ def _write_shard(stage: StagedExport, k: int, first: int, members: np.ndarray, p
         w = SafetensorsStreamWriter(stage.dir / shard_name(k), rows.spec(len(members)), {"format": "pt"})
     try:
         for j in members:
-            m = rows.fill(plan.read(int(j)))
+            m = rows.fill(sel.read(int(j)))
             with stage.writing():
                 rows.write(w, int(j) - first)
             stage.sample_written(prog, m, rows.row_bytes)

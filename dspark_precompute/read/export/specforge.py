@@ -39,7 +39,7 @@ from dspark_precompute.read.export.common import (
     export_progress,
     keep_two_consecutive,
     open_complete,
-    plan_export,
+    select_export,
     staging,
 )
 from dspark_precompute.read.reader import CacheReader, to_torch
@@ -61,8 +61,8 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
     """Write SpecForge's offline DSpark feature files for ``cache`` into ``out``."""
     t0 = time.perf_counter()
     c = open_complete(cache, "SpecForge's offline features")
-    plan = plan_export(c, layers, max_length, keep=keep_two_consecutive)
-    n = len(plan)
+    sel = select_export(c, layers, max_length, keep=keep_two_consecutive)
+    n = len(sel)
     if n >= 10**_WIDTH:
         raise ExportError(f"{n} samples: file names hold {_WIDTH} digits; export at most {10**_WIDTH - 1} samples "
                           "at a time (split the cache's data)")
@@ -75,10 +75,10 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
         log.info("export specforge: %s", note)
     stage = StagedExport(Path(out), c.path, overwrite, "SpecForge offline features")
     total = 0
-    prog = export_progress("specforge", plan, progress)
+    prog = export_progress("specforge", sel, progress)
     with staging(stage, prog):
         made: set[str] = set()
-        for j, raw in plan.iter_disk_order():
+        for j, raw in sel.iter_disk_order():
             rel = sample_file(j)
             item = {
                 "input_ids": torch.from_numpy(raw["input_ids"].astype(np.int64)),
@@ -96,12 +96,12 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
             total += nbytes
             stage.sample_written(prog, len(raw["input_ids"]), nbytes)
         prog.close()
-        total += stage.finish(export_marker(c, plan, "specforge", notes, layout="rows_<g>/data_<j>.ckpt",
+        total += stage.finish(export_marker(c, sel, "specforge", notes, layout="rows_<g>/data_<j>.ckpt",
                                             checked_with="specforge==0.2.0"))
     secs = time.perf_counter() - t0
     log.info("export specforge: %d samples, %s -> %s (%.1fs)", n, human_bytes(total), out, secs)
-    return ExportResult(str(out), n, n, 1, total, secs, target="specforge", layers=list(plan.layers),
-                        max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)
+    return ExportResult(str(out), n, n, 1, total, secs, target="specforge", layers=list(sel.layers),
+                        max_length=sel.max_length, dropped=dict(sel.dropped), notes=notes)
 
 
 class _Recorded:

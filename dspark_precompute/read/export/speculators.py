@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_precompute.contract.fp8 import convert
+from dspark_precompute.contract.spec import PRE_NORM
 from dspark_precompute.errors import ExportError, MissingDependencyError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.progress import Progress
@@ -37,34 +37,25 @@ from dspark_precompute.read.export.common import (
     SafetensorsStreamWriter,
     Selection,
     StagedExport,
+    bf16_bits,
     export_marker,
     export_progress,
     open_complete,
-    plan_export,
+    select_export,
     staging,
 )
 from dspark_precompute.read.reader import CacheReader
 
 log = logging.getLogger(__name__)
 
-PRE_NORM = "pre_norm"  # the manifest ``arrays`` key (and reader array name) of the pre-norm state
 HS_DIR = "hidden_states"
 INSTALL = 'pip install "datasets>=4,<=5.1"  (or pip install -e ".[interop]")'
 
 
-_DTYPE_OF = {"<u2": "bf16", "<f2": "fp16", "<f4": "fp32"}  # the reader's output arrays (bf16 as its bits)
 
 
 def hs_file(i: int) -> str:
     return f"{HS_DIR}/hs_{i}.safetensors"
-
-
-def has_pre_norm(c: CacheReader) -> bool:
-    return PRE_NORM in c.array_names
-
-
-def _bf16(values: np.ndarray, dtype: str) -> np.ndarray:
-    return values if dtype == "bf16" else convert(values, dtype, "bf16")
 
 
 @contextlib.contextmanager
@@ -87,7 +78,7 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
     """Write vLLM speculators' ``datasets`` folder and ``hidden_states/hs_{i}.safetensors`` for ``cache``."""
     t0 = time.perf_counter()
     c = open_complete(cache, "speculators' training data")
-    if not has_pre_norm(c):
+    if not c.has_pre_norm:
         last = c.manifest.capture.last_state if c.manifest.capture is not None else None
         raise ExportError(
             f"{c.path} stores no pre-norm last state (its last state is {last or 'post_final_norm'}): speculators "
@@ -99,9 +90,9 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
         from datasets.arrow_writer import ArrowWriter  # noqa: F401
     except ImportError as exc:
         raise MissingDependencyError(f"export to speculators writes a `datasets` folder: {INSTALL}") from exc
-    plan = plan_export(c, layers, max_length)
-    n = len(plan)
-    if not plan.layers:
+    sel = select_export(c, layers, max_length)
+    n = len(sel)
+    if not sel.layers:
         raise ExportError("layers=[]: speculators needs at least one captured layer before the verifier state")
     notes: list[str] = []
     if c.manifest.storage_dtype == "fp8_e4m3":
@@ -111,33 +102,33 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
     for note in notes:
         log.warning("export speculators: %s", note)
     stage = StagedExport(Path(out), c.path, overwrite, "speculators training data")
-    prog = export_progress("speculators", plan, progress)
+    prog = export_progress("speculators", sel, progress)
     with staging(stage, prog):
-        total = _write_hidden_states(stage, c, plan, prog)
+        total = _write_hidden_states(stage, c, sel, prog)
         prog.close()
-        _write_rows(stage, plan, progress)
+        _write_rows(stage, sel, progress)
         total += sum(p.stat().st_size for p in stage.dir.iterdir() if p.is_file())
-        total += stage.finish(export_marker(c, plan, "speculators", notes, slots=[*plan.layers, PRE_NORM],
+        total += stage.finish(export_marker(c, sel, "speculators", notes, slots=[*sel.layers, PRE_NORM],
                                             checked_with="speculators==0.9.0, hs-connectors==0.9.0"))
     secs = time.perf_counter() - t0
     log.info("export speculators: %d samples, %s -> %s (%.1fs)", n, human_bytes(total), out, secs)
-    return ExportResult(str(out), n, n, 1, total, secs, target="speculators", layers=list(plan.layers),
-                        max_length=plan.max_length, dropped=dict(plan.dropped), notes=notes)
+    return ExportResult(str(out), n, n, 1, total, secs, target="speculators", layers=list(sel.layers),
+                        max_length=sel.max_length, dropped=dict(sel.dropped), notes=notes)
 
 
-def _write_hidden_states(stage: StagedExport, c: CacheReader, plan: Selection, prog: Progress) -> int:
+def _write_hidden_states(stage: StagedExport, c: CacheReader, sel: Selection, prog: Progress) -> int:
     """``hidden_states/hs_{j}.safetensors`` per export row, in disk order: ``token_ids`` and the captured layers with
     the pre-norm state as the last slot, bf16. Returns the bytes written."""
-    H, k = c.hidden_size, len(plan.layers)
+    H, k = c.hidden_size, len(sel.layers)
     total = 0
     with stage.writing():
         (stage.dir / HS_DIR).mkdir()
-    for j, raw in plan.iter_disk_order(last=False, pre_norm=True):
+    for j, raw in sel.iter_disk_order(last=False, pre_norm=True):
         T = len(raw["input_ids"])
         hs = np.empty((T, k + 1, H), dtype=np.uint16)
-        hs[:, :k, :] = _bf16(raw["target_hidden_states"], c.output_dtype).reshape(T, k, H)
+        hs[:, :k, :] = bf16_bits(raw["target_hidden_states"], c.output_dtype).reshape(T, k, H)
         pre = raw[f"target_{PRE_NORM}_hidden_states"]
-        hs[:, k, :] = _bf16(pre, _DTYPE_OF[pre.dtype.str])
+        hs[:, k, :] = bf16_bits(pre, c.last_output_dtype)  # a final state: stored as last_dtype
         with stage.writing():
             w = SafetensorsStreamWriter(stage.dir / hs_file(j), {
                 "token_ids": ("I64", (T,), 8),
@@ -155,7 +146,7 @@ def _write_hidden_states(stage: StagedExport, c: CacheReader, plan: Selection, p
     return total
 
 
-def _write_rows(stage: StagedExport, plan: Selection, progress: bool) -> None:
+def _write_rows(stage: StagedExport, sel: Selection, progress: bool) -> None:
     """The ``datasets`` folder of ids, masks and lengths (row ``j`` <-> ``hs_{j}``), through an Arrow file beside
     the staging directory (``datasets`` refuses to save a dataset into the folder holding its file); only ids and
     masks are read."""
@@ -168,8 +159,8 @@ def _write_rows(stage: StagedExport, plan: Selection, progress: bool) -> None:
     with stage.writing():
         aw = ArrowWriter(features=features, path=str(rows_file), writer_batch_size=1000)
     try:
-        for j in range(len(plan)):  # export order: row j <-> hs_{j}; only ids and masks are read here
-            ids, mask = plan.read_tokens(j)
+        for j in range(len(sel)):  # export order: row j <-> hs_{j}; only ids and masks are read here
+            ids, mask = sel.read_tokens(j)
             with stage.writing():
                 aw.write({"input_ids": ids.astype(np.int64), "loss_mask": mask.astype(np.int64),
                           "seq_len": int(len(ids))})

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from dspark_precompute.contract.lock import WriterLock
+from dspark_precompute.contract.store import write_atomically
 from dspark_precompute.errors import RegenerateError, RegenerateResumeError, StorageWriteError
 from dspark_precompute.faults import fault_point
 
@@ -39,27 +40,11 @@ def row_key(record: Any, settings_sha: str) -> str:
     return hashlib.sha256(canonical(record) + b"\0" + settings_sha.encode()).hexdigest()
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: Path, lines: Iterable[bytes]) -> None:
-    """Write ``path`` whole or not at all: a temporary file, fsynced, renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Write ``path`` whole or not at all (:func:`~dspark_precompute.contract.store.write_atomically`)."""
     try:
-        with open(tmp, "wb") as fh:
-            for line in lines:
-                fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        write_atomically(path, lines, tmp=path.with_name(f".{path.name}.tmp-{os.getpid()}"))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise StorageWriteError(f"cannot write {path}: {exc}; free space or fix the permissions, then run the same "
                                 "command again (finished rows are kept)") from None
 

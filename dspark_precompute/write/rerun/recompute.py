@@ -29,7 +29,9 @@ from dspark_precompute.contract.manifest import Manifest, identity_differences
 from dspark_precompute.contract.opener import OpenedCache, open_stored
 from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS
 from dspark_precompute.contract.store import CacheStore
+from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import CacheFormatError, DsparkError
+from dspark_precompute.tensors import torch_dtype
 from dspark_precompute.write.config.compose import from_dict
 from dspark_precompute.write.config.schema import TINY, PrecomputeConfig
 from dspark_precompute.write.plan.prepare import Plan, prepare
@@ -52,8 +54,6 @@ from dspark_precompute.write.target.load import (
 # one step (unit in the last place, relative) of each storage dtype, and its smallest normal
 STEP = {"bf16": (2.0 ** -7, 2.0 ** -126), "fp16": (2.0 ** -10, 2.0 ** -14), "fp32": (2.0 ** -23, 2.0 ** -126),
         E4M3: (E4M3_EPS, E4M3_MIN_NORMAL)}  # fp8: relative to its scale (the floor is scale x 2^-6)
-_COMPUTE_NAME = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -123,7 +123,7 @@ def storage_steps(got: dict[str, np.ndarray], name: str, m: Manifest, want: torc
         floors = (torch.from_numpy(got[scale_name]).float() * floor).repeat_interleave(want.shape[1] // cols, dim=1)
         return (got_f - want_f).abs() / (want_f.abs().maximum(floors) * step), exact
     got_t = stored_as_torch(got[name], sd)
-    exact = torch.equal(got_t, want.to(_TORCH[sd]))
+    exact = torch.equal(got_t, want.to(torch_dtype(sd)))
     wf = want.float()
     return (got_t.float() - wf).abs() / (wf.abs().clamp_min(floor) * step), exact
 
@@ -157,9 +157,9 @@ def safe_run_config(m: Manifest, store: CacheStore, *, model: str | None = None,
             return None, notes, (f"the manifest points {', '.join(inside)} inside the cache itself; a cache never "
                                  "holds the target, its tokenizer, data or template, so nothing there is loaded. Pass "
                                  f"--model PATH for the target, or run {what} from the original run's files")
-    recorded = _COMPUTE_NAME.get(str(m.identity.get("compute_dtype", "")))
-    if recorded:
-        cfgd["model"]["dtype"] = recorded  # same arithmetic as the run, whatever this machine's default
+    recorded = StorageDtype.from_logical(str(m.identity.get("compute_dtype", "")))
+    if recorded is not None and not recorded.is_fp8:
+        cfgd["model"]["dtype"] = recorded.value  # same arithmetic as the run, whatever this machine's default
     if device:
         cfgd["model"]["device"] = device
     return cfgd, notes, None

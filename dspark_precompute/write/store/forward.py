@@ -38,6 +38,7 @@ from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import NonFiniteStatesError, RankFailedError, StoppedBySignal
 from dspark_precompute.faults import fault_point
 from dspark_precompute.progress import Progress
+from dspark_precompute.tensors import torch_dtype
 from dspark_precompute.write.parallel.distributed import ERROR, Coordinator, Lockstep, Ranks
 from dspark_precompute.write.plan.array_specs import ArraySpec
 from dspark_precompute.write.plan.prepare import Plan
@@ -49,11 +50,6 @@ from dspark_precompute.write.store.writer import UnitWriter, resolve_writers
 from dspark_precompute.write.target.capture import HiddenStateCapture
 
 log = logging.getLogger(__name__)
-
-
-def torch_dtype(d: str) -> torch.dtype:
-    """The torch dtype of a storage dtype's output (bf16, fp16, fp32; fp8 is dequantized to bf16)."""
-    return getattr(torch, StorageDtype(d).torch_name)  # type: ignore[no-any-return]
 
 
 def state_arrays(specs: list[ArraySpec]) -> list[StateArray]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dspark_precompute.contract.store import write_atomically
 from dspark_precompute.errors import TargetError
 from dspark_precompute.write.config.schema import TINY, ModelConfig, ParallelConfig
 from dspark_precompute.write.target import sharding, tiny
@@ -133,9 +134,8 @@ def file_sha256s(files: list[Path]) -> dict[Path, str]:
     if changed:
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, sort_keys=True))
-            os.replace(tmp, cache_file)
+            write_atomically(cache_file, [json.dumps(known, sort_keys=True).encode()],
+                             tmp=cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp"), fsync=False)
         except OSError as exc:  # a read-only home: hash again next time, nothing else is lost
             log.warning("could not remember weight hashes in %s (%s); they will be recomputed next run",
                         cache_file, exc)
