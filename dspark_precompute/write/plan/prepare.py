@@ -11,6 +11,7 @@ builds the cache's manifest.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from dataclasses import dataclass
@@ -201,6 +202,9 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
             images = images_sha256(cfg.data, data_root(str(cfg.data.path)))
         if images:
             target.load_vision()  # the vision tower runs on the rows' pixels: loaded, and counted in the fit
+            if importlib.util.find_spec("PIL") is None:
+                problems.append(f"data.path={cfg.data.path} holds rows with images, which need Pillow to be "
+                                "decoded; install the vision extra: pip install 'dspark-precompute[vision]'")
             if cfg.parallel.sharded:
                 problems.append(f"data.path={cfg.data.path}: rows with images under parallel.fsdp/ep/tp are not "
                                 "supported yet (the whole image-text model, vision tower included, has not been "

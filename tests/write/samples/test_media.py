@@ -334,3 +334,20 @@ def test_rows_with_images_count_the_vision_tower_in_the_fit_and_are_refused_shar
     assert vision > 0 and full - lm == vision * 4  # fp32
     with pytest.raises(ConfigError, match="rows with images under parallel"):
         prepare(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", "parallel.fsdp=2")), world=2)
+
+
+def test_rows_with_images_without_pillow_are_refused_naming_the_vision_extra(vl_dir, data_dir, tmp_path,
+                                                                            monkeypatch):
+    import importlib.util
+
+    from helpers import compose, refuse_building_weights, small
+
+    from dspark_precompute.errors import ConfigError
+    from dspark_precompute.write.plan.prepare import prepare
+
+    refuse_building_weights(monkeypatch)
+    rows = image_rows(data_dir, write_images(data_dir / "imgs"))
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else find(name, *a))
+    with pytest.raises(ConfigError, match=r"dspark-precompute\[vision\]"):
+        prepare(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}")))
