@@ -6,7 +6,9 @@ does not know (top_k, min_p, return_token_ids), so only what the user asked for 
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dspark_precompute.write.config.schema import Reasoning, RegenerateConfig
@@ -50,9 +52,27 @@ class Sampling:
 
 
 def history_message(m: dict[str, Any]) -> dict[str, Any]:
-    """A message as the next request's history sends it: role, content, tool calls and ids (no reasoning)."""
-    out: dict[str, Any] = {"role": m["role"], "content": m.get("content", "")}
+    """A message as the next request's history sends it: role, content, tool calls and ids (no reasoning); an
+    image part goes as OpenAI's ``image_url`` with the image inline (a ``data:`` URL: a server reads no local
+    path unless started to, and a ``data:`` URL is what vLLM's and OpenAI's chat APIs both accept)."""
+    content = m.get("content", "")
+    if isinstance(content, list):
+        content = [image_url_part(p["image"]) if p.get("type") == "image" else p for p in content]
+    out: dict[str, Any] = {"role": m["role"], "content": content}
     for key in ("tool_calls", "tool_call_id", "name"):
         if m.get(key) is not None:
             out[key] = m[key]
     return out
+
+
+_MAGIC = ((b"\xff\xd8\xff", "image/jpeg"), (b"\x89PNG", "image/png"), (b"GIF8", "image/gif"),
+          (b"RIFF", "image/webp"), (b"BM", "image/bmp"))
+
+
+def image_url_part(source: str) -> dict[str, Any]:
+    """An image (an absolute path or a ``data:`` URL, as a normalized row names it) as an ``image_url`` part."""
+    if source.startswith("data:"):
+        return {"type": "image_url", "image_url": {"url": source}}
+    data = Path(source).read_bytes()
+    mime = next((t for magic, t in _MAGIC if data.startswith(magic)), "application/octet-stream")
+    return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}

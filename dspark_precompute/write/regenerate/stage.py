@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dspark_precompute.write.config.schema import OnLength, PrecomputeConfig, Reasoning, Turns
+from dspark_precompute.contract.vocab import RejectReason
+from dspark_precompute.write.config.schema import TINY, OnLength, PrecomputeConfig, Reasoning, Turns
 from dspark_precompute.write.regenerate.accounting import RegenCounts, RegenReason, RowRejected
 from dspark_precompute.write.regenerate.boundaries import mismatch
 from dspark_precompute.write.regenerate.client import Pool, Reply, RequestFailed, Server
@@ -25,7 +26,10 @@ from dspark_precompute.write.regenerate.request import Sampling
 from dspark_precompute.write.regenerate.splice import Spliced, empty_answer, splice
 from dspark_precompute.write.regenerate.store import ResumeStore, atomic_write, canonical, row_key
 from dspark_precompute.write.samples.files import resolve_source
-from dspark_precompute.write.samples.normalize import Conversation, normalize
+from dspark_precompute.write.samples.images import content_sha256, data_root, image_base, image_sources
+from dspark_precompute.write.samples.images import resolve_source as resolve_source_of_image
+from dspark_precompute.write.samples.media import media_spec_for
+from dspark_precompute.write.samples.normalize import Conversation, Reject, normalize
 from dspark_precompute.write.samples.rows import iter_rows
 from dspark_precompute.write.target.load import sha256_file
 
@@ -122,8 +126,9 @@ class _Checker:
                "prompt_tokens": sum(r.prompt_tokens for _, _, r in spliced.replies),
                "completion_tokens": sum(r.completion_tokens for _, _, r in spliced.replies)}
         for history, turn, reply in spliced.replies:
-            if self.tokenizer is None or reply.token_ids is None:
-                continue
+            if self.tokenizer is None or reply.token_ids is None or any(
+                    isinstance(m.get("content"), list) for m in history):
+                continue  # a history with images renders through the processor's expansion, not this template
             out["token_checked_turns"] += 1
             why = mismatch(self.tokenizer, self.template, history, turn, reply, tools)
             if why is not None:
@@ -164,9 +169,40 @@ def _rows(cfg: PrecomputeConfig, settings_sha: str) -> Iterator[tuple[int, str, 
     """(row, key, conversation) of every source row; an invalid one has an empty key and its reason in place of the
     conversation."""
     source = resolve_source(cfg.data.path, cfg.data.split_slice()[0])
+    media = asks_images(cfg)
+    root = data_root(str(cfg.data.path)) if media else None
     for i, raw in enumerate(iter_rows(source, cfg.data)):
-        conv = normalize(raw, str(cfg.data.format))
-        yield i, (row_key(raw.record, settings_sha) if isinstance(conv, Conversation) else ""), conv
+        conv: Conversation | Reject = normalize(raw, str(cfg.data.format), media=media)
+        hashes = ""
+        if isinstance(conv, Conversation) and conv.media:
+            conv, hashes = _with_images(conv, image_base(root, raw.file), raw)
+        yield i, (row_key(raw.record, settings_sha + hashes) if isinstance(conv, Conversation) else ""), conv
+
+
+def asks_images(cfg: PrecomputeConfig) -> bool:
+    """Whether rows with images are asked with their images: unless the target is a local checkpoint that reads
+    none (then they stay invalid rows, as the capture would reject them). A hub id is asked: the server knows."""
+    path = Path(cfg.model.path).expanduser()
+    if cfg.model.path == TINY:
+        return False
+    return media_spec_for(path, cfg.data.image) is not None if path.is_dir() else True
+
+
+def _with_images(conv: Conversation, base: Path | None, raw: Any) -> tuple[Conversation | Reject, str]:
+    """The conversation with every image named absolutely (the regenerated file lives elsewhere; the capture reads
+    the images from it again), and the images' content hashes (part of the row's key: a changed image is asked
+    again); a missing image makes the row invalid, as the capture would reject it."""
+    sources = [resolve_source_of_image(src, base) for src in image_sources(conv.messages)]
+    hashes = [content_sha256(src) for src in sources]
+    missing = [src for src, h in zip(sources, hashes, strict=True) if h.startswith("missing:")]
+    if missing:
+        return Reject(raw.row, RejectReason.IMAGE_MISSING, f"image {missing[0][:200]!r} cannot be read",
+                      raw.line, raw.file_row, raw.file), ""
+    it = iter(sources)
+    messages = [{**m, "content": [{"type": "image", "image": next(it)} if p.get("type") == "image" else p
+                                  for p in m["content"]]} if isinstance(m.get("content"), list) else m
+                for m in conv.messages]
+    return Conversation(messages, conv.tools, media=True), "\0" + "\0".join(hashes)
 
 
 def _select(cfg: PrecomputeConfig, store: ResumeStore) -> _Selection:

@@ -397,3 +397,80 @@ def test_an_answer_of_the_wrong_shape_is_a_request_failed_reject_naming_what_is_
     assert (reject["row"], reject["reason"]) == (0, "request_failed") and why in reject["message"]
     logged = [json.loads(x) for x in (out.with_name(out.name + ".parts") / "log.jsonl").read_text().splitlines()]
     assert [r["row"]["messages"][1]["content"] for r in logged] == ["echo: question 1"]  # the bad one: not logged
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    from dspark_precompute.write.target.tiny import save_image_text_checkpoint
+
+    d = tmp_path_factory.mktemp("tiny_qwen3_vl")
+    save_image_text_checkpoint("qwen3_vl", d)
+    return d
+
+
+def image_rows_file(tmp_path: Path) -> tuple[Path, list[bytes]]:
+    """Two rows with a JPEG each (relative paths, both forms) and a text row; the images' bytes."""
+    import numpy as np
+    from PIL import Image
+
+    (tmp_path / "imgs").mkdir()
+    rng, blobs = np.random.default_rng(0), []
+    for k in range(2):
+        Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(tmp_path / "imgs" / f"{k}.jpg")
+        blobs.append((tmp_path / "imgs" / f"{k}.jpg").read_bytes())
+    rows = [{"messages": [{"role": "user", "content": "<image>What is it?"},
+                          {"role": "assistant", "content": "recorded"}], "images": ["imgs/0.jpg"]},
+            {"messages": [{"role": "user", "content": "plain question"}, {"role": "assistant", "content": "rec"}]},
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                                        {"type": "image_url", "image_url": {"url": "imgs/1.jpg"}}]},
+                          {"role": "assistant", "content": "recorded"}]}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, blobs
+
+
+def sent_images(body: dict) -> list[bytes]:
+    import base64
+
+    return [base64.b64decode(p["image_url"]["url"].split(",", 1)[1]) for m in body["messages"]
+            if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image_url"]
+
+
+def test_rows_with_images_are_asked_with_the_images_inline_and_the_regenerated_rows_capture(tmp_path, vl_dir):
+    from helpers import small
+
+    from dspark_precompute.read.reader import CacheReader
+    from dspark_precompute.write.run import run
+
+    data, blobs = image_rows_file(tmp_path)
+    with Fake() as f:
+        done, capture = regenerate_stage(config(tmp_path, [f.url], data, f"model.path={vl_dir}"))
+        sent = {i: sent_images(b) for i, b in enumerate(f.requests)}
+    assert done.counts.regenerated == 3 and sorted(map(len, sent.values())) == [0, 1, 1]
+    assert sorted(x[0] for x in sent.values() if x) == sorted(blobs)  # the files' own bytes, as data: URLs
+    rows = output_rows(tmp_path)
+    parts = [p for r in rows for m in r["messages"] if isinstance(m["content"], list) for p in m["content"]
+             if p["type"] == "image"]
+    assert [Path(p["image"]).read_bytes() for p in parts] == blobs  # named absolutely: read from anywhere
+    assert all(m["content"].startswith("echo: ") for r in rows for m in r["messages"] if m["role"] == "assistant")
+    result = run(compose([*small(tmp_path, f"model.path={vl_dir}", "seq_length=1024"),
+                          f"data.path={capture.data.path}"]))
+    assert result.complete and len(CacheReader(result.path)) == 3
+
+
+def test_a_changed_image_is_asked_again_and_a_missing_one_is_an_invalid_row_never_sent(tmp_path, vl_dir):
+    import numpy as np
+    from PIL import Image
+
+    data, _ = image_rows_file(tmp_path)
+    with Fake() as f:
+        regenerate_stage(config(tmp_path, [f.url], data, f"model.path={vl_dir}"))
+    Image.fromarray(np.zeros((64, 96, 3), dtype=np.uint8)).save(tmp_path / "imgs" / "1.jpg")
+    (tmp_path / "imgs" / "0.jpg").unlink()
+    with Fake() as f:
+        done, _ = regenerate_stage(config(tmp_path, [f.url], data, f"model.path={vl_dir}"))
+        asked = [sent_images(b) for b in f.requests]
+    assert asked == [[(tmp_path / "imgs" / "1.jpg").read_bytes()]]  # only the changed image's row, again
+    assert done.counts.regenerated == 2
+    assert [(r["row"], r["reason"]) for r in rejects_of(tmp_path / "cache.regenerated.jsonl")] == [
+        (0, "image_missing")]
