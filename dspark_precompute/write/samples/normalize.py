@@ -165,6 +165,19 @@ def _content(content: Any, where: str, media: _Media | None) -> Any:
     return _text(content, where)
 
 
+def _no_media_lists(rec: dict[str, Any]) -> None:
+    """Refuse a row with an ``images`` or ``videos`` list when the target reads text only (its placeholders would
+    be captured as the literal text ``<image>``)."""
+    if rec.get("videos"):
+        raise _RowProblem(Reason.VIDEO_UNSUPPORTED, f"the row has a 'videos' list: {VIDEO_REFUSAL}")
+    images = rec.get("images")
+    if images:
+        n = len(images) if isinstance(images, list) else 1
+        raise _RowProblem(Reason.NON_TEXT_CONTENT, f"the row has an 'images' list ({n}) and the target reads text "
+                                                   "only; capture it through an image-text checkpoint, or drop the "
+                                                   "images and their <image> placeholders")
+
+
 def _row_media(rec: dict[str, Any]) -> _Media:
     images, videos = rec.get("images") or [], rec.get("videos") or []
     if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
@@ -229,6 +242,8 @@ def normalize(raw: RawRow, fmt: str = "auto", media: bool = False) -> Conversati
         _check_unicode(msgs, "conversations" if sharegpt else "messages")
         _check_unicode(rec.get("tools"), "tools")
         found = _row_media(rec) if media else None
+        if not media:
+            _no_media_lists(rec)  # a text target: a row that names images or videos is never captured as text
         messages = [_normalize_message(m, i, sharegpt, found) for i, m in enumerate(msgs)]
         if found is not None and found.used[0] != len(found.images):
             raise _RowProblem(Reason.IMAGE_MISSING, f"the row's 'images' list holds {len(found.images)} images but "

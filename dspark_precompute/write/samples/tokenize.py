@@ -43,7 +43,8 @@ REJECT_FIXES = {
     Reason.INVALID_UTF8: "re-encode the data file as UTF-8",
     Reason.MISSING_MESSAGES: "set data.format (messages or sharegpt) or fix the rows' keys",
     Reason.UNKNOWN_ROLE: "map the roles to system/user/assistant/tool, or use data.format=sharegpt",
-    Reason.NON_TEXT_CONTENT: "drop image/audio parts; this tool captures text targets only",
+    Reason.NON_TEXT_CONTENT: "capture rows with images through an image-text checkpoint (model.path), or drop "
+                             "their image/audio parts",
     Reason.NO_ASSISTANT_TURN: "the rows have nothing to supervise; check the role names",
     Reason.TEMPLATE_ERROR: "check data.chat_template against these rows",
     Reason.UNMASKABLE: "use a chat template with {% generation %} blocks (data.chat_template)",
@@ -197,7 +198,9 @@ def tokenize(enc: RowEncoding, data: DataConfig, ranks: Ranks | None = None) -> 
             "the threshold."
         )
     if not kept:
-        raise DataError(f"no row of data.path={data.path!r} became a sample")
+        by = ", ".join(f"{k}={v}" for k, v in sorted(reason_counts(rejects).items()))
+        first = f" First: row {rejects[0].row}{_where(rejects[0])}: {rejects[0].message}" if rejects else ""
+        raise DataError(f"no row of data.path={data.path!r} became a sample ({by or 'none read'}).{first}")
     sample_rows = np.asarray([sel for sel, _ in kept], dtype=np.int64)
     stats = np.asarray([r for _, r in kept], dtype=np.int64).reshape(-1, 3)
     sample_of = {int(sel): i for i, sel in enumerate(sample_rows)}

@@ -46,7 +46,10 @@ def test_openai_image_parts_take_each_url_form():
 def test_without_an_image_text_target_image_parts_stay_non_text_content():
     row = {"messages": [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "a"}],
            "images": ["x.jpg"]}
-    assert norm(row, media=False).messages[0]["content"] == "<image>hi"  # plain text to a text target
+    # a text target never captures the placeholder as the literal text "<image>": the row names an image it
+    # cannot see, so it is a reject like an image part (and an empty list names none)
+    assert norm(row, media=False).reason == "non_text_content"
+    assert norm({**row, "images": []}, media=False).messages[0]["content"] == "<image>hi"
     parts = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
                           {"role": "assistant", "content": "a"}]}
     assert norm(parts, media=False).reason == "non_text_content"

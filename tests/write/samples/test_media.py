@@ -351,3 +351,47 @@ def test_rows_with_images_without_pillow_are_refused_naming_the_vision_extra(vl_
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else find(name, *a))
     with pytest.raises(ConfigError, match=r"dspark-precompute\[vision\]"):
         prepare(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}")))
+
+
+def test_the_shared_demo_rows_in_both_published_forms_capture_to_the_same_cache_and_videos_are_rejects(
+        vl_dir, tmp_path):
+    """The real LLaMA-Factory demo rows (../shared/data/vision), as published and in OpenAI form: the same ids and
+    states for every row; the video demo's rows are video_unsupported rejects naming torchvision."""
+    from helpers import SHARED, compose, small
+
+    from dspark_precompute.read.reader import CacheReader
+    from dspark_precompute.write.run import run
+
+    vision = SHARED / "vision"
+    if not (vision / "mllm_demo.json").is_file():
+        pytest.skip(f"{vision} is absent: the shared vision rows")
+    caches = []
+    for k, name in enumerate(("mllm_demo.json", "mllm_demo.openai.jsonl")):
+        result = run(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={vision / name}",
+                                   "seq_length=4096", "batch.max_tokens=8192", name=f"c{k}")))
+        caches.append(CacheReader(result.path))
+    a, b = caches
+    assert len(a) == len(b) == 6
+    pad = encoder(vl_dir, vision)[1].media.vision.image
+    for i in range(6):
+        x, y = a.sample(i), b.sample(i)
+        pads = x["input_ids"] == pad
+        assert int(pads.sum()) > 0 and not x["loss_mask"][pads].any()  # every row holds an image, never supervised
+        for key in x:
+            assert torch.equal(x[key], y[key]), (i, key)
+    from dspark_precompute.errors import DataError
+
+    with pytest.raises(DataError, match=r"no row .* became a sample \(video_unsupported=3\).*torchvision"):
+        run(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={vision / 'mllm_video_demo.json'}",
+                          "data.max_invalid_fraction=1.0", name="video")))
+
+
+def test_a_text_target_rejects_rows_naming_images_or_videos_instead_of_capturing_their_placeholders_as_text():
+    row = sharegpt_row(["a.jpg", "b.jpg"])
+    got = normalize(RawRow(0, 1, record=row))
+    assert isinstance(got, Reject) and got.reason == "non_text_content" and "'images' list (2)" in got.message
+    video = {"messages": row["messages"], "videos": ["a.mp4"]}
+    got = normalize(RawRow(0, 1, record=video))
+    assert isinstance(got, Reject) and got.reason == "video_unsupported" and "torchvision" in got.message
+    empty = normalize(RawRow(0, 1, record={**row, "images": []}))
+    assert not isinstance(empty, Reject)  # an empty list names no image
