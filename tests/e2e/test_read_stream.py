@@ -11,6 +11,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import compose, small
@@ -62,9 +63,14 @@ def _expected(path: str) -> Counter:
 
 
 def _supervise(commands: dict[str, list[list[str]]], faults: dict[str, list[str | None]], cwd: Path,
-               deadline_s: float = 400) -> dict[str, list[int]]:
+               deadline_s: float = 400, kill_when: dict[str, list[tuple[Any, float]]] | None = None
+               ) -> dict[str, list[int]]:
     """Run each side's command, restarting it with its next fault (None: none) each time it is killed, until every
-    side exits 0; the exit codes of each side's runs."""
+    side exits 0; the exit codes of each side's runs. ``kill_when``: a side's k-th run is SIGKILLed ``delay``
+    seconds after ``condition()`` first holds (a kill wherever it then is, not at a named point); the runs after
+    the list's end go on to the end."""
+    kill_when = kill_when or {}
+    armed: dict[str, float | None] = {}
     env0 = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     env0.pop("DSPARK_FAULT", None)
     codes: dict[str, list[int]] = {k: [] for k in commands}
@@ -80,6 +86,17 @@ def _supervise(commands: dict[str, list[list[str]]], faults: dict[str, list[str 
     while procs and time.time() < end:
         for side, p in list(procs.items()):
             rc = p.poll()
+            plan = kill_when.get(side, [])
+            if rc is None and len(codes[side]) < len(plan):
+                condition, delay = plan[len(codes[side])]
+                if armed.get(side) is None and condition():
+                    armed[side] = time.time() + delay
+                at = armed.get(side)
+                if at is not None and time.time() >= at:
+                    p.kill()
+                    rc = p.wait()
+            if rc is not None:
+                armed[side] = None
             if rc is None:
                 continue
             codes[side].append(rc)
@@ -125,6 +142,44 @@ def test_producer_and_trainer_each_killed_and_resumed_deliver_every_sample_the_p
     info = subprocess.run([sys.executable, "-m", "dspark_precompute.cli.cache", "info", str(cache)],
                           capture_output=True, text=True, check=True).stdout
     assert f"units captured {n} of {n}, released {n}, resident 0" in info
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_producer_and_trainer_killed_at_random_moments_still_deliver_every_sample_the_promised_times(
+        tmp_path, full, seed):
+    """SIGKILL at seeded random moments (not at named points): starting up, forwarding, writing, committing,
+    releasing, deleting, checkpointing. Whatever the moment, what the trainer's checkpoints say it received equals
+    the full cache, every sample ``passes`` times."""
+    import random
+
+    rng = random.Random(seed)
+    cache, ckpt = tmp_path / "c", tmp_path / "ckpt.json"
+    produce = [sys.executable, "-m", "dspark_precompute", *small(tmp_path, *UNITS, name="c"),
+               "storage.window_units=2", "log_level=INFO"]
+    train = [sys.executable, "-c", TRAIN, str(cache), str(ckpt), str(PASSES)]
+
+    def commits(k: int):  # the producer has committed k units (this run or an earlier one)
+        return lambda: len(list((cache / "commits").glob("u*.json"))) >= k
+
+    def received(k: int):  # the trainer's checkpoint holds k samples
+        return lambda: ckpt.exists() and len(json.loads(ckpt.read_text() or "{}").get("seen", [])) >= k
+
+    kills = {"producer": [(commits(k), rng.uniform(0.0, 1.0)) for k in (1, 2, 3)],
+             "trainer": [(received(k), rng.uniform(0.0, 0.6)) for k in (2, 5, 9, 14)]}
+    faults = {side: [None] * (len(k) + 1) for side, k in kills.items()}
+    codes = _supervise({"producer": [produce], "trainer": [train]}, faults, tmp_path, deadline_s=600,
+                       kill_when=kills)
+    logs = {k: (tmp_path / f"{k}.log").read_text()[-3000:] for k in codes}
+    assert codes["producer"][-1] == 0 and codes["trainer"][-1] == 0, (codes, logs)
+    # every planned kill landed: the trainer waits for the producer, and the window holds the producer back
+    assert codes == {"producer": [-9, -9, -9, 0], "trainer": [-9, -9, -9, -9, 0]}, codes
+    seen = json.loads(ckpt.read_text())["seen"]
+    got = Counter((tuple(ids), a, b) for ids, a, b in seen)
+    assert got == _expected(full), codes
+    n = json.loads((cache / "manifest.json").read_text())["layout"]["num_units"]
+    assert released_units(CacheStore(str(cache)), n) == set(range(n))
+    assert verify_cache(str(cache)).ok
 
 
 def test_a_window_on_a_cache_written_in_full_is_refused_saying_so(full):
