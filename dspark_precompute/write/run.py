@@ -184,7 +184,7 @@ class _Run:
             if manifest is not None and manifest.complete:
                 if ranks.main:  # a window asked of a cache written in full is refused, saying why
                     check_window(self.store, self.cfg.storage, True, manifest.layout.num_units,
-                                 manifest.layout.num_units, self.cfg.parallel.sharded)
+                                 manifest.layout.num_units, self.cfg.parallel.tp > 1)
                 log.info("cache %s is complete (%d samples): nothing to do", plan.path, manifest.counts.samples)
                 return RunResult.of(plan.path, manifest.counts, self.store.nbytes(),
                                     time.perf_counter() - self.t_start, 0, manifest.layout.num_units)
@@ -284,7 +284,7 @@ class _Run:
         window). Rank 0 checks the window against the cache and records it; every rank gets it."""
         storage = self.cfg.storage
         window = self.ranks.broadcast(self.ranks.together(lambda: check_window(
-            self.store, storage, False, committed, layout.num_units, self.cfg.parallel.sharded)
+            self.store, storage, False, committed, layout.num_units, self.cfg.parallel.tp > 1)
             if self.ranks.main else None))
         if window is None:
             return None

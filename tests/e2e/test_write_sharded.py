@@ -9,8 +9,10 @@ Module: ``write/target/sharding.py`` (the layouts, their checks and the sharded 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -246,3 +248,41 @@ def test_image_text_layouts_transformers_cannot_shard_are_refused_before_weights
         path = image_text_checkpoint(tmp_path / model_type, model_type)
         with pytest.raises(ConfigError, match=words):
             run(compose(overrides(tmp_path, "c", path, "parallel.fsdp=2", layout)))
+
+
+def test_fsdp2_writes_through_a_window_in_lockstep_while_a_trainer_reads_and_delivers_the_one_copy_cache(tmp_path):
+    """Both ranks wait for the trainer together (an agreement per poll, dummy forwards for a busy peer): the window
+    holds, the trainer receives every sample of the one-copy cache once, and every unit is released."""
+    from collections import Counter
+
+    from test_write_distributed import free_port
+
+    from dspark_precompute.contract.store import CacheStore
+    from dspark_precompute.contract.window import released_units
+    from dspark_precompute.read.reader import open_cache
+    from dspark_precompute.read.training import build_dataloader
+
+    ref = open_cache(one_copy(tmp_path))
+    want = Counter((tuple(ref[i]["input_ids"].tolist()), float(ref[i]["target_hidden_states"].double().sum()))
+                   for i in range(len(ref)))
+    path = tmp_path / "w"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "dspark_precompute",
+           *overrides(tmp_path, "w", "parallel.fsdp=2", "storage.window_units=1")]
+    producer = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        loader = build_dataloader(str(path), stream=True, batch_size=1, release="delivery", poll_s=0.05,
+                                  wait_timeout_s=300)
+        got = Counter()
+        for b in loader:
+            m = b["attention_mask"][0].bool()
+            got[(tuple(b["input_ids"][0][m].tolist()), float(b["target_hidden_states"][0][m].double().sum()))] += 1
+        out, _ = producer.communicate(timeout=300)
+    finally:
+        producer.kill()
+    assert producer.returncode == 0, out[-4000:]
+    assert "waits until the trainer releases unit" in out  # the window held the ranks back
+    assert len(want) > 0 and got == want
+    n = ref.num_units
+    assert n >= 3 and released_units(CacheStore(str(path)), n) == set(range(n))

@@ -193,6 +193,7 @@ class Agreement:
 
     stops: dict[int, int]
     busy: bool
+    waiting: bool = False  # some rank waits for the trainer (storage.window_*): the group polls until it may go
 
 
 class Lockstep:
@@ -215,31 +216,37 @@ class Lockstep:
         self.halt: Agreement | None = None
         self.inside = False
 
-    def agree(self, has_work: bool, code: int = 0) -> Agreement:
+    def agree(self, has_work: bool, code: int = 0, waiting: bool = False) -> Agreement:
         if not self.enabled:
-            return Agreement({0: code} if code else {}, has_work)
+            return Agreement({0: code} if code else {}, has_work, waiting)
         import torch
         import torch.distributed as dist
 
-        flags = torch.zeros(self.ranks.world + 1, dtype=torch.int64)
+        flags = torch.zeros(self.ranks.world + 2, dtype=torch.int64)
         flags[self.ranks.rank] = code
-        flags[-1] = int(has_work)
+        flags[-2] = int(has_work)
+        flags[-1] = int(waiting)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         values = flags.tolist()
-        return Agreement({r: int(c) for r, c in enumerate(values[:-1]) if c}, bool(values[-1]))
+        return Agreement({r: int(c) for r, c in enumerate(values[:-2]) if c}, bool(values[-2]), bool(values[-1]))
+
+    def step(self, has_work: bool, signum: int | None = None, waiting: bool = False) -> Agreement | None:
+        """One agreement of the group (a stop is kept): what it agreed, or None once it stops."""
+        if self.halt is not None:
+            return None
+        with self.collective():
+            agreed = self.agree(has_work, signum or 0, waiting)
+        if agreed.stops:
+            self.halt = agreed
+            return None
+        return agreed
 
     def go(self, has_work: bool = True, signum: int | None = None) -> bool:
         """Whether to run the next forward: this rank's signal flag, or what every rank agreed (a stop is kept)."""
         if not self.enabled:
             return signum is None
-        if self.halt is not None:
-            return False
-        with self.collective():
-            agreed = self.agree(has_work, signum or 0)
-        if agreed.stops:
-            self.halt = agreed
-            return False
-        return agreed.busy
+        agreed = self.step(has_work, signum)
+        return agreed is not None and agreed.busy
 
     @contextmanager
     def collective(self) -> Iterator[None]:

@@ -198,9 +198,9 @@ def tokenize(enc: RowEncoding, data: DataConfig, ranks: Ranks | None = None) -> 
             "the threshold."
         )
     if not kept:
-        by = ", ".join(f"{k}={v}" for k, v in sorted(reason_counts(rejects).items()))
+        counted = ", ".join(f"{k}={v}" for k, v in sorted(reason_counts(rejects).items()))
         first = f" First: row {rejects[0].row}{_where(rejects[0])}: {rejects[0].message}" if rejects else ""
-        raise DataError(f"no row of data.path={data.path!r} became a sample ({by or 'none read'}).{first}")
+        raise DataError(f"no row of data.path={data.path!r} became a sample ({counted or 'none read'}).{first}")
     sample_rows = np.asarray([sel for sel, _ in kept], dtype=np.int64)
     stats = np.asarray([r for _, r in kept], dtype=np.int64).reshape(-1, 3)
     sample_of = {int(sel): i for i, sel in enumerate(sample_rows)}

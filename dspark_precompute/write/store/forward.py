@@ -45,6 +45,7 @@ from dspark_precompute.write.plan.prepare import Plan
 from dspark_precompute.write.samples.media import MediaInputs
 from dspark_precompute.write.store.batching import batch_inputs, make_batches
 from dspark_precompute.write.store.transfer import StateArray, UnitCheck, UnitTransfer, zero_samples
+from dspark_precompute.write.store.window import POLL_S as WINDOW_POLL_S
 from dspark_precompute.write.store.window import WindowGate
 from dspark_precompute.write.store.writer import UnitWriter, resolve_writers
 from dspark_precompute.write.target.capture import HiddenStateCapture
@@ -124,8 +125,9 @@ class ForwardLoop:
               progress: Progress) -> None:
         """One unit: its batches forwarded into a free buffer, checked, handed to the writers."""
         layout = self.layout
-        if self.gate is not None and not self.gate.wait(u, writer.drain):
-            return  # a signal while waiting for the trainer: nothing of this unit was started
+        step = (lambda: self._wait_step(capture)) if self.lockstep.enabled else None
+        if self.gate is not None and not self.gate.wait(u, writer.drain, step):
+            return  # a signal (or the group's stop) while waiting for the trainer: nothing of this unit was started
         slot = writer.acquire()
         bufs = writer.buffers(slot)
         transfer.start(bufs)
@@ -193,7 +195,7 @@ class ForwardLoop:
                     if not lockstep.enabled:
                         coord.check()  # one copy per rank: a peer's failure is read from its marker, between units
                     each(u)
-                self._idle(capture)
+                self._idle(capture, writer.drain if writer is not None else None)
             except BaseException as exc:
                 self._stop_on_error(exc, coord, writer)
                 raise
@@ -255,13 +257,39 @@ class ForwardLoop:
         with self.lockstep.collective():
             return capture(ids, media=pixels)
 
-    def _idle(self, capture: HiddenStateCapture) -> None:
-        """Lockstep: dummy 1-token forwards while another rank still has batches (their collectives need ours)."""
+    def _idle(self, capture: HiddenStateCapture, settle: Callable[[], None] | None = None) -> None:
+        """Lockstep: dummy 1-token forwards while another rank still has batches (their collectives need ours).
+
+        While a peer waits for the trainer the group polls together; ``settle`` (this rank's writers' drain) runs
+        first, so the units this rank submitted are committed: the trainer may need them to release any unit."""
         if not self.lockstep.enabled or self.lockstep.halt is not None:
             return
-        dummy = torch.full((1, 1), self.plan.pad_id, dtype=torch.long, device=self.device)
-        while self._go(has_work=False):
-            self._forward(capture, dummy)
+        while True:
+            agreed = self.lockstep.step(False, signals.STATE.signum)
+            if agreed is None or not (agreed.busy or agreed.waiting):
+                return
+            if agreed.busy:
+                self._forward(capture, self._dummy())
+                continue
+            if settle is not None:
+                settle()
+                settle = None
+            time.sleep(WINDOW_POLL_S)  # a peer waits for the trainer: the group polls with it
+
+    def _wait_step(self, capture: HiddenStateCapture) -> bool:
+        """Lockstep, this rank waiting for the trainer: one agreement, the dummy forward a busy peer's collectives
+        need (or a pause); False once the group stops."""
+        agreed = self.lockstep.step(False, signals.STATE.signum, waiting=True)
+        if agreed is None:
+            return False
+        if agreed.busy:
+            self._forward(capture, self._dummy())
+        else:
+            time.sleep(WINDOW_POLL_S)
+        return True
+
+    def _dummy(self) -> torch.Tensor:
+        return torch.full((1, 1), self.plan.pad_id, dtype=torch.long, device=self.device)
 
     def _group_stopped(self, coord: Coordinator) -> None:
         """Lockstep: raise on this rank what stopped the group (a peer's failure, or a signal), once all have met."""

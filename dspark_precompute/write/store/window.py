@@ -33,12 +33,13 @@ SAY_EVERY_S = 60.0  # how often it logs that it still waits
 
 
 def check_window(store: CacheStore, storage: StorageConfig, complete: bool, committed: int, num_units: int,
-                 sharded: bool) -> StreamRecord | None:
+                 tensor_parallel: bool) -> StreamRecord | None:
     """The window this run writes through (None: the full cache), or a WindowError saying why it cannot.
 
     A window given for a cache written in full, a windowed cache resumed without one (it would grow to
-    the whole dataset while units are already released), and a sharded target (its ranks forward in
-    lockstep, so one rank cannot wait alone) are refused.
+    the whole dataset while units are already released), and tensor parallel (a group's followers forward the
+    writer's batches and cannot wait with it) are refused. Under fsdp/ep the ranks wait in lockstep
+    (:meth:`WindowGate.wait`'s ``step``).
     """
     recorded = StreamRecord.read(store)
     path = store.path
@@ -53,10 +54,11 @@ def check_window(store: CacheStore, storage: StorageConfig, complete: bool, comm
                           "only while a cache is written. Train from it as it is (build_dataloader(path), no stream), "
                           "or drop storage.window_units/window_mib, or write a new windowed cache (another "
                           "storage.path, or overwrite=true)")
-    if sharded:
-        raise WindowError("storage.window_units/window_mib with a sharded target (parallel.fsdp/ep/tp) is not "
-                          "supported: its ranks forward in lockstep and one cannot wait for the trainer alone. Run "
-                          "the window with a target that fits one device per rank, or drop the window")
+    if tensor_parallel:
+        raise WindowError("storage.window_units/window_mib with tensor parallel (parallel.tp > 1) is not supported: "
+                          "a group's ranks forward the same batches and only its first writes, so its followers "
+                          "cannot wait for the trainer with it. Use parallel.fsdp/ep (supported with a window), or "
+                          "drop the window")
     window = StreamRecord(storage.window_units, storage.window_mib)
     if recorded != window:
         if recorded is None and committed:
@@ -81,11 +83,13 @@ class WindowGate:
         """Whether unit ``u`` may start while ``r`` is the first unit not released (``r`` itself always may)."""
         return self.window.admits(u, r, self.unit_bytes)
 
-    def wait(self, u: int, settle: Callable[[], None] | None = None) -> bool:
+    def wait(self, u: int, settle: Callable[[], None] | None = None, step: Callable[[], bool] | None = None) -> bool:
         """Block until unit ``u`` fits; False when a signal came first (the loop stops as on any signal).
 
         ``settle`` (the writers' drain) runs once before waiting: the units in flight must be
         committed while the loop waits, or the trainer could wait for one of them forever.
+        ``step`` (a sharded target's ranks in lockstep) replaces each pause: one agreement of the group, with the
+        dummy forward a busy peer needs; False from it (the group stops: a signal, a peer's failure) ends the wait.
         """
         r = first_unreleased(released_units(self.store, self.num_units), self.num_units)
         if self.fits(u, r):
@@ -97,7 +101,7 @@ class WindowGate:
         last_r = r
         self._say(u, r, 0.0)
         while not self.fits(u, r):
-            if signals.STATE.signum is not None:
+            if step is None and signals.STATE.signum is not None:
                 self._done(t0)
                 return False
             now = time.monotonic()
@@ -113,7 +117,11 @@ class WindowGate:
             if now - said >= SAY_EVERY_S:
                 said = now
                 self._say(u, r, now - t0)
-            time.sleep(POLL_S)
+            if step is None:
+                time.sleep(POLL_S)
+            elif not step():
+                self._done(t0)
+                return False
             r = first_unreleased(released_units(self.store, self.num_units), self.num_units)
         self._done(t0)
         return True

@@ -26,11 +26,11 @@ def test_a_windowed_cache_resumed_without_a_window_is_refused_naming_the_overrid
         check_window(store, StorageConfig(), False, 1, 4, False)
 
 
-def test_a_window_on_a_finished_full_cache_or_a_sharded_target_is_refused(tmp_path):
+def test_a_window_on_a_finished_full_cache_or_a_tensor_parallel_target_is_refused(tmp_path):
     store = CacheStore(tmp_path)
     with pytest.raises(WindowError, match="already written in full"):
         check_window(store, StorageConfig(window_units=2), True, 4, 4, False)
-    with pytest.raises(WindowError, match="sharded target"):
+    with pytest.raises(WindowError, match=r"tensor parallel \(parallel.tp > 1\)"):
         check_window(store, StorageConfig(window_units=2), False, 0, 4, True)
 
 
