@@ -36,8 +36,10 @@ from benchlib import (
     logger,
     machine,
     md_table,
+    median,
     model_overrides,
     output_args,
+    rotated,
     save,
     synthetic_rows,
 )
@@ -90,8 +92,8 @@ def command(args: argparse.Namespace, data: Path, cache: Path, extra: list[str])
             *args.set, *extra]
 
 
-def full_run(args: argparse.Namespace, data: Path, work: Path) -> dict[str, Any]:
-    cache = work / "full"
+def full_run(args: argparse.Namespace, data: Path, work: Path, rep: int = 0) -> dict[str, Any]:
+    cache = work / f"full-r{rep}"
     t0 = time.perf_counter()
     with DiskPeak(cache) as peak:
         subprocess.run(command(args, data, cache, []), check=True)
@@ -107,10 +109,10 @@ def full_run(args: argparse.Namespace, data: Path, work: Path) -> dict[str, Any]
             "mean_unit_bytes": sum(per_unit.values()) / len(per_unit)}
 
 
-def window_run(args: argparse.Namespace, data: Path, work: Path, step_s: float) -> dict[str, Any]:
+def window_run(args: argparse.Namespace, data: Path, work: Path, step_s: float, rep: int = 0) -> dict[str, Any]:
     from dspark_precompute.read.training import build_dataloader
 
-    cache = work / f"win-{step_s}"
+    cache = work / f"win-{step_s}-r{rep}"
     t0 = time.perf_counter()
     with DiskPeak(cache) as peak:
         producer = subprocess.Popen(command(args, data, cache, [f"storage.window_units={args.window}",
@@ -141,6 +143,30 @@ def window_run(args: argparse.Namespace, data: Path, work: Path, step_s: float) 
             "trainer_wall_s": train_wall,
             "trainer_wait_s": loader.wait_s, "trainer_tokens_per_s_own": tokens / own,
             "trainer_tokens_per_s_wall": tokens / train_wall, "producer_waits_logged": waits}
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each numeric field's median over the repeats (the others as the first run has them)."""
+    out: dict[str, Any] = {}
+    for k, v in runs[0].items():
+        m = median([r[k] for r in runs]) if isinstance(v, int | float) else v
+        out[k] = round(m) if isinstance(v, int) else m  # counts stay counts
+    return out
+
+
+def spread(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> str:
+    """The range over the repeats of what the table gives as medians (peaks and the trainer's speed)."""
+    if args.repeats < 2:
+        return ""
+    mb, lines = 1e6, []
+    for step in (0.0, args.step_s):
+        rs = runs[str(step)]
+        peak = sorted(r["peak_hidden_bytes"] / mb for r in rs)
+        wall = sorted(r["trainer_tokens_per_s_wall"] for r in rs)
+        lines.append(f"step {step} s: peak hidden-state shards {peak[0]:.1f}-{peak[-1]:.1f} MB, trainer "
+                     f"{wall[0]:,.0f}-{wall[-1]:,.0f} tokens/s of wall time")
+    return (f"\n\nMedians of {args.repeats} repeats, the three runs alternating in order; ranges: "
+            + "; ".join(lines) + ".")
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -180,6 +206,7 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA if DEFAULT_DATA.exists() else None)
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--set", nargs="*", default=[], help="more overrides of both runs (e.g. model.tokenizer=...)")
+    p.add_argument("--repeats", type=int, default=1, help="repeats of the three runs, alternating their order")
     output_args(p)
     args = p.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-window-"))
@@ -187,17 +214,23 @@ def main() -> None:
     data = work / "rows.jsonl"
     synthetic_rows(args.data, args.rows, data)
     load0 = load_average()
-    log(f"full cache of {args.rows} rows")
-    full = full_run(args, data, work)
-    wins = []
-    for step in (0.0, args.step_s):
-        log(f"window of {args.window} units, trainer beside it (step {step} s)")
-        wins.append(window_run(args, data, work, step))
+    cases = ["full", 0.0, args.step_s]
+    runs: dict[str, list[dict[str, Any]]] = {str(c): [] for c in cases}
+    for rep in range(args.repeats):
+        for case in rotated(cases, rep):  # alternating order: a drifting load hits every case alike
+            if case == "full":
+                log(f"repeat {rep + 1}: full cache of {args.rows} rows")
+                runs["full"].append(full_run(args, data, work, rep))
+            else:
+                log(f"repeat {rep + 1}: window of {args.window} units, trainer beside it (step {case} s)")
+                runs[str(case)].append(window_run(args, data, work, float(case), rep))
+    full = medians(runs["full"])
+    wins = [medians(runs[str(step)]) for step in (0.0, args.step_s)]
     results = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
                "load_average": [load0, load_average()], "args": {k: str(v) if isinstance(v, Path) else v
                                                                for k, v in vars(args).items()},
-               "full": full, "windows": wins}
-    md = markdown(results)
+               "full": full, "windows": wins, "runs": runs}
+    md = markdown(results) + spread(runs, args)
     print(md)
     save(args, results, md)
 
