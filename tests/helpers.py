@@ -130,8 +130,8 @@ def poison_second_batch(monkeypatch) -> None:
     real = HiddenStateCapture.__call__
     calls = {"n": 0}
 
-    def poisoned(self, input_ids, attention_mask=None):
-        states, last = real(self, input_ids, attention_mask)
+    def poisoned(self, input_ids, attention_mask=None, media=None):
+        states, last = real(self, input_ids, attention_mask, media)
         calls["n"] += 1
         if calls["n"] == 2:
             k = min(states)

@@ -220,8 +220,11 @@ def paused_command(tmp_path, argv, at):
     r, w = os.pipe()
     env = {**os.environ, "PAUSE_AT": at, "READY_FD": str(w),
            "PYTHONPATH": os.pathsep.join([str(hook_dir), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    # SIGINT as a terminal gives it: a suite started in the background (`nohup pytest &`) hands its children
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt for it (the command would sleep on)
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, pass_fds=(w,))
+                            text=True, pass_fds=(w,),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(w)
     with os.fdopen(r, "rb") as ready:
         line = ready.readline()  # EOF instead if the command never got there
