@@ -200,9 +200,9 @@ def expected_arrays(m: Manifest) -> dict[str, ExpectedArray]:
                                               {"logical_dtype": np.dtype(POSITION_DTYPE).name},
                                               "layout.total_token_slots x media.position_axes", shard_rows=shard,
                                               separator=sep)
-        for name, (dt, width) in IMAGE_ARRAYS.items():
+        for name, (image_dt, width) in IMAGE_ARRAYS.items():
             shape = (m.media.images,) + (() if width is None else (width,))
-            out[name] = ExpectedArray(np.dtype(dt), shape, None, {}, "media.images", separator=sep)
+            out[name] = ExpectedArray(np.dtype(image_dt), shape, None, {}, "media.images", separator=sep)
     return out
 
 

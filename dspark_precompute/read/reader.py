@@ -273,6 +273,10 @@ class CacheReader:
             out[POSITION_IDS] = got[POSITION_IDS]
         return out
 
+    def image_rows(self) -> np.ndarray:
+        """The readable samples (indices ``i``) that hold an image: empty for a text cache."""
+        return np.flatnonzero(np.isin(self.indices, self._image_sample)).astype(np.int64)
+
     def images(self, i: int) -> dict[str, Any]:
         """Sample ``i``'s images, in order: ``grid_thw`` int64 [n, 3] (the processor's patch grid of each) and
         ``sha256`` (the hex digest of each image's bytes); none for a text sample or a text cache."""

@@ -206,7 +206,7 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
         media = media_spec_for(target.local_dir, cfg.data.image)
         if media is not None and data_sha:
             images = images_sha256(cfg.data, data_root(str(cfg.data.path)))
-        if images and template is not None:
+        if images and media is not None and template is not None:
             media = described(media, tokenizer, template)  # its vision ids and position axes, for the manifest
         if images:
             target.load_vision()  # the vision tower runs on the rows' pixels: loaded, and counted in the fit
