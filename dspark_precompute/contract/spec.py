@@ -72,8 +72,8 @@ UNIT_ARRAYS = {"units/token_start": np.int64, "units/token_stop": np.int64}
 IMAGE_GROUP = "images"
 IMAGE_SAMPLE, IMAGE_GRID, IMAGE_SHA256 = "images/sample", "images/grid_thw", "images/sha256"
 # the per-image tables of an image cache: name -> (dtype, row width; None: 1-D)
-IMAGE_ARRAYS: dict[str, tuple[type[np.generic], int | None]] = {IMAGE_SAMPLE: (np.int64, None), IMAGE_GRID: (np.int32, 3),
-                                                    IMAGE_SHA256: (np.uint8, 32)}
+IMAGE_ARRAYS: dict[str, tuple[type[np.generic], int | None]] = {
+    IMAGE_SAMPLE: (np.int64, None), IMAGE_GRID: (np.int32, 3), IMAGE_SHA256: (np.uint8, 32)}
 TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS, *IMAGE_ARRAYS)
 GROUPS = ("samples", "units", HIDDEN_GROUP, SCALE_GROUP)  # an image cache also has IMAGE_GROUP
 KEY_SEPARATOR = "."  # format 2 chunk keys: ``c.3.0``, files beside each other (format 1: ``c/3/0``, a dir each)

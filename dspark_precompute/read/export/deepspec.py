@@ -83,7 +83,7 @@ def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers:
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, (int, np.integer)) or shard_bytes < 1:
         raise ExportError(f"shard_bytes={shard_bytes!r} must be a positive number of bytes per shard file")
     c = open_complete(cache, "DeepSpec's target cache")
-    sel = select_export(c, layers, max_length, target='DeepSpec',
+    sel = select_export(c, layers, max_length, target="DeepSpec",
                         skip_image_rows=skip_image_rows)
     lids = sel.layers
     if lids != sorted(lids) or len(set(lids)) != len(lids):

@@ -139,7 +139,7 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     if isinstance(shard_size, bool) or not isinstance(shard_size, (int, np.integer)) or shard_size < 1:
         raise ExportError(f"shard_size={shard_size} must be >= 1 (samples per shard)")
     c = open_complete(cache, "NeMo's layout")
-    sel = select_export(c, layers, max_length, target='NeMo AutoModel',
+    sel = select_export(c, layers, max_length, target="NeMo AutoModel",
                         skip_image_rows=skip_image_rows)
     lids = sel.layers
     out = Path(out)

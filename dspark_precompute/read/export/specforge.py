@@ -62,7 +62,7 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
     """Write SpecForge's offline DSpark feature files for ``cache`` into ``out``."""
     t0 = time.perf_counter()
     c = open_complete(cache, "SpecForge's offline features")
-    sel = select_export(c, layers, max_length, keep=keep_two_consecutive, target='SpecForge',
+    sel = select_export(c, layers, max_length, keep=keep_two_consecutive, target="SpecForge",
                         skip_image_rows=skip_image_rows)
     n = len(sel)
     if n >= 10**_WIDTH:
