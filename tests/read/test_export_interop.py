@@ -210,7 +210,7 @@ def test_specforge_export_leaves_out_samples_its_normalizer_refuses_and_counts_t
     real = CacheReader.read_raw
 
     def sparse(self, i, layers=None, last=True, **kw):  # sample 0 keeps only every other supervised token
-        out = real(self, i, layers, last, **kw)
+        out = real(self, i, layers, last=last, **kw)
         if int(i) == 0:
             m = out["loss_mask"].copy()
             m[1::2] = 0
@@ -267,7 +267,7 @@ def test_a_failed_export_leaves_nothing_a_trainer_could_read(default_run, tmp_pa
         calls["n"] += 1
         if calls["n"] == 8:
             raise OSError("disk went away")
-        return real(self, i, layers, last, **kw)
+        return real(self, i, layers, last=last, **kw)
 
     monkeypatch.setattr(CacheReader, "read_raw", dies)
     out = tmp_path / "sf"

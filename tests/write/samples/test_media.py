@@ -424,3 +424,20 @@ def test_every_export_refuses_an_image_cache_naming_the_count_and_skip_image_row
     assert main(["export", str(path), str(tmp_path / "out"), "--to", "nemo", "--skip-image-rows"]) == 0
     marker = json.loads((tmp_path / "out" / EXPORT_MARKER).read_text())
     assert marker["num_samples"] == 1 and marker["dropped_samples"] == {"holds_images": 2}
+
+
+def test_a_text_run_on_an_image_text_checkpoint_writes_no_media_section_positions_or_image_tables(vl_dir, data_dir,
+                                                                                               tmp_path):
+    """Text caches keep the manifest (and so the config hash) they had before image caches existed."""
+    from helpers import compose, small
+
+    from dspark_precompute.contract.manifest import config_hash
+    from dspark_precompute.write.run import run
+
+    rows = data_dir / "text_only.jsonl"
+    rows.write_text(json.dumps(TEXT_ROW) + "\n")
+    result = run(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}")))
+    manifest = json.loads((Path(result.path) / "manifest.json").read_text())
+    assert "media" not in manifest and manifest["config_hash"] == config_hash(manifest["identity"])
+    assert not any("media" in k or "position" in k for k in json.dumps(manifest["identity"]).split('"'))
+    assert not (Path(result.path) / "position_ids").exists() and not (Path(result.path) / "images").exists()
