@@ -157,7 +157,8 @@ _USE = {
 def _export_to(args: argparse.Namespace) -> int:
     from dspark_precompute.read.export import export
 
-    options: dict[str, Any] = {"layers": args.layers, "max_length": args.max_length, "overwrite": args.overwrite}
+    options: dict[str, Any] = {"layers": args.layers, "max_length": args.max_length, "overwrite": args.overwrite,
+                               "skip_image_rows": args.skip_image_rows}
     if args.to == "nemo":
         options["shard_size"] = args.shard_size
     if args.to == "deepspec":
@@ -270,6 +271,9 @@ def _export_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-length", type=int, default=None, metavar="L",
                    help="cut every sample at L tokens; samples left with no supervised token are left out (counted)")
     s.add_argument("--overwrite", action="store_true", help="replace a previous export in OUT")
+    s.add_argument("--skip-image-rows", action="store_true",
+                   help="export the text rows of a cache with image rows (every trainer's loader here reads text ids "
+                        "and hidden states only); the count skipped is recorded in the export's marker")
     s.add_argument("--shard-size", type=int, default=256, help="nemo: samples per shard (NeMo's default 256)")
     s.add_argument("--shard-bytes", type=int, default=None,
                    help="deepspec: bytes per shard file (DeepSpec's default 64 GiB)")
@@ -288,6 +292,8 @@ def _export_nemo_options(s: argparse.ArgumentParser) -> None:
                    help="cut every sample (and the padding) at L tokens; samples left with no supervised token are "
                         "left out (counted)")
     s.add_argument("--overwrite", action="store_true", help="replace a previous export in OUT")
+    s.add_argument("--skip-image-rows", action="store_true",
+                   help="export the text rows of a cache with image rows (the count skipped is in the marker)")
 
 
 def _plot_options(s: argparse.ArgumentParser) -> None:

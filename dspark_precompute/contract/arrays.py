@@ -21,10 +21,13 @@ import numpy as np
 
 from dspark_precompute.contract.fp8 import SCALE_DTYPE
 from dspark_precompute.contract.spec import (
+    IMAGE_ARRAYS,
     KEY_SEPARATOR,
     MAX_CHUNK_BYTES,
     MAX_SHARD_CHUNKS,
     MAX_TABLE_CHUNK_ROWS,
+    POSITION_DTYPE,
+    POSITION_IDS,
     SAMPLE_ARRAYS,
     TOKEN_ARRAYS,
     UNIT_ARRAYS,
@@ -190,6 +193,16 @@ def expected_arrays(m: Manifest) -> dict[str, ExpectedArray]:
                                   separator=sep)
     for name, dt in UNIT_ARRAYS.items():
         out[name] = ExpectedArray(np.dtype(dt), (units,), None, {}, "layout.num_units", separator=sep)
+    if m.media is not None:  # an image cache: its images' tables, and the model's positions where it has them
+        axes = m.media.position_axes
+        if axes:
+            out[POSITION_IDS] = ExpectedArray(np.dtype(POSITION_DTYPE), (total, axes), (ct, axes),
+                                              {"logical_dtype": np.dtype(POSITION_DTYPE).name},
+                                              "layout.total_token_slots x media.position_axes", shard_rows=shard,
+                                              separator=sep)
+        for name, (image_dt, width) in IMAGE_ARRAYS.items():
+            shape = (m.media.images,) + (() if width is None else (width,))
+            out[name] = ExpectedArray(np.dtype(image_dt), shape, None, {}, "media.images", separator=sep)
     return out
 
 
@@ -210,8 +223,9 @@ def _grid(where: str, meta: dict[str, Any], want: ExpectedArray) -> tuple[list[i
     elif want.chunks is not None and tuple(got) != want.chunks:
         return None, [f"{where} has chunk shape {got}, the manifest implies {list(want.chunks)} "
                       "(layout.chunk_tokens[, hidden_size])"]
-    elif want.chunks is None and not 1 <= int(got[0]) <= MAX_TABLE_CHUNK_ROWS:
-        return None, [f"{where} has chunk shape {got}, outside [1, {MAX_TABLE_CHUNK_ROWS}] rows"]
+    elif want.chunks is None and (not 1 <= int(got[0]) <= MAX_TABLE_CHUNK_ROWS or tuple(got[1:]) != want.shape[1:]):
+        return None, [f"{where} has chunk shape {got}, outside [1, {MAX_TABLE_CHUNK_ROWS}] rows of "
+                      f"{list(want.shape[1:]) or 'single'} values"]
     return [int(x) for x in got], []
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from dspark_precompute.contract.commits import CommitRecord, TokenDigests, commit_key
 from dspark_precompute.contract.shards import ShardDigest
-from dspark_precompute.contract.spec import MAX_RECORD_BYTES, TOKEN_ARRAYS, TOKEN_DIGESTS
+from dspark_precompute.contract.spec import MAX_RECORD_BYTES, TOKEN_DIGESTS, TOKENS_FIRST
 from dspark_precompute.contract.store import CacheStore
 
 _ABSENT = object()
@@ -90,12 +90,12 @@ class Binder:
         its record holds no valid digest for the array."""
         found = self._unit(unit)
         if found is None:
-            tokens = self._token_record() if name in TOKEN_ARRAYS else None
+            tokens = self._token_record() if name in TOKENS_FIRST else None
             d = tokens.digest(name, unit) if tokens is not None else None
             if d is not None:
                 return d
             raise BindingProblem(f"is not bound to its place: unit {unit} has no commit record ({commit_key(unit)})"
-                                 + (f" and {TOKEN_DIGESTS} no digest for it" if name in TOKEN_ARRAYS else "")
+                                 + (f" and {TOKEN_DIGESTS} no digest for it" if name in TOKENS_FIRST else "")
                                  + ", so nothing says what was written there (the unit is not committed, or its "
                                  "record was deleted)")
         d = found.get(name)

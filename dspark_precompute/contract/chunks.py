@@ -34,7 +34,14 @@ from dspark_precompute.contract.binding import Binder, BindingProblem
 from dspark_precompute.contract.fp8 import scale_problem
 from dspark_precompute.contract.manifest import Manifest
 from dspark_precompute.contract.shards import ShardIndexProblem, index_nbytes, parse_index
-from dspark_precompute.contract.spec import FORMAT_NAME, GROUPS, MANIFEST, MAX_RECORD_BYTES, SCALE_GROUP
+from dspark_precompute.contract.spec import (
+    FORMAT_NAME,
+    GROUPS,
+    IMAGE_GROUP,
+    MANIFEST,
+    MAX_RECORD_BYTES,
+    SCALE_GROUP,
+)
 from dspark_precompute.contract.store import CacheStore, open_regular
 from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, NotRegularFileError
 
@@ -441,8 +448,9 @@ def read_array_metas(store: CacheStore, m: Manifest, zstore: Any = None
 def group_problems(store: CacheStore, m: Manifest, zstore: Any = None) -> list[str]:
     """The cache's zarr groups against the manifest: the root group's attributes name the format, the manifest's
     ``format_version`` and the manifest file; ``samples``, ``units``, ``hidden_states`` (and ``hidden_scales``
-    with an fp8 array) are groups. A reader of this package goes by the manifest; plain zarr starts here."""
-    names = ["", *(g for g in GROUPS if g != SCALE_GROUP or m.scale_arrays)]
+    with an fp8 array; ``images`` in an image cache) are groups. A reader of this package goes by the manifest; plain
+    zarr starts here."""
+    names = ["", *(g for g in GROUPS if g != SCALE_GROUP or m.scale_arrays), *([IMAGE_GROUP] if m.media else [])]
     keys = [f"{g}/zarr.json" if g else "zarr.json" for g in names]
     problems = []
     for g, key, blob in zip(names, keys, get_many(store, zstore, keys, [MAX_JSON_BYTES] * len(keys))):

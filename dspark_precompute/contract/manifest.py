@@ -34,6 +34,7 @@ from dspark_precompute.contract.spec import (
     MAX_CHUNK_TOKENS,
     MAX_HIDDEN_SIZE,
     MAX_NUM_LAYERS,
+    MAX_POSITION_AXES,
     MAX_SAMPLE_BYTES,
     MAX_SEQ_LENGTH,
     MAX_SHARD_CHUNKS,
@@ -218,6 +219,20 @@ FIELDS: tuple[Field, ...] = (
           required=False, null=True),
     Field("provenance.parallel", Kind.COUNTS, "the finishing run's sharded layout of the target (fsdp, ep, tp: "
           "never a stored value's cause); absent: one copy per rank", required=False, null=True),
+    Field("media", Kind.OBJECT, "image caches only (absent for text caches): what a consumer needs to use the "
+          "image positions", required=False, null=True, since=3),
+    Field("media.image_token_id", Kind.INT, "the image pad id (one per merged patch)", lo=0, hi=MAX_VOCAB_SIZE,
+          since=3),
+    Field("media.vision_token_ids", Kind.INTS, "every vision token id (pads and the start/end markers; loss mask "
+          "0)", since=3),
+    Field("media.position_axes", Kind.INT, "axes of position_ids (3 for Qwen's M-RoPE); 0: the model has no "
+          "multi-axis positions and no position_ids array is stored", lo=0, hi=MAX_POSITION_AXES, since=3),
+    Field("media.samples_with_images", Kind.INT, "stored samples holding at least one image", lo=_TOKENS[0],
+          hi=_TOKENS[1], since=3),
+    Field("media.images", Kind.INT, "rows of the images/* tables (every image kept after truncation)",
+          lo=_TOKENS[0], hi=_TOKENS[1], since=3),
+    Field("media.spatial_merge_size", Kind.INT, "patches merged per side into one image pad: a sample holds "
+          "sum(t x h x w) / merge^2 pads", lo=1, hi=1 << 10, since=3),
     Field("bytes_per_token", Kind.INT, "raw bytes per real token (ids, mask, hidden arrays, fp8 scales)",
           required=False, derived=True),
     Field("target_hidden_dim", Kind.INT, "H x len(layer_ids) (NeMo's name)", required=False, derived=True),
@@ -346,6 +361,18 @@ class Capture:
 
 
 @dataclass(frozen=True)
+class MediaInfo:
+    """An image cache's media facts: the vision token ids, the stored position axes, how many images it holds."""
+
+    image_token_id: int
+    vision_token_ids: list[int]
+    position_axes: int  # 0: no position_ids array (the model has no multi-axis positions)
+    samples_with_images: int
+    images: int
+    spatial_merge_size: int = 2
+
+
+@dataclass(frozen=True)
 class RunProvenance:
     """Which command, software and machines wrote the cache (a run record: never hashed).
 
@@ -420,6 +447,7 @@ class Manifest:
     # the final states' storage dtype when it differs from storage_dtype (fp8 caches keep them bf16)
     last_dtype: str | None = None
     fp8_group: int | None = None  # channels per fp8 scale; null: one scale per token (the whole row)
+    media: MediaInfo | None = None  # an image cache: vision ids, position axes, image counts (absent: text only)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (to DataLoader workers, inside a dataset) without the run record: it says which command and
@@ -552,6 +580,8 @@ class Manifest:
             kw["provenance"] = RunProvenance.from_json(data["provenance"])
         if isinstance(data.get("capture"), dict):
             kw["capture"] = Capture.from_json(data["capture"])
+        if isinstance(data.get("media"), dict):
+            kw["media"] = _record(MediaInfo, data["media"])
         return cls(**kw)
 
     @classmethod
@@ -874,9 +904,29 @@ def _rule_capture(c: _Checked) -> list[str]:
     return []
 
 
+def _rule_media(c: _Checked) -> list[str]:
+    """An image cache's counts: images >= samples with images, which are stored samples; the image pad a vision id."""
+    keys = ("media.samples_with_images", "media.images")
+    if not c.ok(*keys):
+        return []
+    with_images, images = int(c["media.samples_with_images"]), int(c["media.images"])
+    p = []
+    if images < with_images or (with_images == 0) != (images == 0):
+        p.append(f"manifest media.images = {images} cannot fill media.samples_with_images = {with_images} (each such "
+                 "sample holds at least one image)")
+    if c.ok("counts.samples"):
+        stored = int(c["counts.samples"]) + len(c.get("dropped_samples") or [])
+        if with_images > stored:
+            p.append(f"manifest media.samples_with_images = {with_images} exceeds the {stored} stored samples")
+    if c.ok("media.image_token_id", "media.vision_token_ids") and c["media.image_token_id"] not in c[
+            "media.vision_token_ids"]:
+        p.append(f"manifest media.image_token_id = {c['media.image_token_id']} is not among media.vision_token_ids")
+    return p
+
+
 RULES: tuple[Callable[[_Checked], list[str]], ...] = (
     _rule_version, _rule_fp8_group, _rule_layer_ids, _rule_array_names, _rule_layout, _rule_sample_bytes,
-    _rule_derived, _rule_counts, _rule_dropped, _rule_capture,
+    _rule_derived, _rule_counts, _rule_dropped, _rule_capture, _rule_media,
 )
 
 

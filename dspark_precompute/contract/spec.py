@@ -10,6 +10,7 @@ A cache (format 3) is one zarr v3 group; ``docs/format.md`` is the full specific
     commits/tokens.json             the digests of every unit's input_ids and loss_mask shard, as written
     input_ids/c.<u>                 int32 [token]            ragged: real tokens only, no padding
     loss_mask/c.<u>                 uint8 [token]
+    position_ids/c.<u>.0            int32 [token, axes]   image caches of a multi-axis-rotary model (M-RoPE)
     hidden_states/layer_{i}/c.<u>.0 [token, hidden]  per captured layer (``embeddings`` for -1);
                                     bf16 as its uint16 bit pattern
     hidden_states/final_norm        [token, hidden]  the post-norm state when N-1 is not a captured layer
@@ -17,6 +18,7 @@ A cache (format 3) is one zarr v3 group; ``docs/format.md`` is the full specific
     hidden_scales/<array>           float32 [token, hidden / fp8_group]  per fp8 array (``contract/fp8.py``)
     samples/{start,length,source_row,unit,untruncated_length}/c.0   [sample] tables
     units/{token_start,token_stop}/c.0                              [unit] tables
+    images/{sample,grid_thw,sha256}/c.0                             [image] tables (image caches only)
     .hydra/                         the Hydra record of the run that finished the cache
 
 Every token array is stored with zarr v3's sharding codec: one shard (one object) per commit
@@ -54,6 +56,11 @@ FINAL_NORM = "final_norm"
 PRE_NORM = "pre_norm"
 LAST = "last"  # the manifest's ``arrays`` key of the post-norm state
 TOKEN_ARRAYS = {INPUT_IDS: np.int32, LOSS_MASK: np.uint8}
+POSITION_IDS = "position_ids"  # optional: a multi-axis rotary model's positions of an image cache (int32 [T, axes])
+POSITION_DTYPE = np.int32
+# the token arrays written before the first forward (commits/tokens.json binds their shards until commit)
+TOKENS_FIRST = (*TOKEN_ARRAYS, POSITION_IDS)
+MAX_POSITION_AXES = 16
 SAMPLE_ARRAYS = {
     "samples/start": np.int64,
     "samples/length": np.int32,
@@ -62,8 +69,13 @@ SAMPLE_ARRAYS = {
     "samples/untruncated_length": np.int32,
 }
 UNIT_ARRAYS = {"units/token_start": np.int64, "units/token_stop": np.int64}
-TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS)
-GROUPS = ("samples", "units", HIDDEN_GROUP, SCALE_GROUP)
+IMAGE_GROUP = "images"
+IMAGE_SAMPLE, IMAGE_GRID, IMAGE_SHA256 = "images/sample", "images/grid_thw", "images/sha256"
+# the per-image tables of an image cache: name -> (dtype, row width; None: 1-D)
+IMAGE_ARRAYS: dict[str, tuple[type[np.generic], int | None]] = {
+    IMAGE_SAMPLE: (np.int64, None), IMAGE_GRID: (np.int32, 3), IMAGE_SHA256: (np.uint8, 32)}
+TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS, *IMAGE_ARRAYS)
+GROUPS = ("samples", "units", HIDDEN_GROUP, SCALE_GROUP)  # an image cache also has IMAGE_GROUP
 KEY_SEPARATOR = "."  # format 2 chunk keys: ``c.3.0``, files beside each other (format 1: ``c/3/0``, a dir each)
 COORD = "coord"  # failure markers of a multi-rank job
 WINDOW = "window"  # a streamed cache's window records (contract/window.py)
@@ -75,7 +87,7 @@ LOCK = ".writer.lock"
 # that holds nothing else.
 OWN_ENTRIES = frozenset({
     "zarr.json", MANIFEST, WEIGHTS, REJECTS, COMMITS, COORD, HYDRA_RECORD, LOCK,
-    INPUT_IDS, LOSS_MASK, HIDDEN_GROUP, SCALE_GROUP, "samples", "units", WINDOW,
+    INPUT_IDS, LOSS_MASK, HIDDEN_GROUP, SCALE_GROUP, "samples", "units", WINDOW, POSITION_IDS, IMAGE_GROUP,
 })
 
 
@@ -117,6 +129,7 @@ _STATE_NAMES = rf"(layer_\d+|embeddings|{FINAL_NORM}|{PRE_NORM})"  # what layer_
 _STATE_FILES = rf"(zarr\.json|zarr\.[0-9a-f]{{32}}\.partial|{_STATE_NAMES}/{_ARRAY_FILES})"
 _OWN_NESTED = {
     INPUT_IDS: re.compile(rf"^{_ARRAY_FILES}$"), LOSS_MASK: re.compile(rf"^{_ARRAY_FILES}$"),
+    POSITION_IDS: re.compile(rf"^{_ARRAY_FILES}$"), IMAGE_GROUP: re.compile(rf"^{_GROUP_FILES}$"),
     HIDDEN_GROUP: re.compile(rf"^{_STATE_FILES}$"), SCALE_GROUP: re.compile(rf"^{_STATE_FILES}$"),
     "samples": re.compile(rf"^{_GROUP_FILES}$"), "units": re.compile(rf"^{_GROUP_FILES}$"),
     COMMITS: re.compile(r"^(u\d{6,}|tokens)\.json$"), COORD: re.compile(r"^[^/]+/failed-\d+\.json$"),

@@ -42,7 +42,17 @@ import torch
 from dspark_precompute.contract.commits import committed_units
 from dspark_precompute.contract.fp8 import bf16_bits_to_float32, convert
 from dspark_precompute.contract.opener import open_stored
-from dspark_precompute.contract.spec import INPUT_IDS, LAST, LOSS_MASK, PRE_NORM, WEIGHTS
+from dspark_precompute.contract.spec import (
+    IMAGE_GRID,
+    IMAGE_SAMPLE,
+    IMAGE_SHA256,
+    INPUT_IDS,
+    LAST,
+    LOSS_MASK,
+    POSITION_IDS,
+    PRE_NORM,
+    WEIGHTS,
+)
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.contract.weights import weights_problems
 from dspark_precompute.errors import CacheFormatError, ChecksumError
@@ -109,6 +119,11 @@ class CacheReader:
         t = opened.tables
         self._start, self._length, self._unit = t["samples/start"], t["samples/length"], t["samples/unit"]
         self._source_row, self._untruncated = t["samples/source_row"], t["samples/untruncated_length"]
+        # an image cache: each image's sample, grid and content hash (empty for a text cache)
+        self._image_sample = t.get(IMAGE_SAMPLE, np.zeros(0, dtype=np.int64))
+        self._image_grid = t.get(IMAGE_GRID, np.zeros((0, 3), dtype=np.int32))
+        self._image_sha = t.get(IMAGE_SHA256, np.zeros((0, 32), dtype=np.uint8))
+        self.has_positions: bool = POSITION_IDS in opened.metas  # position_ids stored (an M-RoPE image cache)
         units = _units if _units is not None else (
             None if m.complete and not opened.released else sorted(opened.committed - opened.released))
         self._readable_units = units
@@ -237,7 +252,8 @@ class CacheReader:
         finals = {key: self._final_name(name) for key, name, want in ((LAST, LAST, last), (PRE_NORM, PRE_NORM,
                                                                                           pre_norm)) if want}
         names = [INPUT_IDS, LOSS_MASK, *layer_names, *finals.values()]
-        got = self.chunks.read(names + [self._scales[nm] for nm in names if nm in self._scales], a, a + n)
+        extra = [POSITION_IDS] if self.has_positions else []
+        got = self.chunks.read(names + [self._scales[nm] for nm in names if nm in self._scales] + extra, a, a + n)
 
         def states(nm: str, to: str) -> np.ndarray:
             scale = got[self._scales[nm]] if nm in self._scales else None
@@ -253,7 +269,21 @@ class CacheReader:
             out["target_last_hidden_states"] = states(finals[LAST], self.last_output_dtype)
         if PRE_NORM in finals:
             out[PRE_NORM_KEY] = states(finals[PRE_NORM], self.last_output_dtype)
+        if self.has_positions:
+            out[POSITION_IDS] = got[POSITION_IDS]
         return out
+
+    def image_rows(self) -> np.ndarray:
+        """The readable samples (indices ``i``) that hold an image: empty for a text cache."""
+        return np.flatnonzero(np.isin(self.indices, self._image_sample)).astype(np.int64)
+
+    def images(self, i: int) -> dict[str, Any]:
+        """Sample ``i``'s images, in order: ``grid_thw`` int64 [n, 3] (the processor's patch grid of each) and
+        ``sha256`` (the hex digest of each image's bytes); none for a text sample or a text cache."""
+        s = self._resolve(i)
+        lo, hi = np.searchsorted(self._image_sample, [s, s + 1])
+        return {"grid_thw": self._image_grid[lo:hi].astype(np.int64),
+                "sha256": [bytes(row).hex() for row in self._image_sha[lo:hi]]}
 
     def read_fp8(self, i: int, layers: Sequence[int] | None = None, *, last: bool = True) -> dict[str, Any]:
         """Sample ``i``'s fp8 states as stored: e4m3 bits and their float32 scales (numpy), nothing dequantized.
@@ -305,19 +335,22 @@ class CacheReader:
         chunks are read. ``last=False`` skips the post-norm state, ``pre_norm=True`` adds the
         pre-norm one. Torch output (training) keeps the storage dtype (bf16/fp16/fp32; fp8
         dequantized to bf16) with int64 ids and mask, as NeMo does; ``as_numpy=True``
-        (notebooks) gives float32 for bf16 caches, numpy having no bf16.
+        (notebooks) gives float32 for bf16 caches, numpy having no bf16. An image cache of a multi-axis rotary model
+        adds ``position_ids`` (int64 [T, axes]: the positions its forward used, what the draft's rotary needs).
         """
         raw = self.read_raw(i, layers, last=last, pre_norm=pre_norm)
         ids = raw["input_ids"].astype(np.int64)
         mask = raw["loss_mask"].astype(np.int64)
+        pos = {POSITION_IDS: raw[POSITION_IDS].astype(np.int64)} if POSITION_IDS in raw else {}
         dtypes = {"target_hidden_states": self.output_dtype, "target_last_hidden_states": self.last_output_dtype,
                   PRE_NORM_KEY: self.last_output_dtype}
         floats: dict[str, np.ndarray] = {k: raw[k] for k in dtypes if k in raw}
         if as_numpy:
             floats = {k: bf16_bits_to_float32(v) if dtypes[k] is StorageDtype.bf16 else v for k, v in floats.items()}
-            return {"input_ids": ids, "loss_mask": mask, **floats}
+            return {"input_ids": ids, "loss_mask": mask, **floats, **pos}
         return {"input_ids": torch.from_numpy(ids), "loss_mask": torch.from_numpy(mask),
-                **{k: to_torch(v, dtypes[k]) for k, v in floats.items()}}
+                **{k: to_torch(v, dtypes[k]) for k, v in floats.items()},
+                **{k: torch.from_numpy(v) for k, v in pos.items()}}
 
     def target_weights(self) -> dict[str, torch.Tensor]:
         """``embed_tokens.weight`` (+ ``lm_head.weight`` when untied) from the cache's weights file.

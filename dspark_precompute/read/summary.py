@@ -180,6 +180,7 @@ def summary(c: CacheReader) -> dict[str, Any]:
         "target": m.target_model,
         "target_model_type": m.target_model_type,
         "target_vocab_size": m.target_vocab_size,
+        **({"media": dataclasses.asdict(m.media)} if m.media is not None else {}),
         **provenance(c),
     }
 
@@ -192,6 +193,18 @@ def _dtype_line(s: dict[str, Any]) -> str:
     if s["last_dtype"] != s["dtype"]:
         extra.append(f"last state {s['last_dtype']}")
     return str(s["dtype"]) + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def _media_lines(c: CacheReader) -> list[str]:
+    """An image cache's media section: its images, vision token ids and stored positions."""
+    media = c.manifest.media
+    if media is None:
+        return []
+    pos = (f"position_ids [T, {media.position_axes}] (the model's multi-axis rotary positions)" if media.position_axes
+           else "no position_ids (the model has no multi-axis positions)")
+    return [f"  images      {media.images:,} in {media.samples_with_images:,} samples (images/* tables: sample, "
+            f"grid_thw, sha256); image token {media.image_token_id}, vision tokens {media.vision_token_ids}, "
+            f"{media.spatial_merge_size}x{media.spatial_merge_size} patches per pad; {pos}"]
 
 
 def describe(c: CacheReader) -> str:
@@ -220,6 +233,7 @@ def describe(c: CacheReader) -> str:
         f"{s['num_units']} unit(s) (a shard each per array); {s['files']:,} files, {s['directories']:,} directories",
         f"  on disk     {human_bytes(s['bytes_on_disk'])} (token arrays {human_bytes(s['token_bytes_on_disk'])}"
         f" = {ratio} compression of {human_bytes(s['raw_token_bytes'])})",
+        *_media_lines(c),
         *provenance_lines(c),
     ]
     return "\n".join(lines)

@@ -28,11 +28,12 @@ from dspark_precompute.contract.spec import (
     FORMAT_NAME,
     FORMAT_VERSION,
     HYDRA_RECORD,
+    IMAGE_SAMPLE,
     LOCK,
     MANIFEST,
     REJECTS,
-    TOKEN_ARRAYS,
     TOKEN_DIGESTS,
+    TOKENS_FIRST,
     WEIGHTS,
 )
 from dspark_precompute.contract.store import CacheStore, is_url
@@ -61,7 +62,7 @@ from dspark_precompute.write.parallel.distributed import (
 from dspark_precompute.write.plan import resume
 from dspark_precompute.write.plan.prepare import Plan, prepare
 from dspark_precompute.write.plan.provenance import run_record, with_loaded_model
-from dspark_precompute.write.samples.media import media_inputs
+from dspark_precompute.write.samples.media import image_tables, media_inputs
 from dspark_precompute.write.samples.normalize import Reject
 from dspark_precompute.write.samples.tokenize import (
     Tokenized,
@@ -239,6 +240,8 @@ class _Run:
         tables = {"samples/start": layout.start, "samples/length": layout.length,
                   "samples/source_row": tok.sample_rows, "samples/unit": layout.unit,
                   "samples/untruncated_length": tok.untruncated.astype(np.int32)}
+        if self.plan.media is not None:  # an image cache: each image's sample, grid and content hash
+            tables.update(image_tables(tok.images))
         return _Samples(layout, _counts(tok), tables, tok=tok)
 
     def _write(self, manifest: Manifest | None, samples: _Samples) -> RunResult:
@@ -288,7 +291,7 @@ class _Run:
             if self.ranks.main else None))
         if window is None:
             return None
-        row = sum(s.row_bytes for s in self.plan.specs if s.name not in TOKEN_ARRAYS)
+        row = sum(s.row_bytes for s in self.plan.specs if s.name not in TOKENS_FIRST)
         return WindowGate(self.store, window, (layout.unit_stop - layout.unit_start).astype(np.int64) * row,
                           storage.window_timeout_s)
 
@@ -314,7 +317,7 @@ class _Run:
             log.warning("%s: deleting the existing cache in %s", "overwrite=true" if self.cfg.overwrite
                         else "restarting an allocation that was interrupted", plan.path)
             resume.clear(store)
-        fresh = plan.manifest(layout, samples.counts)
+        fresh = plan.manifest(layout, samples.counts, image_samples=samples.tables.get(IMAGE_SAMPLE))
         attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "manifest": MANIFEST}
         try:
             allocate(store, plan.specs, layout, plan.cfg.storage, samples.tables, attrs)
@@ -345,7 +348,7 @@ class _Run:
         if ranks.main:
             _put(self.store, TOKEN_DIGESTS, samples.tokens.to_bytes(), plan.cfg.storage.fsync)
             resume.rebind_tokens(self.store, samples.tokens, plan.cfg.storage.fsync)
-            m = plan.manifest(layout, samples.counts, created)
+            m = plan.manifest(layout, samples.counts, created, samples.tables.get(IMAGE_SAMPLE))
             m.tokens_stored = True
             _write_manifest(self.store, m)
         self.timing["store_tokens_s"] = time.perf_counter() - t0
@@ -386,7 +389,7 @@ class _Run:
             counts = _dropped_counts(counts, samples, dropped, plan)
             _put(store, REJECTS, _with_dropped(samples.rejects(), samples.tables, dropped), plan.cfg.storage.fsync)
         self.timing["wall_s"] = time.perf_counter() - self.t_start
-        final = plan.manifest(layout, counts, created)
+        final = plan.manifest(layout, counts, created, samples.tables.get(IMAGE_SAMPLE))
         final.tokens_stored = True
         if dropped:
             final.dropped_samples = sorted(dropped)

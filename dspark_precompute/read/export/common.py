@@ -45,6 +45,7 @@ TARGETS = ("nemo", "deepspec", "specforge", "speculators")
 # why an exported sample was left out (counted in the result, the log and the export's marker)
 DROP_NO_SUPERVISED = "no_supervised_token_within_max_length"
 DROP_NO_CONSECUTIVE = "no_two_consecutive_supervised_tokens"
+DROP_IMAGE_ROWS = "holds_images"  # skip_image_rows=True: a sample with images, which the trainer cannot read
 
 
 def tmp_name(path: Path) -> Path:
@@ -238,8 +239,25 @@ def check_max_length(max_length: int | None) -> int | None:
     return int(max_length)
 
 
+def image_rows(c: CacheReader, target: str, skip_image_rows: bool) -> np.ndarray:
+    """The readable samples an export must leave out for holding images (empty for a text cache).
+
+    Every trainer's loader here reads text ids and hidden states only (no pixels, image grids or multi-axis
+    positions), so a cache with image rows is refused unless ``skip_image_rows`` exports its text rows only.
+    """
+    rows = c.image_rows()
+    if len(rows) and not skip_image_rows:
+        raise ExportError(f"{c.path} holds {len(rows)} of {len(c)} samples with images; {target}'s loader reads text "
+                          "ids and hidden states only (no pixels, image grids or multi-axis positions), so it would "
+                          "train on the image positions as if they were text. Pass skip_image_rows=True "
+                          "(--skip-image-rows) to export the text rows only (the count skipped is recorded in the "
+                          "export's marker)")
+    return rows
+
+
 def select_export(c: CacheReader, layers: list[int] | None, max_length: int | None,
-                  keep: Callable[[np.ndarray], str | None] = keep_any_supervised) -> Selection:
+                  keep: Callable[[np.ndarray], str | None] = keep_any_supervised, *, target: str = "this trainer",
+                  skip_image_rows: bool = False) -> Selection:
     """Decide the exported samples: cut each at ``max_length`` tokens, drop those ``keep`` refuses.
 
     A causal target's states for the first L tokens do not depend on later ones, so a cut
@@ -268,6 +286,10 @@ def select_export(c: CacheReader, layers: list[int] | None, max_length: int | No
             if why is not None:
                 keep_row[i] = False
                 dropped[why] = dropped.get(why, 0) + 1
+    skipped = image_rows(c, target, skip_image_rows)
+    if len(skipped):
+        keep_row[skipped] = False
+        dropped[DROP_IMAGE_ROWS] = len(skipped)
     samples = np.flatnonzero(keep_row).astype(np.int64)
     for why, k in sorted(dropped.items()):
         log.warning("export: %d of %d samples left out: %s%s", k, n, why,

@@ -69,7 +69,7 @@ def shard_file(index: int) -> str:
 
 
 def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers: list[int] | None = None,
-                    max_length: int | None = None, overwrite: bool = False,
+                    max_length: int | None = None, overwrite: bool = False, skip_image_rows: bool = False,
                     shard_bytes: int = DEFAULT_SHARD_BYTES, target_model_name_or_path: str | None = None,
                     progress: bool = True) -> ExportResult:
     """Write DeepSpec's target cache for ``cache`` into ``out``.
@@ -83,7 +83,8 @@ def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers:
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, (int, np.integer)) or shard_bytes < 1:
         raise ExportError(f"shard_bytes={shard_bytes!r} must be a positive number of bytes per shard file")
     c = open_complete(cache, "DeepSpec's target cache")
-    sel = select_export(c, layers, max_length)
+    sel = select_export(c, layers, max_length, target="DeepSpec",
+                        skip_image_rows=skip_image_rows)
     lids = sel.layers
     if lids != sorted(lids) or len(set(lids)) != len(lids):
         raise ExportError(f"layers={lids}: DeepSpec's manifest needs target_layer_ids in ascending order without "

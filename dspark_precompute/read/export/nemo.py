@@ -123,6 +123,7 @@ def _write_weights(tensors: dict[str, Any], stage: StagedExport) -> int:
 
 
 def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size: int = 256, overwrite: bool = False,
+                skip_image_rows: bool = False,
                 layers: list[int] | None = None, max_length: int | None = None,
                 progress: bool = True) -> ExportResult:
     """Write NeMo AutoModel's DSpark offline cache for ``cache`` into ``out`` (a local directory).
@@ -138,7 +139,8 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     if isinstance(shard_size, bool) or not isinstance(shard_size, (int, np.integer)) or shard_size < 1:
         raise ExportError(f"shard_size={shard_size} must be >= 1 (samples per shard)")
     c = open_complete(cache, "NeMo's layout")
-    sel = select_export(c, layers, max_length)
+    sel = select_export(c, layers, max_length, target="NeMo AutoModel",
+                        skip_image_rows=skip_image_rows)
     lids = sel.layers
     out = Path(out)
     n = len(sel)

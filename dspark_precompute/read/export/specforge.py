@@ -57,11 +57,13 @@ def sample_file(j: int) -> str:
 
 
 def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers: list[int] | None = None,
-                     max_length: int | None = None, overwrite: bool = False, progress: bool = True) -> ExportResult:
+                     max_length: int | None = None, overwrite: bool = False,
+                     skip_image_rows: bool = False, progress: bool = True) -> ExportResult:
     """Write SpecForge's offline DSpark feature files for ``cache`` into ``out``."""
     t0 = time.perf_counter()
     c = open_complete(cache, "SpecForge's offline features")
-    sel = select_export(c, layers, max_length, keep=keep_two_consecutive)
+    sel = select_export(c, layers, max_length, keep=keep_two_consecutive, target="SpecForge",
+                        skip_image_rows=skip_image_rows)
     n = len(sel)
     if n >= 10**_WIDTH:
         raise ExportError(f"{n} samples: file names hold {_WIDTH} digits; export at most {10**_WIDTH - 1} samples "

@@ -40,6 +40,7 @@ from dspark_precompute.read.export.common import (
     bf16_bits,
     export_marker,
     export_progress,
+    image_rows,
     open_complete,
     select_export,
     staging,
@@ -74,10 +75,12 @@ def _datasets_bars(enabled: bool) -> Iterator[None]:
 
 
 def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, layers: list[int] | None = None,
-                       max_length: int | None = None, overwrite: bool = False, progress: bool = True) -> ExportResult:
+                       max_length: int | None = None, overwrite: bool = False,
+                       skip_image_rows: bool = False, progress: bool = True) -> ExportResult:
     """Write vLLM speculators' ``datasets`` folder and ``hidden_states/hs_{i}.safetensors`` for ``cache``."""
     t0 = time.perf_counter()
     c = open_complete(cache, "speculators' training data")
+    image_rows(c, "speculators", skip_image_rows)  # the first refusal: no other fix makes image rows exportable
     if not c.has_pre_norm:
         last = c.manifest.capture.last_state if c.manifest.capture is not None else None
         raise ExportError(
@@ -90,7 +93,8 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
         from datasets.arrow_writer import ArrowWriter  # noqa: F401
     except ImportError as exc:
         raise MissingDependencyError(f"export to speculators writes a `datasets` folder: {INSTALL}") from exc
-    sel = select_export(c, layers, max_length)
+    sel = select_export(c, layers, max_length, target="speculators",
+                        skip_image_rows=skip_image_rows)
     n = len(sel)
     if not sel.layers:
         raise ExportError("layers=[]: speculators needs at least one captured layer before the verifier state")

@@ -60,6 +60,7 @@ def verify_cache(path: str | Path, *, allow_incomplete: bool = False, max_proble
             checks.check_binding(ctx)
             checks.check_entries(ctx)
             checks.check_chunks(ctx)
+            checks.check_images(ctx)
             checks.check_counts(ctx)
         if ctx.m is not None:
             checks.check_weights(ctx)

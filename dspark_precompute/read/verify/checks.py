@@ -32,9 +32,14 @@ from dspark_precompute.contract.spec import (
     COMMITS,
     FORMAT_VERSION,
     GROUPS,
+    IMAGE_ARRAYS,
+    IMAGE_GRID,
+    IMAGE_GROUP,
+    IMAGE_SAMPLE,
     INPUT_IDS,
     LOSS_MASK,
     MANIFEST,
+    POSITION_IDS,
     REJECTS,
     SAMPLE_ARRAYS,
     TOKEN_ARRAYS,
@@ -50,7 +55,7 @@ from dspark_precompute.contract.window import StreamRecord, released_units
 from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, NotRegularFileError
 from dspark_precompute.read.verify.report import Collector, VerifyReport
 
-TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS)
+TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS)  # every cache's tables (an image cache adds IMAGE_ARRAYS)
 
 
 @dataclass
@@ -72,11 +77,13 @@ class Context:
     offsets_ok: bool = False
     supervised: np.ndarray | None = None
     mask_ok: bool = True
+    image_pads: np.ndarray | None = None  # an image cache: image pad tokens counted per sample in input_ids
+    ids_ok: bool = True  # every readable unit's input_ids decoded (the pad counts are whole)
 
     @property
     def arrays(self) -> dict[str, ArrayMeta]:
         """The token arrays (ids, mask, hidden states) whose metadata passed."""
-        return {k: v for k, v in self.metas.items() if k not in TABLES}
+        return {k: v for k, v in self.metas.items() if k not in TABLES and k not in IMAGE_ARRAYS}
 
     def table(self, name: str) -> np.ndarray:
         return self.tables[name].astype(np.int64)
@@ -139,7 +146,7 @@ def check_structure(ctx: Context) -> bool:
             ctx.bad.add(check, f"{why}; re-create the cache", array=name, chunk=metas[name].chunk_index(c))
     ctx.tables = tables
     ctx.report.chunks_checked += sum(metas[n].num_chunks for n in tables)
-    return len(ctx.tables) == len(TABLES)  # offsets cannot be checked without every table
+    return all(n in ctx.tables for n in TABLES)  # offsets cannot be checked without every table
 
 
 def check_offsets(ctx: Context) -> None:
@@ -263,7 +270,7 @@ def check_binding(ctx: Context) -> None:
                                "record binds its own), so a resume would tokenize again. Re-create the cache to "
                                "restore it")
         return
-    for name in TOKEN_ARRAYS:
+    for name in (*TOKEN_ARRAYS, *([POSITION_IDS] if POSITION_IDS in ctx.metas else [])):
         if len(tokens.arrays.get(name) or []) != m.layout.num_units:
             bad.add(Check.binding, f"{TOKEN_DIGESTS} holds {len(tokens.arrays.get(name) or [])} digests of array "
                                    f"{name!r}, the cache has {m.layout.num_units} units", array=name)
@@ -280,12 +287,13 @@ def check_entries(ctx: Context) -> None:
     exactly its listed entries (a stray shard past the last unit, a chunk key no array has, a leftover file)."""
     assert ctx.m is not None
     m = ctx.m
-    listed = {f"{g}/zarr.json" for g in GROUPS} | {TOKEN_DIGESTS} | {commit_key(u) for u in range(m.layout.num_units)}
+    groups = [*GROUPS, *([IMAGE_GROUP] if m.media is not None else [])]
+    listed = {f"{g}/zarr.json" for g in groups} | {TOKEN_DIGESTS} | {commit_key(u) for u in range(m.layout.num_units)}
     for name, meta in ctx.metas.items():
         per = int(meta.shard_chunks or 1)
         listed |= {f"{name}/zarr.json", *(meta.object_key(c) for c in range(0, meta.num_chunks, per))}
     unchecked = tuple(f"{n}/" for n in expected_arrays(m) if n not in ctx.metas)  # already reported as broken
-    tops = [*TOKEN_ARRAYS, *GROUPS, COMMITS]
+    tops = [*TOKEN_ARRAYS, POSITION_IDS, *GROUPS, IMAGE_GROUP, COMMITS]
     for key in ctx.store.file_keys(t for t in tops if ctx.store.exists(t)):
         if key in listed or is_own_temporary_key(key) or key.startswith(unchecked) or (
                 key.startswith(f"{COMMITS}/") and parse_commit_key(key) is not None):  # past the units: check_commits
@@ -322,7 +330,9 @@ def check_chunks(ctx: Context) -> None:
     start, length = ctx.table("samples/start"), ctx.table("samples/length")
     where = SampleIndex(start, length) if ctx.offsets_ok else None
     ctx.supervised = np.zeros(len(start), dtype=np.int64)
+    ctx.image_pads = np.zeros(len(start), dtype=np.int64) if ctx.m.media is not None else None
     ctx.mask_ok = LOSS_MASK in ctx.arrays
+    ctx.ids_ok = INPUT_IDS in ctx.arrays
     total = ctx.m.layout.total_token_slots
     note_window(ctx)
     for name, meta in ctx.arrays.items():
@@ -334,7 +344,7 @@ def check_chunks(ctx: Context) -> None:
                 raws = ctx.source.read(jobs)
             except DamagedShardError as exc:
                 _damaged_shard(ctx, name, exc, u, where)
-                ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
+                _lost(ctx, name)
                 continue
             if meta.sharded and jobs and all(r is None for r in raws) and ctx.source.shard_index(
                     name, jobs[0][1] // int(meta.shard_chunks or 1)) is None:
@@ -345,18 +355,24 @@ def check_chunks(ctx: Context) -> None:
                                                  f"{fmt_ids(holds)} would read back as zeros",
                             array=name, chunk=meta.object_index(jobs[0][1]), unit=u,
                             sample=int(holds[0]) if len(holds) else None)
-                ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
+                _lost(ctx, name)
                 continue
             for (_, c), raw in zip(jobs, raws):
                 lo, hi = c * meta.chunks[0], min((c + 1) * meta.chunks[0], total)
                 holds = where.in_range(lo, hi) if where is not None else np.zeros(0, dtype=np.int64)
                 data = _decoded(ctx, meta, c, raw, u, holds)
                 if data is None:
-                    ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
+                    _lost(ctx, name)
                     continue
                 ctx.report.chunks_checked += 1
                 if where is not None:
                     _check_values(ctx, name, meta.chunk_index(c), data[:hi - lo], lo, holds, u)
+
+
+def _lost(ctx: Context, name: str) -> None:
+    """A chunk of ``name`` did not decode: the sums over the ids or the mask are no longer whole."""
+    ctx.mask_ok = ctx.mask_ok and name != LOSS_MASK
+    ctx.ids_ok = ctx.ids_ok and name != INPUT_IDS
 
 
 def note_window(ctx: Context) -> None:
@@ -414,7 +430,7 @@ def _check_values(ctx: Context, name: str, idx: tuple[int, ...], data: np.ndarra
     start, length = ctx.table("samples/start"), ctx.table("samples/length")
     vocab, bad = ctx.m.target_vocab_size, ctx.bad
     stored = ctx.m.array_dtypes.get(name)  # None: ids, mask or an fp8 scale array (checked when decoded)
-    if stored is None and name not in (INPUT_IDS, LOSS_MASK):
+    if stored is None and name not in (INPUT_IDS, LOSS_MASK, POSITION_IDS):
         return
     for s in holds:
         a = max(int(start[s]), lo) - lo
@@ -427,6 +443,12 @@ def _check_values(ctx: Context, name: str, idx: tuple[int, ...], data: np.ndarra
             if len(badpos):
                 bad.add(Check.values, f"array {name!r} chunk {idx}: sample {s} has token id {int(part[badpos[0]])} "
                                   f"outside the vocabulary [0, {vocab})", array=name, chunk=idx, sample=int(s), unit=u)
+            if ctx.image_pads is not None and ctx.m.media is not None:
+                ctx.image_pads[s] += int((part == ctx.m.media.image_token_id).sum())
+        elif name == POSITION_IDS:
+            if (part < 0).any() or (part >= ctx.m.seq_length).any():  # a position never passes its token's index
+                bad.add(Check.values, f"array {name!r} chunk {idx}: sample {s} has positions outside [0, "
+                                  f"seq_length = {ctx.m.seq_length})", array=name, chunk=idx, sample=int(s), unit=u)
         elif name == LOSS_MASK:
             if ((part != 0) & (part != 1)).any():
                 bad.add(Check.values, f"array {name!r} chunk {idx}: sample {s} has loss_mask values other than 0/1",
@@ -438,6 +460,38 @@ def _check_values(ctx: Context, name: str, idx: tuple[int, ...], data: np.ndarra
             if nonfinite.any():
                 bad.add(Check.values, f"array {name!r} chunk {idx}: sample {s} has {int(nonfinite.sum())} non-finite "
                                   "hidden values", array=name, chunk=idx, sample=int(s), unit=u)
+
+
+def check_images(ctx: Context) -> None:
+    """An image cache: its images/* tables name stored samples in order, the manifest counts them, and each
+    readable sample holds exactly sum(t x h x w) / merge^2 image pads for its images' grids."""
+    assert ctx.m is not None
+    media = ctx.m.media
+    if media is None or not all(n in ctx.tables for n in IMAGE_ARRAYS):
+        return
+    sample, grid = ctx.table(IMAGE_SAMPLE), ctx.table(IMAGE_GRID)
+    stored, bad = ctx.m.stored_samples, ctx.bad
+    if len(sample) and (sample.min() < 0 or sample.max() >= stored or (np.diff(sample) < 0).any()):
+        bad.add(Check.values, f"table {IMAGE_SAMPLE!r} names samples outside [0, {stored}) or out of order",
+                array=IMAGE_SAMPLE)
+        return
+    if (grid <= 0).any():
+        bad.add(Check.values, f"table {IMAGE_GRID!r} holds a grid with a side <= 0", array=IMAGE_GRID)
+        return
+    if len(np.unique(sample)) != media.samples_with_images:
+        bad.add(Check.counts, f"manifest media.samples_with_images = {media.samples_with_images}, table "
+                              f"{IMAGE_SAMPLE!r} names {len(np.unique(sample))}")
+    if ctx.image_pads is None or not ctx.ids_ok or not ctx.offsets_ok:
+        return
+    want = np.zeros(stored, dtype=np.int64)
+    np.add.at(want, sample, grid.prod(axis=1) // media.spatial_merge_size ** 2)
+    readable = np.flatnonzero(np.isin(ctx.table("samples/unit"), ctx.readable_units))
+    wrong = readable[ctx.image_pads[readable] != want[readable]]
+    for s in wrong[:8]:
+        bad.add(Check.values, f"sample {int(s)} holds {int(ctx.image_pads[s])} image pad tokens (id "
+                              f"{media.image_token_id}), its grids in {IMAGE_GRID!r} give {int(want[s])} "
+                              f"(sum(t*h*w) / {media.spatial_merge_size}^2): the ids or the image tables were "
+                              "altered", array=IMAGE_GRID, sample=int(s))
 
 
 def check_counts(ctx: Context) -> None:

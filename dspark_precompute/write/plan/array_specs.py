@@ -11,6 +11,8 @@ from dspark_precompute.contract.spec import (
     INPUT_IDS,
     LAST,
     LOSS_MASK,
+    POSITION_DTYPE,
+    POSITION_IDS,
     PRE_NORM,
     array_layer_id,
     final_state,
@@ -37,6 +39,7 @@ class ArraySpec:
     fill: float = 0  # the value of slots no sample writes (scales: 1, so every stored scale is positive)
     final: str | None = None  # final_norm / pre_norm arrays: their final_state attribute
     source: int | None = None  # the captured state that fills it: a layer id, N-1 post-norm, N pre-norm
+    first: bool = False  # written with input_ids and loss_mask before the first forward (position_ids)
 
     @property
     def row_bytes(self) -> int:
@@ -45,7 +48,7 @@ class ArraySpec:
     @property
     def hidden(self) -> bool:
         """A hidden-state (or scale) array: written per unit after the forward, not before it."""
-        return self.width is not None
+        return self.width is not None and not self.first
 
 
 def token_array_specs(layer_ids: list[int], num_layers: int, hidden: int, storage_dtype: str,
@@ -68,6 +71,11 @@ def token_array_specs(layer_ids: list[int], num_layers: int, hidden: int, storag
             specs.append(ArraySpec(scale_array(name), SCALE_DTYPE.name, scale_columns(hidden, fp8_group),
                                    SCALE_DTYPE.name, scale_of=name, group=group, fill=ZERO_ROW_SCALE))
     return specs
+
+
+def position_spec(axes: int) -> ArraySpec:
+    """``position_ids``: a multi-axis rotary model's positions of an image cache (int32 [token, axes])."""
+    return ArraySpec(POSITION_IDS, np.dtype(POSITION_DTYPE).name, axes, first=True)
 
 
 def array_codec(storage: StorageConfig, spec: ArraySpec) -> tuple[Compressor, int, Shuffle, int]:

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dspark_precompute.contract.layout import Layout
-from dspark_precompute.contract.manifest import Capture, Counts, Manifest, ManifestLayout, config_hash, now
+from dspark_precompute.contract.manifest import Capture, Counts, Manifest, ManifestLayout, MediaInfo, config_hash, now
 from dspark_precompute.contract.spec import (
     FORMAT_VERSION,
     MAX_CHUNK_BYTES,
@@ -44,13 +45,13 @@ from dspark_precompute.write.config.schema import (
     fp8_group_problem,
     host_problems,
 )
-from dspark_precompute.write.plan.array_specs import ArraySpec, token_array_specs
+from dspark_precompute.write.plan.array_specs import ArraySpec, position_spec, token_array_specs
 from dspark_precompute.write.plan.provenance import plan_capture
 from dspark_precompute.write.samples.chat import mask_rule_problem, resolve_chat_template, sha256_text
 from dspark_precompute.write.samples.encode import RowEncoder
 from dspark_precompute.write.samples.files import resolve_source
 from dspark_precompute.write.samples.images import data_root
-from dspark_precompute.write.samples.media import MediaSpec, images_sha256, media_spec_for
+from dspark_precompute.write.samples.media import MediaSpec, described, images_sha256, media_spec_for
 from dspark_precompute.write.samples.tokenize import RowEncoding
 from dspark_precompute.write.target import sharding
 from dspark_precompute.write.target.load import (
@@ -142,9 +143,15 @@ class Plan:
     fit: str | None = None  # a dry run: why this rank's share of the weights would not fit here (None: it fits)
     media: MediaSpec | None = None  # an image-text target: rows with images go through its processor
 
-    def manifest(self, layout: Layout, counts: Counts, created_at: str = "") -> Manifest:
-        """The cache's manifest for this plan (incomplete until the run marks it complete)."""
-        t = self.target
+    def manifest(self, layout: Layout, counts: Counts, created_at: str = "",
+                 image_samples: Any = None) -> Manifest:
+        """The cache's manifest for this plan (incomplete until the run marks it complete); ``image_samples``: the
+        ``images/sample`` table of an image cache (its media section counts it)."""
+        t, m = self.target, self.media
+        media = None if m is None else MediaInfo(
+            m.image_token_id, list(m.vision_token_ids), m.position_axes,
+            len(np.unique(image_samples)) if image_samples is not None else 0,
+            len(image_samples) if image_samples is not None else 0, m.spatial_merge_size)
         return Manifest(
             config_hash=self.config_hash, identity=self.identity, config=self.cfg.to_dict(),
             target_model=t.path, target_model_type=t.model_type, target_vocab_size=t.vocab_size,
@@ -158,7 +165,7 @@ class Plan:
             pad_token_id=getattr(self.tokenizer, "pad_token_id", None),
             eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
             tool_version=__version__, created_at=created_at or now(), capture=self.capture,
-            format_version=FORMAT_VERSION,
+            format_version=FORMAT_VERSION, media=media,
         )
 
     @property
@@ -200,6 +207,8 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
         media = media_spec_for(target.local_dir, cfg.data.image)
         if media is not None and data_sha:
             images = images_sha256(cfg.data, data_root(str(cfg.data.path)))
+        if images and media is not None and template is not None:
+            media = described(media, tokenizer, template)  # its vision ids and position axes, for the manifest
         if images:
             target.load_vision()  # the vision tower runs on the rows' pixels: loaded, and counted in the fit
             if importlib.util.find_spec("PIL") is None:
@@ -219,6 +228,8 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
     store = CacheStore(path)  # resolves a local path: after the checks of it (a symlink loop would raise)
     state = LastState(cfg.capture.last_state)
     specs, names, chunk, unit = array_layout(cfg, layer_ids, target, state)
+    if media is not None and media.position_axes:
+        specs.append(position_spec(media.position_axes))  # the model's positions, stored with the token ids
     identity = cache_identity(cfg, target, tokenizer, template, data_sha, layer_ids, compute_dtype, chunk, unit,
                               images)
     return Plan(cfg, path, store, tokenizer, template, target, layer_ids, device, compute_dtype, identity,

@@ -23,6 +23,7 @@ from dspark_precompute.contract.spec import (
     COMMITS,
     FORMAT_NAME,
     FORMAT_VERSION,
+    IMAGE_ARRAYS,
     INPUT_IDS,
     LOCK,
     LOSS_MASK,
@@ -153,8 +154,11 @@ def check_same_layout(store: CacheStore, layout: Layout, tables: dict[str, np.nd
     except CacheFormatError as exc:
         raise CacheFormatError(f"{exc}; pass overwrite=true to re-create the cache") from None
     try:
-        for name in ("samples/length", "samples/source_row", "samples/start"):
-            if not np.array_equal(opened.tables[name], tables[name]):
+        for name in ("samples/length", "samples/source_row", "samples/start", *IMAGE_ARRAYS):
+            if name not in opened.tables and name not in tables:
+                continue  # a text cache has no image tables
+            if name not in opened.tables or name not in tables or not np.array_equal(opened.tables[name],
+                                                                                     tables[name]):
                 raise CacheFormatError(
                     f"{store.path}: the recorded {name} differs from this run's tokenization although the "
                     "configuration hash matches (non-deterministic tokenizer?); pass overwrite=true")

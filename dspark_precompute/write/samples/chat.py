@@ -104,6 +104,7 @@ class Encoded:
     loss_mask: np.ndarray  # uint8 [T]
     untruncated_length: int
     images: SampleImages | None = None  # a row with images: their sources, hashes and grids (samples/images.py)
+    position_ids: np.ndarray | None = None  # a row with images of a multi-axis rotary model: int32 [T, axes]
 
     @property
     def truncated(self) -> bool:

@@ -8,12 +8,14 @@ repeats each pad once per merged patch, and every vision token (pads and the sta
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dspark_precompute.contract.spec import IMAGE_GRID, IMAGE_SAMPLE, IMAGE_SHA256
 from dspark_precompute.errors import DataError
 from dspark_precompute.write.config.schema import DataConfig, ImageConfig
 from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
@@ -47,6 +49,10 @@ class MediaSpec:
     min_pixels: int | None = None
     max_pixels: int | None = None
     max_input_pixels: int | None = None
+    position_axes: int = 0  # the model's rotary position axes (3: Qwen's M-RoPE); 0: no multi-axis positions
+    image_token_id: int = -1  # set by :func:`described` from the processor
+    vision_token_ids: tuple[int, ...] = ()
+    spatial_merge_size: int = 1  # patches merged per side into one image pad
 
     def pixels(self) -> dict[str, int]:
         return {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v is not None}
@@ -85,6 +91,9 @@ class MediaEncoder:
             return enc
         sources = tuple(resolve_source(s, base) for s in image_sources(conv.messages))[:n_img]
         enc.images = SampleImages(sources, tuple(i.sha256 for i in loaded[:n_img]), ex.image_grid_thw[:n_img])
+        if self.spec.position_axes:
+            enc.position_ids = rope_positions(self.spec.model_dir, enc.input_ids, self.vision.image,
+                                              enc.images.grid_thw)
         return enc
 
     def pixel_inputs(self, images: SampleImages, input_ids: Any) -> dict[str, Any]:
@@ -123,6 +132,65 @@ class MediaInputs:
             return self.encoder.pixel_inputs(refs, input_ids)
         except MediaProblem as exc:
             raise DataError(f"sample {sample}: {exc}") from None
+
+
+@cache
+def _rope_model(model_dir: str) -> Any | None:
+    """The checkpoint's inner ``model`` built on the meta device from its config (no weights, no memory), kept once
+    per process: its ``get_rope_index`` is the multi-axis position rule the full model's forward applies. None when
+    the model has none (one position axis: the language model's own arange)."""
+    import json
+
+    import torch
+    from transformers import AutoConfig
+
+    from dspark_precompute.write.target.image_text import checkpoint_class, image_text_class_name
+
+    name = image_text_class_name(json.loads((Path(model_dir) / "config.json").read_text()))
+    if name is None:
+        return None
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        inner = getattr(checkpoint_class(name)(config), "model", None)
+    return inner if callable(getattr(inner, "get_rope_index", None)) else None
+
+
+def rope_positions(model_dir: str, input_ids: Any, image: int, grid_thw: Any) -> np.ndarray | None:
+    """The positions (int32 [T, axes]) the full model's forward gives its language model for these ids and the
+    grids of the images they hold (``mm_token_type_ids`` 1 on image pads, as :meth:`MediaEncoder.pixel_inputs`
+    passes them); None when the model has no multi-axis positions."""
+    import torch
+
+    model = _rope_model(model_dir)
+    if model is None:
+        return None
+    ids = torch.as_tensor(np.asarray(input_ids, dtype=np.int64))[None]
+    grid = torch.as_tensor(np.asarray(grid_thw, dtype=np.int64)).reshape(-1, 3)
+    pos, _ = model.get_rope_index(input_ids=ids, mm_token_type_ids=(ids == image).to(torch.int64),
+                                  image_grid_thw=grid if len(grid) else None, attention_mask=torch.ones_like(ids))
+    return np.ascontiguousarray(pos[:, 0, :].T.numpy().astype(np.int32))
+
+
+def described(spec: MediaSpec, tokenizer: Any, template: str) -> MediaSpec:
+    """``spec`` with what the manifest records of it: the vision token ids (from the processor), the patches merged
+    per side, and the position axes of the model's ``get_rope_index`` (0 without one), probed on one text token."""
+    processor = load_processor(Path(spec.model_dir), tokenizer, template, spec.pixels())
+    vision = VisionTokens.of(processor)
+    merge = int(getattr(processor.image_processor, "merge_size", None) or 1)
+    probe = rope_positions(spec.model_dir, [0], vision.image, np.zeros((0, 3), dtype=np.int64))  # one text token
+    return replace(spec, position_axes=0 if probe is None else int(probe.shape[1]), image_token_id=vision.image,
+                   vision_token_ids=tuple(sorted(vision.markers)), spatial_merge_size=merge)
+
+
+def image_tables(images: dict[int, SampleImages]) -> dict[str, np.ndarray]:
+    """The per-image tables of an image cache, in sample order: each image's sample, grid and content sha256."""
+    order = sorted(s for s, im in images.items() if im.sources)
+    sample = [s for s in order for _ in images[s].sources]
+    grids = [np.asarray(images[s].grid_thw, dtype=np.int64).reshape(-1, 3) for s in order]
+    shas = [bytes.fromhex(h) for s in order for h in images[s].sha256]
+    return {IMAGE_SAMPLE: np.asarray(sample, dtype=np.int64),
+            IMAGE_GRID: (np.concatenate(grids) if grids else np.zeros((0, 3))).astype(np.int32),
+            IMAGE_SHA256: np.frombuffer(b"".join(shas), dtype=np.uint8).reshape(-1, 32).copy()}
 
 
 def media_inputs(encoder: ChatEncoder, encoded: dict[int, Encoded]) -> MediaInputs | None:

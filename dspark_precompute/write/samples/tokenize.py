@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ from dspark_precompute.write.parallel.distributed import Ranks
 from dspark_precompute.write.samples.chat import Encoded
 from dspark_precompute.write.samples.encode import EncoderPool, RowEncoder
 from dspark_precompute.write.samples.files import resolve_source
+from dspark_precompute.write.samples.images import SampleImages
 from dspark_precompute.write.samples.normalize import Reason, Reject
 from dspark_precompute.write.samples.rows import RawRow, iter_rows
 
@@ -62,6 +63,7 @@ class Tokenized:
     supervised: np.ndarray
     rejects: list[Reject]
     encoded: dict[int, Encoded]  # sample id -> tokens, for the samples this rank tokenized
+    images: dict[int, SampleImages] = field(default_factory=dict)  # sample id -> its images (every rank's)
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,7 @@ def tokenize(enc: RowEncoding, data: DataConfig, ranks: Ranks | None = None) -> 
     ranks = ranks or Ranks()
 
     def mine() -> tuple[int, list[tuple[int, Any]], dict[int, Encoded]]:
-        info: list[tuple[int, Any]] = []
+        info: list[tuple[int, Any]] = []  # (row, reject or (length, untruncated, supervised[, images]))
         own: dict[int, Encoded] = {}
         counter = {"n": 0}
 
@@ -178,7 +180,8 @@ def tokenize(enc: RowEncoding, data: DataConfig, ranks: Ranks | None = None) -> 
                 info.append((sel, item))
             else:
                 own[sel] = item
-                info.append((sel, (len(item.input_ids), item.untruncated_length, int(item.loss_mask.sum()))))
+                stats = (len(item.input_ids), item.untruncated_length, int(item.loss_mask.sum()))
+                info.append((sel, stats if item.images is None else (*stats, item.images)))
         return counter["n"], info, own
 
     n, info, own = ranks.together(mine)
@@ -202,10 +205,11 @@ def tokenize(enc: RowEncoding, data: DataConfig, ranks: Ranks | None = None) -> 
         first = f" First: row {rejects[0].row}{_where(rejects[0])}: {rejects[0].message}" if rejects else ""
         raise DataError(f"no row of data.path={data.path!r} became a sample ({counted or 'none read'}).{first}")
     sample_rows = np.asarray([sel for sel, _ in kept], dtype=np.int64)
-    stats = np.asarray([r for _, r in kept], dtype=np.int64).reshape(-1, 3)
+    stats = np.asarray([r[:3] for _, r in kept], dtype=np.int64).reshape(-1, 3)
     sample_of = {int(sel): i for i, sel in enumerate(sample_rows)}
     encoded = {sample_of[sel]: e for sel, e in own.items()}
-    return Tokenized(n, sample_rows, stats[:, 0], stats[:, 1], stats[:, 2], rejects, encoded)
+    images = {i: r[3] for i, (_, r) in enumerate(kept) if len(r) > 3}
+    return Tokenized(n, sample_rows, stats[:, 0], stats[:, 1], stats[:, 2], rejects, encoded, images)
 
 
 def ensure_encoded(enc: RowEncoding, data: DataConfig, tok: Tokenized, sample_ids: set[int]) -> None:

@@ -2,7 +2,8 @@
 
 :func:`allocate` creates the group and every array at its final shape (zarr writes the
 metadata; format 2 token arrays are sharded, one shard per unit) and writes the sample/unit
-tables. :func:`write_tokens` then writes ``input_ids`` and ``loss_mask`` of the given units,
+tables. :func:`write_tokens` then writes ``input_ids`` and ``loss_mask`` (and an image cache's ``position_ids``) of
+the given units,
 one shard per unit, so a resumed run reads them back instead of tokenizing again, and returns
 the digest of each shard as written (what binds it to its place: ``commits/tokens.json``, then
 each unit's commit record). Every file
@@ -22,7 +23,15 @@ import numpy as np
 from dspark_precompute.contract.arrays import chunk_encoder, codec_chain
 from dspark_precompute.contract.layout import Layout
 from dspark_precompute.contract.shards import EncodedShard, encode_shard
-from dspark_precompute.contract.spec import INPUT_IDS, KEY_SEPARATOR, LOSS_MASK, MAX_TABLE_CHUNK_ROWS, UNIT_ARRAYS
+from dspark_precompute.contract.spec import (
+    IMAGE_ARRAYS,
+    INPUT_IDS,
+    KEY_SEPARATOR,
+    LOSS_MASK,
+    MAX_TABLE_CHUNK_ROWS,
+    POSITION_IDS,
+    UNIT_ARRAYS,
+)
 from dspark_precompute.contract.store import CacheStore, fsync_dir
 from dspark_precompute.faults import fault_point
 from dspark_precompute.write.config.schema import StorageConfig
@@ -56,6 +65,17 @@ def _attributes(s: ArraySpec) -> dict[str, Any]:
     return attrs
 
 
+def _width_name(s: ArraySpec) -> str:
+    return "axis" if s.name == POSITION_IDS else "scale" if s.scale_of else "hidden"
+
+
+def _table_dims(name: str, values: np.ndarray) -> tuple[str, ...]:
+    """A table's dimension names: ``unit``, ``sample`` or (the images/* tables) ``image`` and its row."""
+    if name in IMAGE_ARRAYS:
+        return ("image",) if values.ndim == 1 else ("image", "thw" if values.shape[1] == 3 else "byte")
+    return ("unit",) if name in UNIT_ARRAYS else ("sample",)
+
+
 def _metadata_keys(root: Path) -> list[Path]:
     return sorted(root.rglob("zarr.json"))
 
@@ -74,21 +94,23 @@ def allocate(store: CacheStore, specs: list[ArraySpec], layout: Layout, storage:
         group.create_array(
             s.name, shape=(total, *width), chunks=(chunk, *width), shards=(unit, *width), dtype=s.dtype,
             fill_value=s.fill, compressors=codec_chain(*array_codec(storage, s)), chunk_key_encoding=KEY_ENCODING,
-            dimension_names=("token",) if s.width is None else ("token", "scale" if s.scale_of else "hidden"),
+            dimension_names=("token",) if s.width is None else ("token", _width_name(s)),
             attributes=_attributes(s))
     tables = {**tables, "units/token_start": layout.unit_start, "units/token_stop": layout.unit_stop}
     for name, values in tables.items():
         values = np.ascontiguousarray(values)
         rows = max(1, min(len(values), MAX_TABLE_CHUNK_ROWS))
         codec = (storage.compressor, storage.compression_level, storage.shuffle, values.dtype.itemsize)
-        group.create_array(name, shape=values.shape, chunks=(rows,), dtype=values.dtype, fill_value=0,
+        width = values.shape[1:]
+        group.create_array(name, shape=values.shape, chunks=(rows, *width), dtype=values.dtype, fill_value=0,
                            compressors=codec_chain(*codec), chunk_key_encoding=KEY_ENCODING,
-                           dimension_names=("unit",) if name in UNIT_ARRAYS else ("sample",))
+                           dimension_names=_table_dims(name, values))
         encode = chunk_encoder(*codec)
         for k in range(0, len(values), rows):
-            block = np.zeros(rows, dtype=values.dtype)  # zarr stores an edge chunk whole, padded with the fill
+            block = np.zeros((rows, *width), dtype=values.dtype)  # zarr stores an edge chunk whole, fill-padded
             block[:len(values[k:k + rows])] = values[k:k + rows]
-            store.write_parts(f"{name}/c{KEY_SEPARATOR}{k // rows}", list(encode(block)), storage.fsync)
+            key = f"{name}/c{KEY_SEPARATOR}{k // rows}" + f"{KEY_SEPARATOR}0" * len(width)
+            store.write_parts(key, list(encode(block)), storage.fsync)
     if storage.fsync and not store.url:  # zarr wrote the metadata without fsync: make it durable
         root = Path(store.root)
         for meta in _metadata_keys(root):
@@ -100,15 +122,17 @@ def allocate(store: CacheStore, specs: list[ArraySpec], layout: Layout, storage:
 
 def write_tokens(store: CacheStore, layout: Layout, storage: StorageConfig, specs: list[ArraySpec],
                  samples: Any, units: Iterable[int]) -> tuple[int, dict[int, dict[str, str]]]:
-    """``input_ids`` and ``loss_mask`` of ``units``: one shard each, from ``samples[s]`` (an Encoded); the bytes
-    written and, per unit, each array's shard digest (hex) as written.
+    """``input_ids``, ``loss_mask`` (and ``position_ids``, where stored) of ``units``: one shard each, from
+    ``samples[s]`` (an Encoded); the bytes written and, per unit, each array's shard digest (hex) as written.
 
     Slots past a unit's last token (inside its last chunk) hold 0; inner chunks past it are
     absent from the shard.
     """
     chunk, per = layout.chunk_tokens, layout.unit_tokens // layout.chunk_tokens
     by_name = {s.name: s for s in specs}
-    encoders = {name: chunk_encoder(*array_codec(storage, by_name[name])) for name in (INPUT_IDS, LOSS_MASK)}
+    axes = int(by_name[POSITION_IDS].width or 0) if POSITION_IDS in by_name else 0
+    names = (INPUT_IDS, LOSS_MASK, *((POSITION_IDS,) if axes else ()))
+    encoders = {name: chunk_encoder(*array_codec(storage, by_name[name])) for name in names}
     written = 0
     digests: dict[int, dict[str, str]] = {}
     for u in units:
@@ -116,15 +140,21 @@ def write_tokens(store: CacheStore, layout: Layout, storage: StorageConfig, spec
         n_slots = -(-n // chunk) * chunk
         rows: dict[str, np.ndarray] = {INPUT_IDS: np.zeros(n_slots, dtype=np.int32),
                                        LOSS_MASK: np.zeros(n_slots, dtype=np.uint8)}
+        if axes:
+            rows[POSITION_IDS] = np.zeros((n_slots, axes), dtype=np.int32)
         for s in layout.unit_order[u]:
             a = int(layout.start[s]) - base
             enc = samples[int(s)]
             rows[INPUT_IDS][a:a + len(enc.input_ids)] = enc.input_ids
             rows[LOSS_MASK][a:a + len(enc.loss_mask)] = enc.loss_mask
+            if axes:  # a text sample: the model's positions of a text row, the same count on every axis
+                pos = enc.position_ids
+                rows[POSITION_IDS][a:a + len(enc.input_ids)] = pos if pos is not None else np.arange(
+                    len(enc.input_ids), dtype=np.int32)[:, None]
         digests[int(u)] = {}
         for name, values in rows.items():
             shard = encode_unit_shard(values, chunk, per, encoders[name])
-            written += store.write_parts(shard_key(name, u, two_d=False), shard, storage.fsync)
+            written += store.write_parts(shard_key(name, u, two_d=values.ndim == 2), shard, storage.fsync)
             digests[int(u)][name] = shard.digest.hex()
         fault_point("tokens_unit")
     return written, digests

@@ -395,3 +395,110 @@ def test_a_text_target_rejects_rows_naming_images_or_videos_instead_of_capturing
     assert isinstance(got, Reject) and got.reason == "video_unsupported" and "torchvision" in got.message
     empty = normalize(RawRow(0, 1, record={**row, "images": []}))
     assert not isinstance(empty, Reject)  # an empty list names no image
+
+
+@pytest.fixture(scope="module")
+def image_cache(vl_dir, data_dir, tmp_path_factory):
+    """One finished run over two image rows and a text row (image_run), shared by the read-side tests below."""
+    result, names = image_run(vl_dir, data_dir, tmp_path_factory.mktemp("image_cache"))
+    return Path(result.path), names
+
+
+def copied(cache, tmp_path):
+    import shutil
+
+    shutil.copytree(cache, tmp_path / "copy")
+    return tmp_path / "copy"
+
+
+def test_stored_positions_are_those_the_full_models_forward_gave_its_rotary_and_the_grids_the_processors(
+        vl_dir, data_dir, image_cache):
+    """The oracle: the positions transformers' own forward hands the language model's rotary embedding (a forward
+    pre-hook), on the processor's inputs for image rows and on the ids alone for the text row; the grids and
+    hashes: the processor's image_grid_thw and the images' bytes."""
+    import hashlib
+
+    from dspark_precompute.read.reader import CacheReader
+
+    path, names = image_cache
+    cache = CacheReader(path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    _, enc = encoder(vl_dir, data_dir)
+    vision = enc.media.vision
+    assert manifest["media"] == {"image_token_id": vision.image, "vision_token_ids": sorted(vision.markers),
+                                 "position_axes": 3, "samples_with_images": 2, "images": 4,
+                                 "spatial_merge_size": 2}
+    model = AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    seen = {}
+    model.model.language_model.rotary_emb.register_forward_pre_hook(lambda m, args: seen.update(pos=args[1]))
+    rows = {int(r): k for k, r in enumerate(cache.source_row)}
+    for row, record in ((0, sharegpt_row(names)), (2, openai_row(names)), (1, TEXT_ROW)):
+        got = cache.sample(rows[row])
+        if row == 1:
+            inputs = {"input_ids": got["input_ids"][None]}
+        else:
+            inputs = processor_inputs(enc, data_dir, record)
+            images = cache.images(rows[row])
+            assert np.array_equal(images["grid_thw"], inputs["image_grid_thw"].numpy())
+            assert images["sha256"] == [hashlib.sha256((data_dir / n).read_bytes()).hexdigest() for n in names]
+        with torch.no_grad():
+            model(**inputs)
+        want = seen["pos"][:, 0, :].T  # [T, 3]
+        assert got["position_ids"].shape == want.shape and torch.equal(got["position_ids"], want), row
+        assert (row == 1) == bool((want == torch.arange(len(want))[:, None]).all())  # images shift the positions
+    assert cache.images(rows[1])["grid_thw"].shape == (0, 3)
+
+
+def test_verify_catches_a_flipped_byte_in_position_ids_and_a_grid_that_disagrees_with_the_pad_count(
+        image_cache, tmp_path):
+    import zarr
+
+    from dspark_precompute.read.verify import verify_cache
+
+    path, _ = image_cache
+    assert verify_cache(path).ok
+    flipped = copied(path, tmp_path / "a")
+    shard = flipped / "position_ids" / "c.0.0"
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    report = verify_cache(flipped)
+    assert not report.ok and any(p.array == "position_ids" for p in report.problems), report.format()
+    wrong = copied(path, tmp_path / "b")
+    grids = zarr.open_array(str(wrong / "images" / "grid_thw"), mode="r+")
+    grids[0, 1] = int(grids[0, 1]) + 2
+    report = verify_cache(wrong)
+    assert not report.ok and "image pad tokens" in report.format(), report.format()
+
+
+def test_every_export_refuses_an_image_cache_naming_the_count_and_skip_image_rows_exports_the_text_rows(
+        image_cache, tmp_path):
+    from dspark_precompute.cli.cache import main
+    from dspark_precompute.errors import ExportError
+    from dspark_precompute.read.export import EXPORT_MARKER, export
+
+    path, _ = image_cache
+    for to in ("nemo", "deepspec", "specforge", "speculators"):
+        with pytest.raises(ExportError, match="2 of 3 samples with images.*text ids and hidden states only"):
+            export(path, tmp_path / to, to=to)
+        assert not (tmp_path / to).exists()
+    assert main(["export", str(path), str(tmp_path / "out"), "--to", "nemo", "--skip-image-rows"]) == 0
+    marker = json.loads((tmp_path / "out" / EXPORT_MARKER).read_text())
+    assert marker["num_samples"] == 1 and marker["dropped_samples"] == {"holds_images": 2}
+
+
+def test_a_text_run_on_an_image_text_checkpoint_writes_no_media_section_positions_or_image_tables(vl_dir, data_dir,
+                                                                                               tmp_path):
+    """Text caches keep the manifest (and so the config hash) they had before image caches existed."""
+    from helpers import compose, small
+
+    from dspark_precompute.contract.manifest import config_hash
+    from dspark_precompute.write.run import run
+
+    rows = data_dir / "text_only.jsonl"
+    rows.write_text(json.dumps(TEXT_ROW) + "\n")
+    result = run(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}")))
+    manifest = json.loads((Path(result.path) / "manifest.json").read_text())
+    assert "media" not in manifest and manifest["config_hash"] == config_hash(manifest["identity"])
+    assert not any("media" in k or "position" in k for k in json.dumps(manifest["identity"]).split('"'))
+    assert not (Path(result.path) / "position_ids").exists() and not (Path(result.path) / "images").exists()
