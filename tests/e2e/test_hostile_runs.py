@@ -131,6 +131,7 @@ def test_killing_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path):
 
 # -- signals -------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # moved out of the default lane to keep it under 10 minutes (CONTRIBUTING)
 def test_two_sigterms_in_quick_succession_exit_143_with_one_line_and_the_cache_resumes(tmp_path, reference):
     overrides = small(tmp_path, *UNITS, name="c")
     proc = cli(tmp_path, overrides, env={"DSPARK_FAULT": "unit_submitted=1:sleep"})
@@ -288,6 +289,7 @@ def test_ctrl_c_while_the_cache_command_starts_is_one_line(tmp_path, at):
 
 # -- a full disk while allocating ------------------------------------------------------------------------
 
+@pytest.mark.slow  # moved out of the default lane to keep it under 10 minutes (CONTRIBUTING)
 def test_a_full_disk_while_allocating_is_a_storage_write_error_and_the_rerun_completes(tmp_path, reference):
     overrides = small(tmp_path, *UNITS, name="c")
     proc = cli(tmp_path, overrides, env={"DSPARK_FAULT": "allocate=1:enospc"})

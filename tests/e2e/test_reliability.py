@@ -51,9 +51,9 @@ KILL_POINTS = [
     ("writer_before_commit", 3),   # between data and commit, later unit
     ("manifest", 3),               # during the final manifest update
 ]
-# the default suite's share (one kill before the forward, mid-run, between data and commit, in the final manifest;
+# the default suite's share (one kill before the forward, between data and commit, in the final manifest;
 # a stop in the token stores runs in-process in tests/write/plan/test_resume.py); the slow lane runs every point
-FAST = {("write_part", 12), ("unit_submitted", 1), ("writer_before_commit", 3), ("manifest", 3)}
+FAST = {("write_part", 12), ("writer_before_commit", 3), ("manifest", 3)}
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,8 @@ def test_a_kill_at_any_point_then_the_same_command_gives_the_uninterrupted_cache
 MULTI_WRITER_KILLS = [("writer_array", 2), ("writer_before_commit", 2), ("unit_submitted", 2)]
 
 
-@pytest.mark.parametrize("point,hit", [pytest.param(p, h, marks=() if p == "writer_array" else pytest.mark.slow)
-                                       for p, h in MULTI_WRITER_KILLS])
+@pytest.mark.slow  # every case: the default lane's kills run with one writer count
+@pytest.mark.parametrize("point,hit", MULTI_WRITER_KILLS)
 def test_a_kill_with_three_writers_then_a_resume_with_one_gives_the_uninterrupted_cache(tmp_path, reference, point,
                                                                                         hit):
     overrides = small(tmp_path, *UNITS, name="c")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from helpers import assert_same_cache, compose, small
 
 from dspark_precompute.write.parallel.distributed import Ranks, assign_units, unit_share
@@ -63,6 +64,7 @@ def test_two_torchrun_ranks_write_a_cache_bit_identical_to_one_process(tmp_path)
     assert len(list((tmp_path / "outputs").rglob(".hydra"))) == 1
 
 
+@pytest.mark.slow  # moved out of the default lane to keep it under 10 minutes (CONTRIBUTING)
 def test_a_ddp_run_killed_on_one_rank_resumes_with_another_world_size(tmp_path):
     overrides = small(tmp_path, *UNITS, "data.max_samples=24", name="ddp")
     proc = torchrun(tmp_path, 2, overrides, env={"DSPARK_FAULT": "unit_submitted=2"})
@@ -82,6 +84,7 @@ def units_per_rank(cache: Path, world: int) -> list[list[int]]:
     return assign_units(tokens, world)
 
 
+@pytest.mark.slow  # moved out of the default lane to keep it under 10 minutes (CONTRIBUTING)
 def test_a_failing_rank_stops_the_others_at_their_next_unit_and_every_unit_handed_to_the_writers_is_committed(
         tmp_path):
     overrides = small(tmp_path, *UNITS, "data.max_samples=24", name="ddp")
