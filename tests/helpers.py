@@ -253,3 +253,19 @@ def flip_chunk_byte(cache, array: str, c: int, at: int = 40) -> None:
     blob = bytearray(f.read_bytes())
     blob[off + min(at, n - 5)] ^= 0x10
     f.write_bytes(bytes(blob))
+
+
+def stopped_after_units(overrides: list[str], monkeypatch, units: int) -> None:
+    """Run ``overrides`` until ``units`` units were handed to the writers, then stop it with an error (a fault
+    point), and leave the environment as it was: the cache is then a resumable, unfinished one."""
+    import pytest
+
+    from dspark_precompute import faults
+    from dspark_precompute.write.run import run
+
+    monkeypatch.setenv("DSPARK_FAULT", f"unit_submitted={units}:raise")
+    faults.reload()
+    with pytest.raises(Exception, match="fault"):
+        run(compose(overrides))
+    monkeypatch.delenv("DSPARK_FAULT")
+    faults.reload()

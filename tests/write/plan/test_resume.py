@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, assert_same_cache, compose, small
+from helpers import REPO, assert_same_cache, compose, small, stopped_after_units
 
 from dspark_precompute.contract.commits import committed_units
 from dspark_precompute.contract.store import CacheStore
@@ -33,14 +33,7 @@ def reference(tmp_path_factory):
 def interrupted(tmp_path: Path, monkeypatch, after_units: int = 3, *extra: str) -> list[str]:
     """A run stopped by an error once ``after_units`` units were handed to the writers; its overrides."""
     overrides = small(tmp_path, *UNITS, *extra, name="c")
-    monkeypatch.setenv("DSPARK_FAULT", f"unit_submitted={after_units}:raise")
-    from dspark_precompute import faults
-
-    faults.reload()
-    with pytest.raises(Exception, match="fault"):
-        run(compose(overrides))
-    monkeypatch.delenv("DSPARK_FAULT")
-    faults.reload()
+    stopped_after_units(overrides, monkeypatch, after_units)
     return overrides
 
 

@@ -260,9 +260,8 @@ IMAGE_UNITS = ("storage.chunk_tokens=64", "storage.unit_tokens=256", "seq_length
 
 def test_an_image_run_stopped_after_a_unit_resumes_to_the_uninterrupted_cache(vl_dir, data_dir, tmp_path,
                                                                              monkeypatch):
-    from helpers import assert_same_cache, compose, small
+    from helpers import assert_same_cache, compose, small, stopped_after_units
 
-    from dspark_precompute import faults
     from dspark_precompute.contract.commits import committed_units
     from dspark_precompute.contract.store import CacheStore
     from dspark_precompute.write.run import run
@@ -270,12 +269,7 @@ def test_an_image_run_stopped_after_a_unit_resumes_to_the_uninterrupted_cache(vl
     rows = image_rows(data_dir, write_images(data_dir / "imgs"))
     ref = run(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", *IMAGE_UNITS, name="ref")))
     overrides = small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", *IMAGE_UNITS, name="c")
-    monkeypatch.setenv("DSPARK_FAULT", "unit_submitted=2:raise")
-    faults.reload()
-    with pytest.raises(Exception, match="fault"):
-        run(compose(overrides))
-    monkeypatch.delenv("DSPARK_FAULT")
-    faults.reload()
+    stopped_after_units(overrides, monkeypatch, 2)
     m = json.loads((tmp_path / "c" / "manifest.json").read_text())
     done = committed_units(CacheStore(tmp_path / "c"))
     assert 0 < len(done) < m["layout"]["num_units"]
@@ -285,21 +279,15 @@ def test_an_image_run_stopped_after_a_unit_resumes_to_the_uninterrupted_cache(vl
 
 
 def test_a_changed_image_refuses_the_resume_naming_the_images_hash(vl_dir, data_dir, tmp_path, monkeypatch):
-    from helpers import compose, small
+    from helpers import compose, small, stopped_after_units
 
-    from dspark_precompute import faults
     from dspark_precompute.errors import IncompatibleCacheError
     from dspark_precompute.write.run import run
 
     names = write_images(data_dir / "imgs")
     rows = image_rows(data_dir, names)
     overrides = small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", *IMAGE_UNITS, name="c")
-    monkeypatch.setenv("DSPARK_FAULT", "unit_submitted=1:raise")
-    faults.reload()
-    with pytest.raises(Exception, match="fault"):
-        run(compose(overrides))
-    monkeypatch.delenv("DSPARK_FAULT")
-    faults.reload()
+    stopped_after_units(overrides, monkeypatch, 1)
     Image.fromarray(np.zeros((64, 96, 3), dtype=np.uint8)).save(data_dir / names[0])  # same size, other pixels
     with pytest.raises(IncompatibleCacheError, match="images_sha256"):
         run(compose(overrides))
