@@ -39,7 +39,7 @@ from dspark_precompute.errors import NonFiniteStatesError, RankFailedError, Stop
 from dspark_precompute.faults import fault_point
 from dspark_precompute.progress import Progress
 from dspark_precompute.tensors import torch_dtype
-from dspark_precompute.write.parallel.distributed import ERROR, Coordinator, Lockstep, Ranks
+from dspark_precompute.write.parallel.distributed import ERROR, Agreement, Coordinator, Lockstep, Ranks
 from dspark_precompute.write.plan.array_specs import ArraySpec
 from dspark_precompute.write.plan.prepare import Plan
 from dspark_precompute.write.samples.media import MediaInputs
@@ -231,19 +231,19 @@ class ForwardLoop:
         A sample with images is a batch of its own: its pixels, grids and multi-axis positions are one row's, and
         a padded batch of them would be checked against single rows again for every model."""
         cfg = self.plan.cfg
+
+        def text(run: np.ndarray) -> list[np.ndarray]:
+            return make_batches(run, self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples)
+
         if self.media is None:
-            return make_batches(order, self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples)
+            return text(order)
         out: list[np.ndarray] = []
         start = 0
         for k, s in enumerate(order):
             if int(s) in self.media.images:
-                if k > start:
-                    out += make_batches(order[start:k], self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples)
-                out.append(order[k:k + 1])
+                out += [*text(order[start:k]), order[k:k + 1]]
                 start = k + 1
-        if start < len(order):
-            out += make_batches(order[start:], self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples)
-        return out
+        return out + text(order[start:])
 
     def _pixels(self, batch: np.ndarray) -> dict[str, torch.Tensor] | None:
         """The image inputs of a one-sample batch with images; None for text batches."""
@@ -261,32 +261,31 @@ class ForwardLoop:
         """Lockstep: dummy 1-token forwards while another rank still has batches (their collectives need ours).
 
         While a peer waits for the trainer the group polls together; ``settle`` (this rank's writers' drain) runs
-        first, so the units this rank submitted are committed: the trainer may need them to release any unit."""
+        once that starts, so the units this rank submitted are committed: the trainer may need them to release any
+        unit."""
         if not self.lockstep.enabled or self.lockstep.halt is not None:
             return
         while True:
-            agreed = self.lockstep.step(False, signals.STATE.signum)
+            agreed = self._group_step(capture, waiting=False)
             if agreed is None or not (agreed.busy or agreed.waiting):
                 return
-            if agreed.busy:
-                self._forward(capture, self._dummy())
-                continue
-            if settle is not None:
+            if not agreed.busy and settle is not None:
                 settle()
                 settle = None
-            time.sleep(WINDOW_POLL_S)  # a peer waits for the trainer: the group polls with it
 
     def _wait_step(self, capture: HiddenStateCapture) -> bool:
-        """Lockstep, this rank waiting for the trainer: one agreement, the dummy forward a busy peer's collectives
-        need (or a pause); False once the group stops."""
-        agreed = self.lockstep.step(False, signals.STATE.signum, waiting=True)
-        if agreed is None:
-            return False
-        if agreed.busy:
+        """Lockstep, this rank waiting for the trainer: one step of the group; False once the group stops."""
+        return self._group_step(capture, waiting=True) is not None
+
+    def _group_step(self, capture: HiddenStateCapture, waiting: bool) -> Agreement | None:
+        """Lockstep without a batch of this rank's own: one agreement, then the dummy forward a busy peer's
+        collectives need, or a pause while a rank waits for the trainer; None once the group stops."""
+        agreed = self.lockstep.step(False, signals.STATE.signum, waiting=waiting)
+        if agreed is not None and agreed.busy:
             self._forward(capture, self._dummy())
-        else:
-            time.sleep(WINDOW_POLL_S)
-        return True
+        elif agreed is not None and agreed.waiting:
+            time.sleep(WINDOW_POLL_S)  # a rank waits for the trainer: the group polls with it
+        return agreed
 
     def _dummy(self) -> torch.Tensor:
         return torch.full((1, 1), self.plan.pad_id, dtype=torch.long, device=self.device)
