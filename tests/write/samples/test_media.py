@@ -490,3 +490,51 @@ def test_a_text_run_on_an_image_text_checkpoint_writes_no_media_section_position
     assert "media" not in manifest and manifest["config_hash"] == config_hash(manifest["identity"])
     assert not any("media" in k or "position" in k for k in json.dumps(manifest["identity"]).split('"'))
     assert not (Path(result.path) / "position_ids").exists() and not (Path(result.path) / "images").exists()
+
+
+CLASSES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+
+
+@pytest.mark.parametrize("model_type", sorted(CLASSES))
+def test_image_rows_through_qwen3_5_checkpoints_equal_their_own_forward_ids_mask_and_rope_index(
+        model_type, data_dir, tmp_path):
+    """Qwen3.5 and Qwen3.5-MoE (Qwen3.6's architecture: Gated DeltaNet and attention layers, 3:1), tiny and laid
+    out as the hub ships them. The oracle: the processor's own inputs, the checkpoint's own forward
+    (AutoModelForImageTextToText, output_hidden_states) and its own ``get_rope_index`` on those inputs."""
+    from helpers import compose, small
+
+    from dspark_precompute.read.reader import CacheReader
+    from dspark_precompute.write.run import run
+
+    ckpt = tmp_path / model_type
+    save_image_text_checkpoint(model_type, ckpt)
+    names = write_images(data_dir / "imgs")
+    rows = data_dir / f"{model_type}.jsonl"
+    rows.write_text(json.dumps(sharegpt_row(names)) + "\n")
+    layers = [0, 3]  # a linear-attention (Gated DeltaNet) layer and the full-attention one
+    result = run(compose(small(tmp_path, f"model.path={ckpt}", f"data.path={rows}", "seq_length=4096",
+                               "batch.max_tokens=8192", "model.dtype=fp32", f"model.layer_ids={layers}")))
+    manifest = json.loads((Path(result.path) / "manifest.json").read_text())
+    assert manifest["capture"]["target_part"]["loaded"] == "model"
+    assert manifest["capture"]["target_part"]["checkpoint_class"] == CLASSES[model_type]
+    got = CacheReader(result.path).sample(0)
+    _, enc = encoder(ckpt, data_dir)
+    inputs = processor_inputs(enc, data_dir, openai_row(names))
+    ids = inputs["input_ids"][0].numpy()
+    assert np.array_equal(got["input_ids"].numpy(), ids)
+    vision = np.isin(ids, sorted(enc.media.vision.markers))
+    assert vision.sum() > 8 and not got["loss_mask"].numpy()[vision].any() and got["loss_mask"].numpy().sum() > 0
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
+    assert type(model).__name__ == CLASSES[model_type]  # transformers defines the class itself
+    with torch.no_grad():
+        ref = model(**inputs, output_hidden_states=True).hidden_states
+    for stored, want in ((got["target_hidden_states"].float(), torch.cat([ref[k + 1][0] for k in layers], -1)),
+                         (got["target_last_hidden_states"].float(), ref[-1][0])):
+        step = want.abs().clamp_min(2.0 ** -126) * 2.0 ** -7  # one bf16 step at each value
+        assert stored.shape == want.shape and bool(((stored - want).abs() <= step).all())
+    pos, _ = model.model.get_rope_index(input_ids=inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
+                                        image_grid_thw=inputs["image_grid_thw"],
+                                        attention_mask=inputs["attention_mask"])
+    want_pos = pos[:, 0, :].T
+    assert not torch.equal(want_pos, torch.arange(len(ids))[:, None].expand(-1, 3))  # the images shift them
+    assert torch.equal(got["position_ids"].long(), want_pos)
