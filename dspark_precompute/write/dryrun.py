@@ -22,14 +22,23 @@ from dspark_precompute.contract.commits import committed_units
 from dspark_precompute.contract.inventory import inventory
 from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.manifest import Manifest, identity_differences
-from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS, TOKEN_ARRAYS, UNIT_ARRAYS
+from dspark_precompute.contract.spec import (
+    IMAGE_SAMPLE,
+    INPUT_IDS,
+    LOSS_MASK,
+    POSITION_IDS,
+    SAMPLE_ARRAYS,
+    TOKEN_ARRAYS,
+    UNIT_ARRAYS,
+)
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import DsparkError
 from dspark_precompute.humanize import human_bytes
 from dspark_precompute.write.config.schema import TINY, PrecomputeConfig, StorageConfig
 from dspark_precompute.write.plan import resume
 from dspark_precompute.write.plan.prepare import Plan, prepare
-from dspark_precompute.write.samples.tokenize import reason_counts, tokenize, warn_about_rejects
+from dspark_precompute.write.samples.media import image_tables
+from dspark_precompute.write.samples.tokenize import Tokenized, reason_counts, tokenize, warn_about_rejects
 from dspark_precompute.write.store.batching import make_batches
 from dspark_precompute.write.target.load import parameter_count, rank_weight_bytes, weight_bytes
 
@@ -114,6 +123,8 @@ class DryRunPlan:
     bytes_per_token: int = 0
     token_array_bytes: int = 0  # sum over stored token arrays of rows x row bytes
     table_bytes: int = 0
+    image_table_bytes: int = 0  # an image cache's images/* tables (each image's sample, grid, sha256)
+    images: int | None = None  # an image cache's image count; None: a text cache (no images group)
     weights_file_bytes: int = 0
     rejects_file_bytes: int = 0
     raw_bytes: int = 0
@@ -136,7 +147,7 @@ class DryRunPlan:
 
     def _unit_line(self) -> str:
         """What sizes a window (storage.window_units): a unit's raw hidden states at most."""
-        row = sum(a.row_bytes for a in self.arrays if a.name not in TOKEN_ARRAYS)
+        row = sum(a.row_bytes for a in self.arrays if a.name not in (*TOKEN_ARRAYS, POSITION_IDS))
         unit = self.unit_tokens * row
         return (f"at most {unit:,} B ({human_bytes(unit)}) of raw hidden states; a stream through "
                 f"storage.window_units=N holds at most N units of them (and the one being written)")
@@ -149,6 +160,8 @@ class DryRunPlan:
         pct = 100.0 * self.supervised_tokens / max(1, self.tokens)
         pad = 100.0 * (self.forward_tokens - self.tokens) / max(1, self.forward_tokens)
         arrays = ", ".join(f"{a.name} {a.row_bytes} B" for a in self.arrays)
+        images = "" if self.images is None else \
+            f"{self.image_table_bytes:,} B of image tables ({self.images:,} images), "
         return [
             ("storage.path", f"{self.path} ({self.storage_state})"),
             ("target", self.target),
@@ -167,7 +180,7 @@ class DryRunPlan:
             ("token arrays", f"{self.token_array_bytes:,} B ({human_bytes(self.token_array_bytes)}) uncompressed, "
                              f"exact: {self.written_slots:,} slots x {sum(a.row_bytes for a in self.arrays)} B "
                              f"({arrays}); real tokens {self.tokens * self.bytes_per_token:,} B"),
-            ("other files", f"{self.table_bytes:,} B of sample/unit tables, {self.weights_file_bytes:,} B "
+            ("other files", f"{self.table_bytes:,} B of sample/unit tables, {images}{self.weights_file_bytes:,} B "
                             f"target_weights.safetensors, {self.rejects_file_bytes:,} B rejects.jsonl (exact; "
                             "plus a few KB of metadata)"),
             ("uncompressed", f"{self.raw_bytes:,} B ({human_bytes(self.raw_bytes)}), exact"),
@@ -270,6 +283,7 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
     n, u = len(tok.lengths), layout.num_units
     table_bytes = sum(n * np.dtype(d).itemsize for d in SAMPLE_ARRAYS.values()) + \
         sum(u * np.dtype(d).itemsize for d in UNIT_ARRAYS.values())
+    images, image_bytes = image_table_facts(plan, tok)
     wbytes = weights_file_bytes(plan)
     rbytes = sum(len((json.dumps(r.to_json(), sort_keys=True) + "\n").encode()) for r in tok.rejects)
     fwd = forward_tokens(plan, layout)
@@ -288,14 +302,15 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
         total_token_slots=layout.total_slots, written_slots=slots,
         forward_tokens=fwd, arrays=arrays,
         bytes_per_token=sum(spec.row_bytes for spec in plan.specs),
-        token_array_bytes=token_bytes, table_bytes=table_bytes, weights_file_bytes=wbytes, rejects_file_bytes=rbytes,
-        raw_bytes=token_bytes + table_bytes + wbytes + rbytes,
-        estimated_bytes=sum(a.estimated_bytes for a in arrays) + table_bytes + wbytes + rbytes,
+        token_array_bytes=token_bytes, table_bytes=table_bytes, image_table_bytes=image_bytes, images=images,
+        weights_file_bytes=wbytes, rejects_file_bytes=rbytes,
+        raw_bytes=token_bytes + table_bytes + image_bytes + wbytes + rbytes,
+        estimated_bytes=sum(a.estimated_bytes for a in arrays) + table_bytes + image_bytes + wbytes + rbytes,
         estimate_note=estimate_note(cfg.storage, notes), parameters=params, tokens_per_second=rate,
         rate_note=rate_note, estimated_seconds=seconds,
     )
-    files = inventory(len(plan.specs), u, n, any(spec.scale_of for spec in plan.specs))
-    hidden_raw = sum(a.raw_bytes for a in arrays if a.name not in (INPUT_IDS, LOSS_MASK))
+    files = inventory(len(plan.specs), u, n, any(spec.scale_of for spec in plan.specs), images=images)
+    hidden_raw = sum(a.raw_bytes for a in arrays if a.name not in (INPUT_IDS, LOSS_MASK, POSITION_IDS))
     out.files, out.directories, out.entries_per_tb = files.files, files.directories, files.per_tb(hidden_raw)
     out.weight_bytes, out.rank_weight_bytes, out.weights_layout = weights_per_rank(plan)
     _weights_facts(plan, out)
@@ -305,6 +320,15 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
         log.info("dry run: array %s: %s x %d B = %s B uncompressed, about %s stored", a.name, f"{a.rows:,}",
                  a.row_bytes, f"{a.raw_bytes:,}", human_bytes(a.estimated_bytes))
     return out
+
+
+def image_table_facts(plan: Plan, tok: Tokenized) -> tuple[int | None, int]:
+    """(images, raw bytes of the images/* tables) of an image cache, from the tables the run writes; (None, 0) for
+    a text cache."""
+    if plan.media is None:
+        return None, 0
+    tables = image_tables(tok.images)
+    return len(tables[IMAGE_SAMPLE]), sum(int(v.nbytes) for v in tables.values())
 
 
 def _weights_facts(plan: Plan, out: DryRunPlan) -> None:
@@ -317,7 +341,9 @@ def _weights_facts(plan: Plan, out: DryRunPlan) -> None:
     elif plan.cfg.model.path == TINY:
         out.weights_fingerprint = f"{t.weights_fingerprint} (the built-in target's: its config and seed)"
     out.fit = plan.fit or f"one rank's share fits {plan.device} ({str(plan.compute_dtype).replace('torch.', '')})"
-    if t.part is not None:
+    if t.part is not None and t.part.vision:
+        out.target_part = f"the whole {t.part.checkpoint_class}, vision tower included (the rows hold images)"
+    elif t.part is not None:
         skipped = "?" if t.skipped_bytes is None else human_bytes(t.skipped_bytes)
         out.target_part = (f"the language model of {t.part.checkpoint_class} (model.language_model); left out for "
                            f"text rows: {', '.join(t.part.skipped_modules)} ({skipped} stored)")

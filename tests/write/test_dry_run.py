@@ -34,11 +34,13 @@ def stored_bytes(path: str) -> dict[str, int]:
     """The oracle: the rows of every inner chunk the shards hold x row bytes, and the small files' sizes."""
     g = zarr.open_group(path, mode="r")
     names = [fmt.INPUT_IDS, fmt.LOSS_MASK] + [f"{fmt.HIDDEN_GROUP}/{n}" for n, _ in g[fmt.HIDDEN_GROUP].arrays()]
+    names += [fmt.POSITION_IDS] if fmt.POSITION_IDS in g else []  # an image cache's multi-axis positions
     row = {n: int(np.prod(g[n].shape[1:])) * g[n].dtype.itemsize for n in names}
     rows = {n: sum(present_chunks(f, g[n].shards[0], g[n].chunks[0]) * g[n].chunks[0]
                    for f in (Path(path) / n).iterdir() if f.name.startswith("c.")) for n in names}
     return {"token_arrays": sum(rows[n] * row[n] for n in names),
             "tables": sum(g[n].shape[0] * g[n].dtype.itemsize for n in TABLES),
+            "image_tables": sum(int(np.prod(g[n].shape)) * g[n].dtype.itemsize for n in fmt.IMAGE_ARRAYS if n in g),
             "weights": (Path(path) / fmt.WEIGHTS).stat().st_size,
             "rejects": (Path(path) / fmt.REJECTS).stat().st_size}
 
@@ -55,10 +57,11 @@ def assert_plan_matches(plan: DryRunPlan, path: str) -> None:
         m.layout.num_units, m.layout.chunk_tokens, m.layout.unit_tokens, m.layout.total_token_slots)
     assert plan.layer_ids == m.layer_ids and plan.max_length == int(c.lengths().max())
     got = stored_bytes(path)
-    assert plan.token_array_bytes == got["token_arrays"] == plan.written_slots * m.bytes_per_token
-    assert plan.bytes_per_token == m.bytes_per_token  # real tokens x it: the bytes the samples themselves hold
-    assert (plan.table_bytes, plan.weights_file_bytes, plan.rejects_file_bytes) == (
-        got["tables"], got["weights"], got["rejects"])
+    assert plan.token_array_bytes == got["token_arrays"] == plan.written_slots * plan.bytes_per_token
+    positions = 4 * m.media.position_axes if m.media is not None else 0  # int32 per axis; the manifest's figure
+    assert plan.bytes_per_token == m.bytes_per_token + positions  # leaves position_ids out (ids, mask, hidden)
+    assert (plan.table_bytes, plan.image_table_bytes, plan.weights_file_bytes, plan.rejects_file_bytes) == (
+        got["tables"], got["image_tables"], got["weights"], got["rejects"])
     assert plan.raw_bytes == sum(got.values())
 
 
@@ -76,14 +79,18 @@ def test_a_dry_run_predicts_the_real_runs_counts_and_exact_uncompressed_bytes(de
     assert f"{result.samples:,} samples" in text and f"{plan.raw_bytes:,} B" in text and "(estimate)" in text
 
 
-def test_a_real_run_holds_exactly_the_files_and_directories_the_dry_run_counts(default_run):
-    cfg, result = default_run
-    plan = dry_run(dataclasses.replace(cfg, dry_run=True))
+def assert_inventory_matches(plan: DryRunPlan, result) -> None:
     files = dirs = 0
     for _root, d, f in os.walk(result.path):  # the oracle: the filesystem itself
         files, dirs = files + len(f), dirs + len(d)
     hydra = 3 * os.path.isdir(Path(result.path) / ".hydra")  # an in-process run(cfg) writes no Hydra record
     assert (files, dirs) == (plan.files - (3 - hydra), plan.directories - (hydra == 0))
+
+
+def test_a_real_run_holds_exactly_the_files_and_directories_the_dry_run_counts(default_run):
+    cfg, result = default_run
+    plan = dry_run(dataclasses.replace(cfg, dry_run=True))
+    assert_inventory_matches(plan, result)
     assert plan.num_units > 1 and plan.entries_per_tb > 0
 
 
@@ -199,3 +206,27 @@ def test_a_dry_run_of_an_image_text_checkpoint_counts_its_language_model_only(tm
                                  "data.max_samples=4", "parallel.fsdp=2", "parallel.ep=2")))
     assert plan.parameters == lm and plan.weight_bytes == 2 * lm and plan.rank_weight_bytes == lm
     assert "Qwen3_5MoeForConditionalGeneration" in plan.target_part and "model.visual" in plan.target_part
+
+
+def test_a_dry_run_of_rows_with_images_counts_the_position_ids_and_the_image_tables_a_real_run_writes(tmp_path):
+    """The oracle: the real run's cache (position_ids' stored chunks, the images/* tables' shapes, the files)."""
+    import json
+
+    from test_media import TEXT_ROW, openai_row, sharegpt_row, write_images
+
+    src = tmp_path / "src"
+    tiny.save_image_text_checkpoint("qwen3_vl", src)
+    names = write_images(tmp_path / "imgs")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in (sharegpt_row(names), TEXT_ROW, openai_row(names))))
+    cfg = compose(small(tmp_path, f"model.path={src}", f"data.path={rows}", "seq_length=4096",
+                        "batch.max_tokens=8192", "model.layer_ids=[0,1]"))
+    result = run(cfg)
+    plan = dry_run(dataclasses.replace(cfg, dry_run=True))
+    assert_plan_matches(plan, result.path)
+    assert_inventory_matches(plan, result)
+    positions = next(a for a in plan.arrays if a.name == fmt.POSITION_IDS)
+    assert positions.raw_bytes == plan.written_slots * 3 * 4 > 0  # int32 x 3 axes per token slot
+    assert plan.images == 4 and plan.image_table_bytes == 4 * (8 + 3 * 4 + 32)
+    assert "4 images" in dict(plan.rows())["other files"]
+    assert "vision tower included" in plan.target_part
