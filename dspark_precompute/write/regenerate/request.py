@@ -7,11 +7,14 @@ does not know (top_k, min_p, return_token_ids), so only what the user asked for 
 from __future__ import annotations
 
 import base64
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dspark_precompute.write.config.schema import Reasoning, RegenerateConfig
+from dspark_precompute.write.samples.images import read_content
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,15 @@ class Sampling:
         return out
 
 
-def history_message(m: dict[str, Any]) -> dict[str, Any]:
+def history_message(m: dict[str, Any], images: InlineImages | None = None) -> dict[str, Any]:
     """A message as the next request's history sends it: role, content, tool calls and ids (no reasoning); an
     image part goes as OpenAI's ``image_url`` with the image inline (a ``data:`` URL: a server reads no local
-    path unless started to, and a ``data:`` URL is what vLLM's and OpenAI's chat APIs both accept)."""
+    path unless started to, and a ``data:`` URL is what vLLM's and OpenAI's chat APIs both accept), its bytes
+    from ``images`` where it holds them."""
     content = m.get("content", "")
     if isinstance(content, list):
-        content = [image_url_part(p["image"]) if p.get("type") == "image" else p for p in content]
+        part = image_url_part if images is None else images.part
+        content = [part(p["image"]) if p.get("type") == "image" else p for p in content]
     out: dict[str, Any] = {"role": m["role"], "content": content}
     for key in ("tool_calls", "tool_call_id", "name"):
         if m.get(key) is not None:
@@ -69,10 +74,64 @@ _MAGIC = ((b"\xff\xd8\xff", "image/jpeg"), (b"\x89PNG", "image/png"), (b"GIF8", 
           (b"RIFF", "image/webp"), (b"BM", "image/bmp"))
 
 
-def image_url_part(source: str) -> dict[str, Any]:
-    """An image (an absolute path or a ``data:`` URL, as a normalized row names it) as an ``image_url`` part."""
+def image_url_part(source: str, data: bytes | None = None) -> dict[str, Any]:
+    """An image (an absolute path or a ``data:`` URL, as a normalized row names it) as an ``image_url`` part;
+    ``data``: the file's bytes, already read."""
     if source.startswith("data:"):
         return {"type": "image_url", "image_url": {"url": source}}
-    data = Path(source).read_bytes()
+    data = Path(source).read_bytes() if data is None else data
     mime = next((t for magic, t in _MAGIC if data.startswith(magic)), "application/octet-stream")
     return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
+
+
+INLINE_BYTES = 256 << 20  # the most image bytes one regeneration keeps between hashing them and sending them
+
+
+class InlineImages:
+    """The images of one regeneration: each file read and hashed once (:meth:`sha256`; the selection and the pending
+    rows both need the hash), its bytes kept for the requests that send it (:meth:`part`, every turn of a row
+    sends its history's images again), the least recently used dropped past ``budget`` bytes and read again if
+    asked. ``data:`` URLs are inside the row itself: decoded and hashed where they are met, never kept. Shared by
+    the request threads."""
+
+    def __init__(self, budget: int = INLINE_BYTES):
+        self.budget, self.held = budget, 0
+        self._sha: dict[str, str] = {}
+        self._bytes: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def sha256(self, where: str) -> str:
+        """The sha256 of the image at ``where`` (an absolute path or a ``data:`` URL), or ``missing:<reason>``."""
+        if where in self._sha:
+            return self._sha[where]
+        data, digest = read_content(where)
+        if not where.startswith("data:"):
+            self._sha[where] = digest
+            if data is not None:
+                self._keep(where, data)
+        return digest
+
+    def part(self, source: str) -> dict[str, Any]:
+        """:func:`image_url_part` of ``source``, from the bytes kept where they still are."""
+        if source.startswith("data:"):
+            return image_url_part(source)
+        with self._lock:
+            data = self._bytes.get(source)
+            if data is not None:
+                self._bytes.move_to_end(source)
+        if data is None:
+            data = Path(source).read_bytes()
+            self._keep(source, data)
+        return image_url_part(source, data)
+
+    def _keep(self, where: str, data: bytes) -> None:
+        if len(data) > self.budget:
+            return
+        with self._lock:
+            if where in self._bytes:
+                return
+            self._bytes[where] = data
+            self.held += len(data)
+            while self.held > self.budget:
+                _, old = self._bytes.popitem(last=False)
+                self.held -= len(old)

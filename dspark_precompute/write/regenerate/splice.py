@@ -16,7 +16,7 @@ from typing import Any
 
 from dspark_precompute.write.config.schema import Reasoning, Turns
 from dspark_precompute.write.regenerate.client import Reply
-from dspark_precompute.write.regenerate.request import history_message
+from dspark_precompute.write.regenerate.request import InlineImages, history_message
 
 Ask = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], Reply]
 
@@ -69,8 +69,9 @@ def empty_answer(reply: Reply, reasoning: Reasoning) -> str | None:
 
 
 def splice(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, turns: Turns,
-           reasoning: Reasoning, ask: Ask) -> Spliced:
-    """Regenerate ``messages`` through ``ask`` (which may raise to abandon the row)."""
+           reasoning: Reasoning, ask: Ask, images: InlineImages | None = None) -> Spliced:
+    """Regenerate ``messages`` through ``ask`` (which may raise to abandon the row); ``images``: where the
+    history's images are read from (each turn sends them again)."""
     todo = set(regenerated_turns(messages, turns))
     out = Spliced([])
     ids: dict[str, str] = {}  # recorded tool_call_id -> the regenerated call's id at the same position
@@ -81,7 +82,7 @@ def splice(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, t
                 kept["tool_call_id"] = ids[m["tool_call_id"]]
             out.messages.append(kept)
             continue
-        history = [history_message(x) for x in out.messages]
+        history = [history_message(x, images) for x in out.messages]
         reply = ask(history, tools)
         recorded = m.get("tool_calls") or []
         new = reply.tool_calls or []

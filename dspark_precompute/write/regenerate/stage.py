@@ -22,11 +22,11 @@ from dspark_precompute.write.regenerate.accounting import RegenCounts, RegenReas
 from dspark_precompute.write.regenerate.boundaries import mismatch
 from dspark_precompute.write.regenerate.client import Pool, Reply, RequestFailed, Server
 from dspark_precompute.write.regenerate.engine import EngineInfo, probe
-from dspark_precompute.write.regenerate.request import Sampling
+from dspark_precompute.write.regenerate.request import InlineImages, Sampling
 from dspark_precompute.write.regenerate.splice import Spliced, empty_answer, splice
 from dspark_precompute.write.regenerate.store import ResumeStore, atomic_write, canonical, row_key
 from dspark_precompute.write.samples.files import resolve_source
-from dspark_precompute.write.samples.images import content_sha256, data_root, image_base, image_sources
+from dspark_precompute.write.samples.images import data_root, image_base, image_sources
 from dspark_precompute.write.samples.images import resolve_source as resolve_source_of_image
 from dspark_precompute.write.samples.media import media_spec_for
 from dspark_precompute.write.samples.normalize import Conversation, Reject, normalize
@@ -165,9 +165,10 @@ class _Selection:
     invalid: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _rows(cfg: PrecomputeConfig, settings_sha: str) -> Iterator[tuple[int, str, Conversation | Any]]:
+def _rows(cfg: PrecomputeConfig, settings_sha: str, images: InlineImages) -> Iterator[tuple[int, str,
+                                                                                         Conversation | Any]]:
     """(row, key, conversation) of every source row; an invalid one has an empty key and its reason in place of the
-    conversation."""
+    conversation. Its images are hashed through ``images`` (once per run: both passes over the rows need them)."""
     source = resolve_source(cfg.data.path, cfg.data.split_slice()[0])
     media = asks_images(cfg)
     root = data_root(str(cfg.data.path)) if media else None
@@ -175,7 +176,7 @@ def _rows(cfg: PrecomputeConfig, settings_sha: str) -> Iterator[tuple[int, str, 
         conv: Conversation | Reject = normalize(raw, str(cfg.data.format), media=media)
         hashes = ""
         if isinstance(conv, Conversation) and conv.media:
-            conv, hashes = _with_images(conv, image_base(root, raw.file), raw)
+            conv, hashes = _with_images(conv, image_base(root, raw.file), raw, images)
         yield i, (row_key(raw.record, settings_sha + hashes) if isinstance(conv, Conversation) else ""), conv
 
 
@@ -188,12 +189,13 @@ def asks_images(cfg: PrecomputeConfig) -> bool:
     return media_spec_for(path, cfg.data.image) is not None if path.is_dir() else True
 
 
-def _with_images(conv: Conversation, base: Path | None, raw: Any) -> tuple[Conversation | Reject, str]:
+def _with_images(conv: Conversation, base: Path | None, raw: Any, images: InlineImages
+                 ) -> tuple[Conversation | Reject, str]:
     """The conversation with every image named absolutely (the regenerated file lives elsewhere; the capture reads
     the images from it again), and the images' content hashes (part of the row's key: a changed image is asked
     again); a missing image makes the row invalid, as the capture would reject it."""
     sources = [resolve_source_of_image(src, base) for src in image_sources(conv.messages)]
-    hashes = [content_sha256(src) for src in sources]
+    hashes = [images.sha256(src) for src in sources]
     missing = [src for src, h in zip(sources, hashes, strict=True) if h.startswith("missing:")]
     if missing:
         return Reject(raw.row, RejectReason.IMAGE_MISSING, f"image {missing[0][:200]!r} cannot be read",
@@ -205,10 +207,10 @@ def _with_images(conv: Conversation, base: Path | None, raw: Any) -> tuple[Conve
     return Conversation(messages, conv.tools, media=True), "\0" + "\0".join(hashes)
 
 
-def _select(cfg: PrecomputeConfig, store: ResumeStore) -> _Selection:
+def _select(cfg: PrecomputeConfig, store: ResumeStore, images: InlineImages) -> _Selection:
     """Read and normalize the selection as capture would; rows already in the log are not asked again."""
     sel = _Selection()
-    for i, key, conv in _rows(cfg, store.settings_sha):
+    for i, key, conv in _rows(cfg, store.settings_sha, images):
         if not isinstance(conv, Conversation):
             sel.invalid.append({"row": i, "file": conv.file, "line": conv.line, "reason": conv.reason,
                                 "message": conv.message})
@@ -219,7 +221,7 @@ def _select(cfg: PrecomputeConfig, store: ResumeStore) -> _Selection:
     return sel
 
 
-def _pending(cfg: PrecomputeConfig, store: ResumeStore, sel: _Selection) -> Iterator[_Job]:
+def _pending(cfg: PrecomputeConfig, store: ResumeStore, sel: _Selection, images: InlineImages) -> Iterator[_Job]:
     """The rows to ask, read from the source again in source order, as the servers take them.
 
     A source that cannot be read again (deleted, renamed) ends the rows here: those not asked are then
@@ -227,7 +229,7 @@ def _pending(cfg: PrecomputeConfig, store: ResumeStore, sel: _Selection) -> Iter
     if not sel.pending:
         return
     try:
-        for i, key, conv in _rows(cfg, store.settings_sha):
+        for i, key, conv in _rows(cfg, store.settings_sha, images):
             if isinstance(conv, Conversation) and sel.pending.get(key) == i:
                 yield _Job(key, i, conv)
     except OSError as exc:
@@ -236,7 +238,7 @@ def _pending(cfg: PrecomputeConfig, store: ResumeStore, sel: _Selection) -> Iter
 
 
 def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: ResumeStore,
-         sel: _Selection) -> dict[str, str]:
+         sel: _Selection, images: InlineImages) -> dict[str, str]:
     """Send the missing rows, logging each finished one as it comes; the failed requests' messages by key."""
     r = cfg.regenerate
     sampling, checker = Sampling.of(r), _Checker(cfg)
@@ -245,7 +247,7 @@ def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: 
     def work(server: Server, job: _Job) -> _Done | _Rejected:
         ask = _Turn(server, sampling, info.served_model, OnLength(r.on_length), reasoning)
         try:
-            return _Done(splice(job.conv.messages, job.conv.tools, turns, reasoning, ask), ask.cut)
+            return _Done(splice(job.conv.messages, job.conv.tools, turns, reasoning, ask, images), ask.cut)
         except RowRejected as exc:
             return _Rejected(exc, ask.cut)
 
@@ -253,7 +255,7 @@ def _ask(cfg: PrecomputeConfig, servers: list[Server], info: EngineInfo, store: 
     total, step = len(sel.pending), max(1, len(sel.pending) // 10)
     log.info("regenerating %d row(s) on %d server(s) (%d already in %s)", total, len(servers),
              len(sel.keys) - total, store.parts)
-    for n, (job, result) in enumerate(Pool(servers, r.concurrency).run(_pending(cfg, store, sel), work), 1):
+    for n, (job, result) in enumerate(Pool(servers, r.concurrency).run(_pending(cfg, store, sel, images), work), 1):
         record = _record(job, result, checker)
         if record is None:
             failed[job.key] = str(result)
@@ -307,8 +309,9 @@ def regenerate(cfg: PrecomputeConfig, output: Path) -> Regenerated:
     output.parent.mkdir(parents=True, exist_ok=True)
     store = ResumeStore(output, _settings(cfg, info)).open()
     try:  # the lock is held until the output and its rejects are written
-        sel = _select(cfg, store)
-        failed = _ask(cfg, servers, info, store, sel)
+        images = InlineImages()  # each image read and hashed once, its bytes kept (bounded) for its requests
+        sel = _select(cfg, store, images)
+        failed = _ask(cfg, servers, info, store, sel, images)
         counts, rejects = _build_and_account(sel, store, failed)
         atomic_write(sibling(output, ".rejects.jsonl"), (canonical(x) + b"\n" for x in rejects))
     finally:

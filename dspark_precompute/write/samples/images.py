@@ -336,9 +336,16 @@ def image_base(root: str | None, file: str | None) -> Path | None:
     return Path(root) / Path(file).parent if file else Path(root)
 
 
+def read_content(where: str) -> tuple[bytes | None, str]:
+    """An image's bytes and their sha256, or (None, ``missing:<reason>``): one read serves both (regeneration keeps
+    the bytes it hashed to send them)."""
+    try:
+        data = _read_bytes(where, None)
+    except MediaProblem as exc:
+        return None, f"missing:{exc.reason}"
+    return data, hashlib.sha256(data).hexdigest()
+
+
 def content_sha256(where: str) -> str:
     """The sha256 of an image's bytes, or ``missing:<reason>`` (the row becomes a reject; its absence is identity)."""
-    try:
-        return hashlib.sha256(_read_bytes(where, None)).hexdigest()
-    except MediaProblem as exc:
-        return f"missing:{exc.reason}"
+    return read_content(where)[1]

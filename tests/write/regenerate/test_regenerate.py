@@ -474,3 +474,51 @@ def test_a_changed_image_is_asked_again_and_a_missing_one_is_an_invalid_row_neve
     assert done.counts.regenerated == 2
     assert [(r["row"], r["reason"]) for r in rejects_of(tmp_path / "cache.regenerated.jsonl")] == [
         (0, "image_missing")]
+
+
+def test_each_image_is_read_and_hashed_once_per_run_though_both_passes_and_every_turn_need_it(
+        tmp_path, vl_dir, monkeypatch):
+    """A two-turn row and a second row name the same image, a third row another: each file is read once (the
+    selection hashes it, the pending pass reuses the hash, every request that sends it reuses the bytes)."""
+    from collections import Counter
+
+    data, blobs = image_rows_file(tmp_path)
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    rows[0]["messages"] += [{"role": "user", "content": "And then?"}, {"role": "assistant", "content": "later"}]
+    rows.append({"messages": [{"role": "user", "content": "<image>Again?"}, {"role": "assistant", "content": "r"}],
+                 "images": ["imgs/0.jpg"]})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reads: Counter[str] = Counter()
+    read_bytes = Path.read_bytes
+
+    def counted(self: Path) -> bytes:
+        if self.suffix == ".jpg":
+            reads[self.name] += 1
+        return read_bytes(self)
+
+    monkeypatch.setattr(Path, "read_bytes", counted)
+    with Fake() as f:
+        regenerate(config(tmp_path, [f.url], data, f"model.path={vl_dir}"), tmp_path / "out.jsonl")
+        sent = [sent_images(b) for b in f.requests]
+    assert sorted(map(len, sent)) == [0, 1, 1, 1, 1]  # row 0 asked twice (two turns), rows 2 and 3 once each
+    assert sum(x == [blobs[0]] for x in sent) == 3 and sum(x == [blobs[1]] for x in sent) == 1
+    assert reads == {"0.jpg": 1, "1.jpg": 1}
+
+
+def test_the_kept_image_bytes_stay_within_the_budget_and_a_dropped_image_is_read_again(tmp_path):
+    import base64
+
+    from dspark_precompute.write.regenerate.request import InlineImages
+
+    files = []
+    for k in range(3):
+        files.append(tmp_path / f"{k}.png")
+        files[-1].write_bytes(b"\x89PNG" + bytes([k]) * 96)  # 100 bytes each
+    images = InlineImages(budget=250)
+    digests = [images.sha256(str(p)) for p in files]
+    assert images.held == 200 and len(set(digests)) == 3  # the first one dropped: 300 > 250
+    for p in files:
+        url = images.part(str(p))["image_url"]["url"]
+        assert url.startswith("data:image/png;base64,") and base64.b64decode(url.split(",", 1)[1]) == p.read_bytes()
+    assert images.held <= 250
+    assert images.sha256(str(tmp_path / "none.png")).startswith("missing:")
