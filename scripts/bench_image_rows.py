@@ -11,7 +11,7 @@ of filler words, matched to the token). Both runs capture through the same check
 so the figure says what the image path adds here, not what a 4B vision tower costs on a GPU).
 Each repeat runs both, alternating which goes first; medians of the run's own timings are reported:
 tokenizing (for image rows: reading, hashing and resizing the images, the processor's expansion)
-and the forward (for image rows: the pixels through the vision tower, one row per forward).
+and the forward (for image rows: the pixels through the vision tower, batched like the text rows).
 """
 
 from __future__ import annotations

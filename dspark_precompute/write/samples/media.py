@@ -118,10 +118,27 @@ class MediaEncoder:
 @dataclass
 class MediaInputs:
     """The forward's image inputs: the samples with images (their references, from tokenizing) and the encoder
-    whose processor turns them into pixels, one sample at a time (a row's pixels are never kept)."""
+    whose processor turns them into pixels, one batch at a time (a row's pixels are never kept)."""
 
     images: dict[int, SampleImages]
     encoder: MediaEncoder
+
+    def of_batch(self, batch: Any, ids_of: Any, width: int) -> dict[str, Any] | None:
+        """The forward inputs of a right-padded batch (``width`` tokens a row) of text and image samples: the image
+        rows' pixels and grids concatenated in batch order (the model scatters its image features over the image
+        pads row after row), ``mm_token_type_ids`` one padded row per sample (0 on text rows and padding); None
+        when no sample holds an image."""
+        import torch
+
+        rows = [(r, self.of(int(s), ids_of[int(s)])) for r, s in enumerate(batch)]
+        mine = [(r, x) for r, x in rows if x is not None]
+        if not mine:
+            return None
+        types = torch.zeros((len(rows), width), dtype=torch.int64)
+        for r, x in mine:
+            types[r, :x["mm_token_type_ids"].shape[1]] = x["mm_token_type_ids"][0]
+        return {"pixel_values": torch.cat([x["pixel_values"] for _, x in mine]),
+                "image_grid_thw": torch.cat([x["image_grid_thw"] for _, x in mine]), "mm_token_type_ids": types}
 
     def of(self, sample: int, input_ids: Any) -> dict[str, Any] | None:
         """Sample ``sample``'s forward inputs beside its ids; None for a text sample."""

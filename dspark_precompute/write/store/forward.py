@@ -142,7 +142,7 @@ class ForwardLoop:
                 writer.release(slot)  # drop the unit in flight, keep the ones the writers hold
                 return
             c1 = time.perf_counter()
-            states, last = self._forward(capture, ids, self._pixels(batch))
+            states, last = self._forward(capture, ids, self._pixels(batch, ids.shape[1]))
             c2 = time.perf_counter()
             transfer.add(batch, blens, ids.shape[1], states, last, int(layout.start[batch[0]]) - base)
             c3 = time.perf_counter()
@@ -171,7 +171,7 @@ class ForwardLoop:
                 ids, _ = batch_inputs(self.ids, batch, self.lengths, self.plan.pad_id, self.device)
                 if not self._go():
                     return
-                self._forward(capture, ids, self._pixels(batch))
+                self._forward(capture, ids, self._pixels(batch, ids.shape[1]))
 
         with self._capture() as capture:
             self._each_unit(todo, coord, capture, unit)
@@ -228,29 +228,16 @@ class ForwardLoop:
     def _batches(self, order: np.ndarray) -> list[np.ndarray]:
         """A unit's forward batches, in its order (each batch a run of it: its samples sit side by side on disk).
 
-        A sample with images is a batch of its own: its pixels, grids and multi-axis positions are one row's, and
-        a padded batch of them would be checked against single rows again for every model."""
+        Samples with images batch with the rest: each row's pixels, grids and image pads go in together
+        (:meth:`MediaInputs.of_batch`), and the model gives each row its own multi-axis positions."""
         cfg = self.plan.cfg
+        return make_batches(order, self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples)
 
-        def text(run: np.ndarray) -> list[np.ndarray]:
-            return make_batches(run, self.lengths, cfg.batch.max_tokens, cfg.batch.max_samples)
-
+    def _pixels(self, batch: np.ndarray, width: int) -> dict[str, torch.Tensor] | None:
+        """The image inputs of a batch (``width`` tokens a row) holding samples with images; None for text batches."""
         if self.media is None:
-            return text(order)
-        out: list[np.ndarray] = []
-        start = 0
-        for k, s in enumerate(order):
-            if int(s) in self.media.images:
-                out += [*text(order[start:k]), order[k:k + 1]]
-                start = k + 1
-        return out + text(order[start:])
-
-    def _pixels(self, batch: np.ndarray) -> dict[str, torch.Tensor] | None:
-        """The image inputs of a one-sample batch with images; None for text batches."""
-        if self.media is None or len(batch) != 1:
             return None
-        s = int(batch[0])
-        return self.media.of(s, self.ids[s])
+        return self.media.of_batch(batch, self.ids, width)
 
     def _forward(self, capture: HiddenStateCapture, ids: torch.Tensor,
                  pixels: dict[str, torch.Tensor] | None = None) -> tuple[dict[int, torch.Tensor], torch.Tensor]:

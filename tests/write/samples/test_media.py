@@ -538,3 +538,43 @@ def test_image_rows_through_qwen3_5_checkpoints_equal_their_own_forward_ids_mask
     want_pos = pos[:, 0, :].T
     assert not torch.equal(want_pos, torch.arange(len(ids))[:, None].expand(-1, 3))  # the images shift them
     assert torch.equal(got["position_ids"].long(), want_pos)
+
+
+def test_image_rows_batched_together_match_one_row_per_forward_within_the_documented_tolerance(
+        data_dir, tmp_path, monkeypatch):
+    """The hybrid Qwen3.5 (Gated DeltaNet and attention), fp32: image and text rows right-padded into one forward
+    against one row per forward (how image rows ran before), every stored array; 1e-5 (docs/targets.md)."""
+    from helpers import compose, small
+
+    from dspark_precompute import open_cache
+    from dspark_precompute.write.run import run
+
+    ckpt = tmp_path / "qwen3_5"
+    save_image_text_checkpoint("qwen3_5", ckpt)
+    rows = image_rows(data_dir, write_images(data_dir / "imgs"), n=6)
+    images_per_forward = []
+    call = HiddenStateCapture.__call__
+
+    def counted(self, ids, mask=None, media=None):
+        images_per_forward.append(0 if media is None else len(media["image_grid_thw"]))
+        return call(self, ids, mask, media)
+
+    monkeypatch.setattr(HiddenStateCapture, "__call__", counted)
+    caches = []
+    for n in (1, 6):
+        cfg = compose(small(tmp_path, f"model.path={ckpt}", f"data.path={rows}", "seq_length=4096",
+                            "batch.max_tokens=8192", "model.dtype=fp32", "storage.dtype=fp32",
+                            "model.layer_ids=[0,3]", f"batch.max_samples={n}", name=f"c{n}"))
+        run(cfg)
+        caches.append(open_cache(cfg.storage.path))
+    assert images_per_forward[6:] == [8]  # the second run: 4 image rows (2 images each) and 2 text rows, together
+    a, b = caches
+    worst = 0.0
+    assert len(a) == len(b) == 6
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x.keys() == y.keys() and torch.equal(x["input_ids"], y["input_ids"])
+        assert torch.equal(x["position_ids"], y["position_ids"])
+        for key in ("target_hidden_states", "target_last_hidden_states"):
+            worst = max(worst, float((x[key] - y[key]).abs().max()))
+    assert worst <= 1e-5
