@@ -372,7 +372,7 @@ class ChunkSource:
         if not pooled:
             return os.pread(fh.fileno(), ref.nbytes, ref.start)
         buf = self.buffers.take(ref.nbytes)
-        return buf[:os.preadv(fh.fileno(), [buf], ref.start)]  # fewer bytes: fetch() reports the shard cut short
+        return buf[:os.preadv(fh.fileno(), [buf.data], ref.start)]  # fewer bytes: fetch() reports the shard cut short
 
     def read(self, jobs: Sequence[tuple[str, int]]) -> list[bytes | None]:
         """Located and fetched: each chunk's stored bytes, None for an absent one."""

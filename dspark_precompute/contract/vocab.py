@@ -71,6 +71,7 @@ class Compressor(StrEnum):
     zstd = "zstd"
     blosc_zstd = "blosc_zstd"
     blosc_lz4 = "blosc_lz4"
+    blosc_lz4hc = "blosc_lz4hc"
 
     @property
     def codec(self) -> str | None:

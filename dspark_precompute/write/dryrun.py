@@ -45,27 +45,35 @@ from dspark_precompute.write.target.load import parameter_count, rank_weight_byt
 log = logging.getLogger(__name__)
 
 # Compression ratios (raw bytes / stored bytes) of the writer's own codec chains at level 1 (1 MiB blosc
-# blocks, crc32c), keyed by (storage.compressor, storage.shuffle). Measured 2026-12-03 on this project's
-# machine: hidden states of layers 1, 6 and 11 captured from a random-weight Qwen3 (hidden 512, 12 layers,
-# Qwen3's vocabulary and tokenizer) over the first 48 rows of the shared chat mix (12,572 tokens at
-# seq_length 512), cast to each storage dtype; input_ids and loss_mask of the same rows. The bf16 hidden
-# ratio under the default chain (1.56) matches docs/benchmarks.md (1.58 on the same target). Random
-# weights: real activations may compress differently, so the size after compression is an estimate.
-# fp8_e4m3 (e4m3 bits, compressed with storage.fp8_shuffle) and fp8_scale (their float32 scales, one per token):
-# measured 2026-12-03 the same way on the caches of scripts/bench_fp8.py (bench_mid, 200 rows of the chat mix,
-# layers 1, 4, 6, 8 in fp8): bits 1.23-1.29 with bit shuffle in 512 KiB chunks (1.24-1.34 in 1 MiB ones),
-# 1.22 without shuffle (byte shuffle does nothing to one-byte values); scales 1.20-1.24 with byte shuffle.
+# blocks, crc32c), keyed by (storage.compressor, storage.shuffle), in the default chunks (256 KiB of the widest
+# array). Measured 2026-12-07 by `python scripts/bench_codecs.py` on the 2-core Intel Xeon VM: two uncompressed
+# caches of a random-weight Qwen3 (`bench_mid`, hidden 512, 12 layers, layers 1, 6 and 11 captured) over the
+# first 48 rows of the shared chat mix at seq_length 512, one in fp32 (its states cast to bf16, fp16, fp32) and
+# one in fp8_e4m3 (its bits and float32 scales), every array re-encoded chunk by chunk. fp8 bits take
+# storage.fp8_shuffle (byte shuffle does nothing to one-byte values: the "byte" rows give the unshuffled
+# figure). Random weights: real activations may compress differently, so the size after compression is an
+# estimate.
 COMPRESSION_RATIOS: dict[tuple[str, str], dict[str, float]] = {
-    ("blosc_zstd", "byte"): {"bf16": 1.56, "fp16": 1.19, "fp32": 1.22, INPUT_IDS: 2.30, LOSS_MASK: 14.4,
-                             "fp8_e4m3": 1.22, "fp8_scale": 1.21},
-    ("blosc_zstd", "bit"): {"bf16": 1.46, "fp16": 1.16, "fp32": 1.18, INPUT_IDS: 2.01, LOSS_MASK: 13.2,
-                            "fp8_e4m3": 1.25},
-    ("blosc_zstd", "none"): {"bf16": 1.29, "fp16": 1.09, "fp32": 1.08, INPUT_IDS: 2.24, LOSS_MASK: 14.4,
-                             "fp8_e4m3": 1.22},
-    ("blosc_lz4", "byte"): {"bf16": 1.16, "fp16": 1.00, "fp32": 1.07, INPUT_IDS: 1.81, LOSS_MASK: 11.9},
-    ("blosc_lz4", "bit"): {"bf16": 1.28, "fp16": 1.06, "fp32": 1.12, INPUT_IDS: 1.83, LOSS_MASK: 10.8},
-    ("blosc_lz4", "none"): {"bf16": 1.00, "fp16": 1.00, "fp32": 1.00, INPUT_IDS: 1.08, LOSS_MASK: 11.9},
-    ("zstd", "*"): {"bf16": 1.29, "fp16": 1.09, "fp32": 1.08, INPUT_IDS: 2.27, LOSS_MASK: 22.3},  # no shuffle
+    ("blosc_lz4hc", "byte"): {"bf16": 1.29, "fp16": 1.03, "fp32": 1.12,
+                              INPUT_IDS: 2.35, LOSS_MASK: 21.60, "fp8_e4m3": 1.01, "fp8_scale": 1.25},
+    ("blosc_lz4hc", "bit"): {"bf16": 1.36, "fp16": 1.09, "fp32": 1.15,
+                             INPUT_IDS: 2.03, LOSS_MASK: 21.60, "fp8_e4m3": 1.14, "fp8_scale": 1.05},
+    ("blosc_lz4hc", "none"): {"bf16": 1.00, "fp16": 1.00, "fp32": 1.00,
+                              INPUT_IDS: 2.03, LOSS_MASK: 21.60, "fp8_e4m3": 1.01, "fp8_scale": 1.05},
+    ("blosc_zstd", "byte"): {"bf16": 1.52, "fp16": 1.19, "fp32": 1.15,
+                             INPUT_IDS: 2.74, LOSS_MASK: 65.48, "fp8_e4m3": 1.22, "fp8_scale": 1.30},
+    ("blosc_zstd", "bit"): {"bf16": 1.43, "fp16": 1.10, "fp32": 1.14,
+                            INPUT_IDS: 2.80, LOSS_MASK: 65.48, "fp8_e4m3": 1.18, "fp8_scale": 1.23},
+    ("blosc_zstd", "none"): {"bf16": 1.29, "fp16": 1.09, "fp32": 1.08,
+                             INPUT_IDS: 2.80, LOSS_MASK: 65.48, "fp8_e4m3": 1.22, "fp8_scale": 1.23},
+    ("blosc_lz4", "byte"): {"bf16": 1.15, "fp16": 1.00, "fp32": 1.08,
+                            INPUT_IDS: 2.02, LOSS_MASK: 20.68, "fp8_e4m3": 1.00, "fp8_scale": 1.18},
+    ("blosc_lz4", "bit"): {"bf16": 1.27, "fp16": 1.05, "fp32": 1.12,
+                           INPUT_IDS: 1.49, LOSS_MASK: 20.68, "fp8_e4m3": 1.11, "fp8_scale": 1.03},
+    ("blosc_lz4", "none"): {"bf16": 1.00, "fp16": 1.00, "fp32": 1.00,
+                            INPUT_IDS: 1.49, LOSS_MASK: 20.68, "fp8_e4m3": 1.00, "fp8_scale": 1.03},
+    ("zstd", "*"): {"bf16": 1.29, "fp16": 1.09, "fp32": 1.08,
+                    INPUT_IDS: 2.81, LOSS_MASK: 74.83, "fp8_e4m3": 1.22, "fp8_scale": 1.23},
 }
 CRC32C_BYTES = 4  # per stored chunk
 # The time estimate when plan.tokens_per_second is not given: 2 x (parameters outside the embedding and

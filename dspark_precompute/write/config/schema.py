@@ -391,7 +391,7 @@ class StorageConfig:
     fp8_group: int | None = None
     """Channels per fp8 scale (must divide the hidden size, e.g. 128 for targets with outlier channels); null: one
     scale per token."""
-    compressor: Compressor = Compressor.blosc_zstd
+    compressor: Compressor = Compressor.blosc_lz4hc
     """Lossless codec of the inner chunks (crc32c checksums are always on)."""
     compression_level: int = 1
     """The compressor's level."""
@@ -400,8 +400,8 @@ class StorageConfig:
     fp8_shuffle: Shuffle = Shuffle.bit
     """blosc's shuffle of fp8 bit arrays (byte shuffle does nothing to one-byte values)."""
     chunk_tokens: int | None = None
-    """Rows per inner chunk, the unit of decoding (smaller: faster random single-sample reads); null: about 1 MiB
-    of the widest array, at least 512 tokens."""
+    """Rows per inner chunk, the unit of decoding (smaller: less of a sample's neighbours decoded with it); null:
+    about 256 KiB of the widest array, at least 128 tokens."""
     unit_tokens: int | None = None
     """Rows per commit unit (a multiple of chunk_tokens); null: as many chunks as fit in unit_mib."""
     unit_mib: int = 2048
