@@ -324,7 +324,14 @@ def open_sampled(out: CheckResult, path: str | Path, n: int, *, seed: int, devic
     if problem or found is None:
         out.add(problem or "the target cannot be found")
         return None
-    picked = sample_positions(run.lengths, run.readable, n, seed)
+    readable = run.readable
+    with_images = np.unique(run.opened.tables.get(IMAGE_SAMPLE, np.zeros(0, dtype=np.int64)))
+    if len(with_images):  # their states need the pixels this check does not feed: only --recompute reruns them
+        readable = readable[~np.isin(readable, with_images)]
+        out.notes.append(f"{what} leaves out the {len(with_images)} sample(s) with images (it runs the language "
+                         "model on the token ids alone, without their pixels); `dspark-cache verify --recompute N` "
+                         "reruns them with their images")
+    picked = sample_positions(run.lengths, readable, n, seed)
     if not picked:
         out.notes.append(f"{what} found no readable token to compare")
         return None

@@ -110,3 +110,20 @@ def test_recompute_flags_stored_positions_that_differ_from_the_models_rope_index
     r = recompute(altered, 3)
     (p,) = r.problems
     assert (p["sample"], p["array"]) == (victim, stored) and "first at token 20" in p["message"]
+
+
+def test_the_teacher_and_precision_checks_leave_out_the_image_samples_they_cannot_feed_saying_so(image_cache):
+    """They run the language model on the ids alone: on an image row that is another forward than the capture's
+    (on main both failed the intact cache, 75% top-1). The text row's positions are still checked."""
+    from dspark_precompute.write.rerun.precision import precision_check
+    from dspark_precompute.write.rerun.teacher import teacher_check
+
+    path, _ = image_cache
+    cache = CacheReader(path)
+    (text,) = [i for i in range(len(cache)) if not cache.images(i)["sha256"]]
+    r = teacher_check(path, 10**9)
+    assert r.problems == [] and r.top1_agreement == 1.0
+    assert {s for s, _ in r.positions} == {text} and len(r.positions) == len(cache.sample(text)["input_ids"])
+    assert any("leaves out the 2 sample(s) with images" in n and "--recompute" in n for n in r.notes)
+    p = precision_check(path, 10**9)
+    assert p.problems == [] and any("sample(s) with images" in n for n in p.notes)
