@@ -196,7 +196,7 @@ def test_the_e2e_marker_is_the_e2e_directory():
 # test file listed here, which must name the module or one of its top-level functions or classes.
 TESTED_BY = {
     "cli/cache.py": "cli/test_cache_cli.py", "cli/precompute.py": "e2e/test_hostile_runs.py",
-    "contract/chunks.py": "read/test_loader.py", "contract/commits.py": "write/plan/test_resume.py",
+    "contract/chunks.py": "contract/test_buffer_pool.py", "contract/commits.py": "write/plan/test_resume.py",
     "contract/inventory.py": "e2e/test_bench_smoke.py", "contract/opener.py": "read/test_independent_readers.py",
     "contract/spec.py": "contract/test_manifest.py", "contract/vocab.py": "contract/test_manifest.py",
     "contract/weights.py": "read/test_damage.py", "errors.py": "e2e/test_hostile_runs.py",

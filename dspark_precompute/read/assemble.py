@@ -188,11 +188,11 @@ class BatchAssembler:
         """The padded batches for ``batches`` (lists of readable indices), in order.
 
         Each chunk is decoded once for all the batches given (kept until its last batch is
-        built); ``raws`` supplies the stored bytes of the chunks, in :meth:`jobs` order, when
-        they were fetched ahead (object storage). A batch with an offset in ``offsets`` is
-        written into that extent of ``arena``: tensors in the process that owns the arena,
-        a :class:`SharedBatch` to send it in any other (a worker); the others go to fresh
-        ``memory``.
+        built, then let go at once; not through the reader's LRU); ``raws`` supplies the stored
+        bytes of the chunks, in :meth:`jobs` order, when they were fetched ahead (object storage).
+        A batch with an offset in ``offsets`` is written into that extent of ``arena``: tensors
+        in the process that owns the arena, a :class:`SharedBatch` to send it in any other (a
+        worker); the others go to fresh ``memory``.
         """
         if memory not in MEMORY_KINDS:
             raise ValueError(f"memory={memory!r} is not one of {MEMORY_KINDS}")
@@ -210,22 +210,32 @@ class BatchAssembler:
             for c in rs:
                 last_use[c] = k
         decoded: dict[tuple[str, int], np.ndarray] = {}
+
+        def need(jobs: list[tuple[str, int]]) -> None:
+            todo = [job for job in jobs if job not in decoded]
+            if todo:
+                # no LRU: a chunk is kept here until its last batch, and the LRU's copies would keep
+                # its buffer from going back to the pool while it is still in the CPU's cache
+                got = self.reader.chunks.decoded(todo, raws=None if raws is None else raws(todo), threads=threads,
+                                                 reuse=False)
+                decoded.update(zip(todo, got))
+
         out = []
         for k, batch in enumerate(batches):
-            todo = [(name, c) for c in rows[k] for name in self.arrays if (name, c) not in decoded]
-            if todo:
-                got = (self.reader.chunks.decoded(todo, raws=raws(todo), threads=threads) if raws is not None
-                       else self.reader.chunks.decoded(todo, threads=threads))
-                decoded.update(zip(todo, got))
+            if threads:  # every chunk of the batch at once, on the decode threads
+                need([(name, c) for c in rows[k] for name in self.arrays])
             off = None if offsets is None else offsets[k]
-            out.append(self._one(batch, decoded, memory, None if off is None else arena, off))
-            for c in rows[k]:
+
+            def used(c: int, k: int = k) -> None:  # chunk c's last use: let its buffers go back to the pool
                 if last_use[c] == k:
                     for name in self.arrays:
                         decoded.pop((name, c), None)
+
+            out.append(self._one(batch, decoded, need, used, memory, None if off is None else arena, off))
         return out
 
-    def _one(self, batch: Sequence[int], decoded: dict[tuple[str, int], np.ndarray], memory: str,
+    def _one(self, batch: Sequence[int], decoded: dict[tuple[str, int], np.ndarray],
+             need: Callable[[list[tuple[str, int]]], None], used: Callable[[int], None], memory: str,
              arena: BatchArena | None = None, offset: int | None = None) -> dict[str, torch.Tensor] | SharedBatch:
         b, width = len(batch), self.width(batch)
         fields, total, described = self._layout(b, width)
@@ -238,27 +248,42 @@ class BatchAssembler:
         for f in fields:
             dt = np.dtype(np.int64) if f.dtype == torch.int64 else disk_dtype(self.out[f.key])  # bits, no casts
             arrays[f.key] = flat[f.offset:f.offset + f.nbytes].view(dt).reshape(f.shape)
-        self._fill(batch, arrays, decoded, zeroed)
+        self._pads(batch, arrays, zeroed)
+        self._fill(batch, arrays, decoded, need, used)
         if arena is not None and offset is not None:
             return views(arena.tensor(offset, total), described) if arena.mine else SharedBatch(
                 arena.id, offset, total, described)
         tensors = views(buf, described)
         return {k: tensors[k] for k in BATCH_KEYS}
 
-    def _fill(self, batch: Sequence[int], arrays: dict[str, np.ndarray], decoded: dict[tuple[str, int], np.ndarray],
-              zeroed: bool) -> None:
-        """Every token of ``batch`` copied once, from its decoded chunk to its place; pads written unless ``zeroed``."""
+    def _pads(self, batch: Sequence[int], arrays: dict[str, np.ndarray], zeroed: bool) -> None:
+        """Each row's attention mask and pads (every pad unless the buffer is known to read as zeros)."""
         ids, att, mask = arrays["input_ids"], arrays["attention_mask"], arrays["loss_mask"]
         hid, last = arrays["target_hidden_states"], arrays["target_last_hidden_states"]
-        h, ct = self.hidden, self.ct
         for r, i in enumerate(batch):
-            a, n = int(self._starts[i]), int(self._lengths[i])
+            n = int(self._lengths[i])
             att[r, :n] = 1
             ids[r, n:] = self.pad_id
             if not zeroed:
                 for pads in (att[r, n:], mask[r, n:], hid[r, n:], last[r, n:]):
                     _zero(pads)
+
+    def _fill(self, batch: Sequence[int], arrays: dict[str, np.ndarray], decoded: dict[tuple[str, int], np.ndarray],
+              need: Callable[[list[tuple[str, int]]], None], used: Callable[[int], None]) -> None:
+        """Every token of ``batch`` copied once, chunk by chunk: a chunk is decoded (unless it is in hand),
+        copied to every row that holds part of it while it is still in the CPU's cache, then let go after its
+        last use."""
+        ids, mask = arrays["input_ids"], arrays["loss_mask"]
+        hid, last = arrays["target_hidden_states"], arrays["target_last_hidden_states"]
+        h, ct = self.hidden, self.ct
+        where: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (row, first slot, length) of its samples
+        for r, i in enumerate(batch):
+            a, n = int(self._starts[i]), int(self._lengths[i])
             for c in range(a // ct, (a + n - 1) // ct + 1):
+                where.setdefault(c, []).append((r, a, n))
+        for c, holders in where.items():
+            need([(name, c) for name in self.arrays])
+            for r, a, n in holders:
                 lo, hi = max(a, c * ct), min(a + n, (c + 1) * ct)
                 src, dst = slice(lo - c * ct, hi - c * ct), slice(lo - a, hi - a)
                 ids[r, dst] = decoded[(INPUT_IDS, c)][src]
@@ -266,6 +291,7 @@ class BatchAssembler:
                 for j, name in enumerate(self.layer_names):
                     hid[r, dst, j * h:(j + 1) * h] = self._states(decoded, name, c, src, "target_hidden_states")
                 last[r, dst] = self._states(decoded, self.last_name, c, src, "target_last_hidden_states")
+            used(c)
 
     def _states(self, decoded: dict[tuple[str, int], np.ndarray], name: str, c: int, src: slice,
                 key: str) -> np.ndarray:

@@ -189,14 +189,15 @@ class CacheChunks:
         range requests all at once) unless given in ``raws`` (fetched ahead).
         """
         where = f"{self.path}: "
+        refs: Sequence[ChunkRef | None] = [None] * len(jobs)
         if raws is None:
             refs = self.refs(jobs)
-            try:
-                raws = self.source.fetch(refs)
-            except DamagedShardError as exc:
-                raise self._damaged(exc, jobs) from None
+            if not self.source.local:  # remote: every range requested at once
+                raws = self.fetch(refs, jobs)
 
-        def finish(job: Job, raw: bytes | None) -> np.ndarray:
+        def finish(job: Job, raw: Any, ref: ChunkRef | None) -> np.ndarray:
+            if raws is None:  # local: read just before decoding, so the bytes are still in the CPU's cache
+                raw = self.fetch([ref], [job])[0]
             if raw is None:
                 raise self._missing(job[0], job[1])
             try:
@@ -204,9 +205,17 @@ class CacheChunks:
             except DamagedShardError as exc:  # format 3: not the chunk its unit's record binds to this place
                 raise self._damaged(exc, [job]) from None
 
+        given = [None] * len(jobs) if raws is None else raws
         if threads and len(jobs) > 1:
-            return list(self._threads().map(finish, jobs, raws))
-        return [finish(j, r) for j, r in zip(jobs, raws, strict=True)]
+            return list(self._threads().map(finish, jobs, given, refs))
+        return [finish(j, r, f) for j, r, f in zip(jobs, given, refs, strict=True)]
+
+    def fetch(self, refs: Sequence[ChunkRef | None], jobs: Sequence[Job]) -> list[Any]:
+        """The located chunks' stored bytes, into recycled buffers (decoded at once, then let go)."""
+        try:
+            return self.source.fetch(refs, pooled=True)
+        except DamagedShardError as exc:
+            raise self._damaged(exc, jobs) from None
 
     def decoded(self, jobs: list[Job], raws: Sequence[bytes | None] | None = None,
                 threads: bool = True, reuse: bool = True) -> list[np.ndarray]:
