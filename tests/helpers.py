@@ -230,7 +230,7 @@ def rebind(cache, array: str, unit: int) -> None:
         rec["shards"][array] = digest
         record.write_text(json.dumps(rec, sort_keys=True))
     tokens = root / "commits" / "tokens.json"
-    if array in fmt.TOKEN_ARRAYS and tokens.exists():
+    if array in fmt.TOKENS_FIRST and tokens.exists():
         rec = json.loads(tokens.read_text())
         rec["arrays"][array][unit] = digest
         tokens.write_text(json.dumps(rec, sort_keys=True))

@@ -222,7 +222,6 @@ TESTED_BY = {
     "write/regenerate/splice.py": "write/regenerate/test_regenerate.py",
     "write/regenerate/stage.py": "write/regenerate/test_regenerate.py",
     "write/rerun/precision.py": "write/rerun/test_teacher.py",
-    "write/rerun/recompute.py": "write/rerun/test_teacher.py",
     "write/samples/encode.py": "write/samples/test_tokenize.py", "write/samples/files.py": "write/samples/test_data.py",
     "write/samples/json_scan.py": "write/samples/test_data.py",
     "write/samples/normalize.py": "write/samples/test_chat.py",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import assert_same_cache, compose
+from test_s3 import bucket, s3_endpoint  # noqa: F401 - fixtures
 from test_write_distributed import torchrun, units_per_rank
 
 from dspark_precompute.write.run import run
@@ -286,3 +287,84 @@ def test_fsdp2_writes_through_a_window_in_lockstep_while_a_trainer_reads_and_del
     assert len(want) > 0 and got == want
     n = ref.num_units
     assert n >= 3 and released_units(CacheStore(str(path)), n) == set(range(n))
+
+
+def test_fsdp2_writes_through_a_window_into_a_bucket_while_a_trainer_reads_it_and_delivers_the_one_copy_cache(
+        tmp_path, bucket):  # noqa: F811 - test_s3's fixture
+    """storage=s3 under a sharded target: both ranks wait on the window's records in the bucket, the trainer reads
+    the units from it as they commit and releases each, and what it receives is the one-copy cache, once each."""
+    from collections import Counter
+
+    from test_write_distributed import free_port
+
+    from dspark_precompute.contract.store import CacheStore
+    from dspark_precompute.contract.window import released_units
+    from dspark_precompute.read.reader import open_cache
+    from dspark_precompute.read.training import build_dataloader
+    from dspark_precompute.read.verify import verify_cache
+
+    ref = open_cache(one_copy(tmp_path))
+    want = Counter((tuple(ref[i]["input_ids"].tolist()), float(ref[i]["target_hidden_states"].double().sum()),
+                    float(ref[i]["target_last_hidden_states"].double().sum())) for i in range(len(ref)))
+    url = f"s3://{bucket}/w"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "dspark_precompute",
+           "storage=s3", f"storage.path={url}",
+           *overrides(tmp_path, "w", "parallel.fsdp=2", "storage.window_units=1")[1:]]  # [0]: a local path
+    producer = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        loader = build_dataloader(url, stream=True, batch_size=1, release="delivery", poll_s=0.05,
+                                  wait_timeout_s=300)
+        got = Counter()
+        for b in loader:
+            m = b["attention_mask"][0].bool()
+            got[(tuple(b["input_ids"][0][m].tolist()), float(b["target_hidden_states"][0][m].double().sum()),
+                 float(b["target_last_hidden_states"][0][m].double().sum()))] += 1
+        out, _ = producer.communicate(timeout=300)
+    finally:
+        producer.kill()
+    assert producer.returncode == 0, out[-4000:]
+    assert "waits until the trainer releases unit" in out  # the window held the ranks back
+    assert len(want) > 0 and got == want
+    store = CacheStore(url)
+    n = ref.num_units
+    assert n >= 3 and released_units(store, n) == set(range(n))
+    assert [k for k in store.file_keys(["hidden_states"]) if "/c." in k] == []  # each unit deleted once consumed
+    assert verify_cache(url).ok and not (tmp_path / "w").exists()
+
+
+@pytest.mark.slow  # 36 s on the loaded 2-core VM; its sibling without kills runs in the default lane
+def test_fsdp2_into_a_bucket_through_a_window_with_the_producer_and_trainer_each_killed_delivers_every_sample(
+        tmp_path, bucket):  # noqa: F811 - test_s3's fixture
+    """The producer's rank 1 SIGKILLed at its second unit (torchrun ends the group) and started again; the trainer
+    SIGKILLed mid-batch and after a release, resuming from its checkpoint: every sample of the one-copy cache is
+    received ``PASSES`` times, every unit released and deleted from the bucket."""
+    from collections import Counter
+
+    from test_read_stream import PASSES, TRAIN, _expected, _supervise
+    from test_write_distributed import free_port
+
+    from dspark_precompute.contract.store import CacheStore
+    from dspark_precompute.contract.window import released_units
+    from dspark_precompute.read.verify import verify_cache
+
+    ref = one_copy(tmp_path)
+    url, ckpt = f"s3://{bucket}/w", tmp_path / "ckpt.json"
+    produce = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", "-m", "dspark_precompute", "storage=s3", f"storage.path={url}",
+               *overrides(tmp_path, "w", "parallel.fsdp=2", "storage.window_units=2")[1:]]
+    train = [sys.executable, "-c", TRAIN, url, str(ckpt), str(PASSES)]
+    faults = {"producer": ["unit_submitted=2@1", None], "trainer": ["stream_batch=5", "window_release=2", None]}
+    codes = _supervise({"producer": [produce], "trainer": [train]}, faults, tmp_path)
+    logs = {k: (tmp_path / f"{k}.log").read_text() for k in codes}
+    assert codes["producer"][-1] == 0 and len(codes["producer"]) == 2, logs["producer"][-4000:]
+    assert codes["trainer"] == [-9, -9, 0], logs["trainer"][-4000:]
+    got = Counter((tuple(ids), a, b) for ids, a, b in json.loads(ckpt.read_text())["seen"])
+    want = _expected(ref)
+    assert len(want) > 0 and got == want
+    store = CacheStore(url)
+    n = json.loads(store.read_bytes("manifest.json"))["layout"]["num_units"]
+    assert n >= 3 and released_units(store, n) == set(range(n))
+    assert [k for k in store.file_keys(["hidden_states"]) if "/c." in k] == []
+    assert verify_cache(url).ok

@@ -7,6 +7,10 @@ layout with the pipeline's own batching), so hidden states must match within
 array is compared with the recomputation quantized by the pipeline's own rule (bits and
 scales bit-exact for the tiny target), in e4m3 steps at its scale.
 
+An image cache reruns through the whole image-text checkpoint: each row is re-encoded by its processor and each
+batch gets the pixels of its samples' images, each image first checked against the images table's sha256 (a
+changed or unreadable one is a problem of every sample whose batch needs it; the others are still compared).
+
 Nothing read from the cache turns on remote code or points a loader at code: the
 recorded ``model.trust_remote_code`` is replaced by the caller's own flag, and paths that
 lie inside the cache are refused.
@@ -27,16 +31,27 @@ from dspark_precompute.contract.fp8 import E4M3, E4M3_EPS, E4M3_MIN_NORMAL, dequ
 from dspark_precompute.contract.layout import Layout, build_layout
 from dspark_precompute.contract.manifest import Manifest, identity_differences
 from dspark_precompute.contract.opener import OpenedCache, open_stored
-from dspark_precompute.contract.spec import INPUT_IDS, LOSS_MASK, SAMPLE_ARRAYS
+from dspark_precompute.contract.spec import (
+    IMAGE_GRID,
+    IMAGE_SAMPLE,
+    IMAGE_SHA256,
+    INPUT_IDS,
+    LOSS_MASK,
+    POSITION_IDS,
+    SAMPLE_ARRAYS,
+)
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import StorageDtype
-from dspark_precompute.errors import CacheFormatError, DsparkError
+from dspark_precompute.errors import CacheFormatError, DataError, DsparkError
 from dspark_precompute.tensors import torch_dtype
 from dspark_precompute.write.config.compose import from_dict
 from dspark_precompute.write.config.schema import TINY, PrecomputeConfig
 from dspark_precompute.write.plan.prepare import Plan, prepare
-from dspark_precompute.write.samples.chat import ChatEncoder, Encoded
-from dspark_precompute.write.samples.files import resolve_source
+from dspark_precompute.write.samples.chat import Encoded
+from dspark_precompute.write.samples.files import resolve_source as resolve_data_source
+from dspark_precompute.write.samples.images import SampleImages, content_sha256, image_base, image_sources
+from dspark_precompute.write.samples.images import resolve_source as resolve_image
+from dspark_precompute.write.samples.media import MediaInputs
 from dspark_precompute.write.samples.normalize import Reject, normalize
 from dspark_precompute.write.samples.rows import read_rows
 from dspark_precompute.write.store.batching import batch_inputs, make_batches
@@ -309,7 +324,14 @@ def open_sampled(out: CheckResult, path: str | Path, n: int, *, seed: int, devic
     if problem or found is None:
         out.add(problem or "the target cannot be found")
         return None
-    picked = sample_positions(run.lengths, run.readable, n, seed)
+    readable = run.readable
+    with_images = np.unique(run.opened.tables.get(IMAGE_SAMPLE, np.zeros(0, dtype=np.int64)))
+    if len(with_images):  # their states need the pixels this check does not feed: only --recompute reruns them
+        readable = readable[~np.isin(readable, with_images)]
+        out.notes.append(f"{what} leaves out the {len(with_images)} sample(s) with images (it runs the language "
+                         "model on the token ids alone, without their pixels); `dspark-cache verify --recompute N` "
+                         "reruns them with their images")
+    picked = sample_positions(run.lengths, readable, n, seed)
     if not picked:
         out.notes.append(f"{what} found no readable token to compare")
         return None
@@ -343,9 +365,13 @@ def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0
     return out
 
 
+IMAGES_IDENTITY = "data.images_sha256"  # an image cache: checked image by image against the images table instead
+
+
 def rebuild_plan(run: StoredRun, moved: bool, out: RecomputeResult) -> tuple[PrecomputeConfig, Plan] | None:
     """The run's config and plan, rebuilt from the manifest; ``None`` (a problem in ``out``) when it cannot be, or
-    when the target, tokenizer or data changed since: a rerun would compare against another run."""
+    when the target, tokenizer or data changed since: a rerun would compare against another run. A changed image
+    is not such a refusal: each sample's images are checked against the images table (a problem per sample)."""
     try:
         cfg = from_dict(run.cfgd)
         plan = prepare(cfg)
@@ -353,79 +379,183 @@ def rebuild_plan(run: StoredRun, moved: bool, out: RecomputeResult) -> tuple[Pre
         out.add(f"cannot rebuild the run from the manifest's config: {exc}")
         return None
     diffs = changed_identity(run.m.identity, plan.identity, moved)
+    if any(d[0] == IMAGES_IDENTITY for d in diffs):
+        out.notes.append("an image the rows name changed or vanished since the cache was written (data.images_sha256 "
+                         "differs): each recomputed sample's images are checked against the images table")
+        diffs = [d for d in diffs if d[0] != IMAGES_IDENTITY]
     if diffs:
         out.add(f"the target, tokenizer or data named in the manifest changed since the cache was written "
                 f"({listed_differences(diffs)}); recomputing would compare against a different run")
         return None
+    if plan.media is not None and IMAGE_SAMPLE not in run.opened.tables:
+        out.add("the cache holds rows with images but its images table (images/sample, images/grid_thw, "
+                "images/sha256) cannot be read, so their images cannot be fed again; run `dspark-cache verify` "
+                "without --recompute to see the damage")
+        return None
     return cfg, plan
 
 
+@dataclass
+class StoredImages:
+    """An image cache's images table, by sample: the grids and content hashes the capture saw. A rerun feeds a
+    sample's images to the vision tower only when each one's bytes still hash to the recorded sha256."""
+
+    sample: np.ndarray  # each image's sample (sorted)
+    grid: np.ndarray  # int64 [n_images, 3]
+    sha256: list[str]
+
+    @classmethod
+    def of(cls, tables: dict[str, np.ndarray]) -> StoredImages:
+        return cls(tables[IMAGE_SAMPLE].astype(np.int64), tables[IMAGE_GRID].astype(np.int64).reshape(-1, 3),
+                   [bytes(row).hex() for row in tables[IMAGE_SHA256]])
+
+    def span(self, s: int) -> tuple[int, int]:
+        """Sample ``s``'s rows of the table: ``[lo, hi)`` (empty for a text sample)."""
+        lo, hi = np.searchsorted(self.sample, [s, s + 1])
+        return int(lo), int(hi)
+
+
+def _shown(where: str) -> str:
+    return "a data: URL" if where.startswith("data:") else where
+
+
 class _Rerun:
-    """The rebuilt run a sample is compared with: its source rows, encoder, layout, batching and target (hooked)."""
+    """The rebuilt run a sample is compared with: its source rows, encoder, layout, batching and target (hooked);
+    an image cache's whole checkpoint, fed each batch's images again as the capture fed them."""
 
     def __init__(self, run: StoredRun, cfg: PrecomputeConfig, plan: Plan, layout: Layout, tolerance: float,
                  out: RecomputeResult) -> None:
         m = run.m
         self.run, self.cfg, self.plan, self.layout, self.tolerance, self.out = run, cfg, plan, layout, tolerance, out
-        self.rows = read_rows(resolve_source(cfg.data.path, cfg.data.split_slice()[0]), cfg.data)
-        self.encoder = ChatEncoder(plan.tokenizer, plan.template, cfg.seq_length, cfg.data.mask_reasoning_content,
-                                   cfg.data.mask_generation_prompt, mask_rule=cfg.data.mask_rule)
+        self.rows = read_rows(resolve_data_source(cfg.data.path, cfg.data.split_slice()[0]), cfg.data)
+        self.spec = plan.encoding.spec  # the run's own row encoder: an image row goes through the processor
+        self.encoder = self.spec.build(plan.tokenizer)
+        self.images = StoredImages.of(run.opened.tables) if plan.media is not None else None
+        self._refs: dict[int, SampleImages | str | None] = {}
         target = load_target(cfg.model, plan.target, len(plan.tokenizer), plan.device, plan.compute_dtype)
-        self.capture = HiddenStateCapture(target, plan.layer_ids, pre_norm=m.pre_norm_array is not None)
+        self.capture = HiddenStateCapture(target, plan.layer_ids, pre_norm=m.pre_norm_array is not None,
+                                          media=self.images is not None)
         self.names = {int(k): v for k, v in m.arrays.items() if k.lstrip("-").isdigit()}
 
     def compare(self, s: int) -> None:
-        """Sample ``s``: stored tokens against its source row re-encoded, stored states against its batch rerun."""
+        """Sample ``s``: its images against the images table, stored tokens against its source row re-encoded,
+        stored states against its batch rerun (with the batch's images)."""
         run, m, out = self.run, self.run.m, self.out
         try:
-            got = run.read_sample([INPUT_IDS, LOSS_MASK, *m.hidden_array_names, *m.scale_arrays.values()], s)
+            got = run.read_sample([INPUT_IDS, LOSS_MASK, *self._positions(), *m.hidden_array_names,
+                                   *m.scale_arrays.values()], s)
         except CacheFormatError as exc:  # a corrupt or missing chunk
             out.add_unreadable(s, exc)
             return
         raw = self.rows[int(run.source_row[s])]
-        conv = normalize(raw, self.cfg.data.format)
-        enc = conv if isinstance(conv, Reject) else self.encoder.encode(conv, raw.row)
+        refs = self.sample_images(s)
+        if isinstance(refs, str):
+            out.add(f"sample {s}: {refs}, so its states cannot be recomputed. Restore the image the cache was made "
+                    "from, or re-create the cache (a resume over a changed image is refused too)", sample=s,
+                    unit=int(self.layout.unit[s]))
+            return
+        enc = self.spec.encode(self.encoder, raw, int(run.source_row[s]))
         if isinstance(enc, Reject):
             out.add(f"sample {s}: its source row {raw.row} no longer encodes ({enc.reason}: {enc.message})",
                     sample=s)
             return
         self._compare_tokens(s, got, enc, raw.row)
-        worst, exact = self._compare_states(s, got)
+        batch = self._batch_of(s)
+        for t in (int(x) for x in batch if int(x) != s):
+            other = self.sample_images(t)
+            if isinstance(other, str):
+                out.add(f"sample {s}: its forward batch holds sample {t}, whose {other}; the batch cannot be rerun "
+                        "as it was captured. Restore that image, or re-create the cache", sample=s,
+                        unit=int(self.layout.unit[s]))
+                return
+        try:
+            worst, exact = self._compare_states(s, got, batch)
+        except DataError as exc:  # an image changed between its hash and its read
+            out.add(f"sample {s}: its batch's images cannot be fed again ({exc})", sample=s)
+            return
         out.recomputed += 1
         out.exact += int(exact)
         out.max_steps = max(out.max_steps, worst)
 
+    def _positions(self) -> list[str]:
+        return [POSITION_IDS] if POSITION_IDS in self.run.opened.metas else []
+
+    def sample_images(self, t: int) -> SampleImages | str | None:
+        """Sample ``t``'s images as the capture read them (the sources its row names, as many as the images table
+        holds for it), each checked against its recorded sha256: None for a text sample, a description of the
+        first image that changed or is missing. Each sample is checked once per rerun."""
+        if t not in self._refs:
+            self._refs[t] = self._check_images(t)
+        return self._refs[t]
+
+    def _check_images(self, t: int) -> SampleImages | str | None:
+        if self.images is None:
+            return None
+        lo, hi = self.images.span(t)
+        if lo == hi:
+            return None
+        raw = self.rows[int(self.run.source_row[t])]
+        conv = normalize(raw, self.cfg.data.format, media=True)
+        named = [] if isinstance(conv, Reject) else image_sources(conv.messages)
+        base = image_base(self.spec.data_root, raw.file)
+        where = [resolve_image(x, base) for x in named][:hi - lo]
+        if len(where) < hi - lo:
+            return f"source row {raw.row} names {len(named)} image(s), the images table {hi - lo}"
+        for k, (w, want) in enumerate(zip(where, self.images.sha256[lo:hi], strict=True)):
+            now = content_sha256(w)
+            if now.startswith("missing:"):
+                return f"image {k} ({_shown(w)}) cannot be read ({now.removeprefix('missing:')})"
+            if now != want:
+                return (f"image {k} ({_shown(w)}) changed since the cache was written (sha256 recorded "
+                        f"{want[:16]}..., now {now[:16]}...)")
+        return SampleImages(tuple(where), tuple(self.images.sha256[lo:hi]), self.images.grid[lo:hi])
+
     def _compare_tokens(self, s: int, got: dict[str, np.ndarray], enc: Encoded, row: int) -> None:
-        """Stored ids and masks against the re-encoded row: a problem at the first token that differs."""
+        """Stored ids, masks (and positions) against the re-encoded row: a problem at the first token that differs."""
         a, u, ct = int(self.run.start[s]), int(self.layout.unit[s]), self.run.m.layout.chunk_tokens
-        for key, want in ((INPUT_IDS, enc.input_ids), (LOSS_MASK, enc.loss_mask)):
-            have = got[key]
+        wants = [(INPUT_IDS, enc.input_ids), (LOSS_MASK, enc.loss_mask)]
+        if POSITION_IDS in got:  # a text row's: the same count on every axis (as the capture writes it)
+            rope = enc.position_ids
+            wants.append((POSITION_IDS, rope if rope is not None else np.broadcast_to(
+                np.arange(len(enc.input_ids), dtype=np.int32)[:, None], got[POSITION_IDS].shape)))
+        for key, want in wants:
+            have = np.asarray(got[key])
+            want = np.asarray(want)
             if len(have) != len(want) or not np.array_equal(have, want):
-                diff = have[:len(want)] != want[:len(have)]
+                diff = (have[:len(want)] != want[:len(have)]).reshape(min(len(have), len(want)), -1).any(axis=1)
                 pos = int(np.flatnonzero(diff)[0]) if diff.any() else min(len(have), len(want))
                 self.out.add(f"sample {s}: stored {key} differs from re-tokenizing source row {row} (first at "
                              f"token {pos}, chunk {(a + pos) // ct})", sample=s, array=key, chunk=((a + pos) // ct,),
                              unit=u)
 
-    def _rerun_batch(self, s: int) -> tuple[dict[int, torch.Tensor], torch.Tensor, int]:
-        """The forward batch the pipeline ran sample ``s`` in, rebuilt from the layout and run again:
+    def _batch_of(self, s: int) -> np.ndarray:
+        """The forward batch the pipeline ran sample ``s`` in, rebuilt from the layout with its own batching."""
+        cfg = self.cfg
+        order = self.layout.unit_order[int(self.layout.unit[s])]
+        return next(b for b in make_batches(order, self.run.lengths, cfg.batch.max_tokens, cfg.batch.max_samples)
+                    if s in set(b.tolist()))
+
+    def _rerun_batch(self, s: int, batch: np.ndarray) -> tuple[dict[int, torch.Tensor], torch.Tensor, int]:
+        """``batch`` (sample ``s``'s) run again with the pipeline's inputs, its images' pixels included:
         (states by layer id, last state, the sample's row in the batch)."""
-        run, cfg, lengths = self.run, self.cfg, self.run.lengths
-        u = int(self.layout.unit[s])
-        batch = next(b for b in make_batches(self.layout.unit_order[u], lengths, cfg.batch.max_tokens,
-                                             cfg.batch.max_samples) if s in set(b.tolist()))
+        run = self.run
         members = {int(t): run.read_sample([INPUT_IDS], int(t))[INPUT_IDS] for t in batch}
-        ids, _ = batch_inputs(members, batch, lengths, self.plan.pad_id, self.plan.device)  # the pipeline's inputs
-        states, last = self.capture(ids)
+        ids, _ = batch_inputs(members, batch, run.lengths, self.plan.pad_id, self.plan.device)
+        pixels = None
+        refs = {int(t): r for t in batch if isinstance(r := self.sample_images(int(t)), SampleImages)}
+        if refs:
+            assert self.encoder.media is not None  # an image cache's plan builds its processor
+            pixels = MediaInputs(refs, self.encoder.media).of_batch(batch, members, ids.shape[1])
+        states, last = self.capture(ids, media=pixels)
         return states, last, int(np.flatnonzero(batch == s)[0])
 
-    def _compare_states(self, s: int, got: dict[str, np.ndarray]) -> tuple[float, bool]:
+    def _compare_states(self, s: int, got: dict[str, np.ndarray], batch: np.ndarray) -> tuple[float, bool]:
         """Every stored state of sample ``s`` against the rerun, in steps of its storage dtype: (worst, bit-exact);
         a problem per array past the tolerance."""
         m, out = self.run.m, self.out
         a, length, u, ct = int(self.run.start[s]), int(self.run.lengths[s]), int(self.layout.unit[s]), \
             m.layout.chunk_tokens
-        states, last, r = self._rerun_batch(s)
+        states, last, r = self._rerun_batch(s, batch)
         worst, exact = 0.0, True
         checks = [(f"layer {lid}", self.names[lid], states[lid]) for lid in self.plan.layer_ids]
         if m.last_array is not None:
