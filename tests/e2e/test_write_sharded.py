@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -251,38 +252,50 @@ def test_image_text_layouts_transformers_cannot_shard_are_refused_before_weights
             run(compose(overrides(tmp_path, "c", path, "parallel.fsdp=2", layout)))
 
 
-def test_fsdp2_writes_through_a_window_in_lockstep_while_a_trainer_reads_and_delivers_the_one_copy_cache(tmp_path):
-    """Both ranks wait for the trainer together (an agreement per poll, dummy forwards for a busy peer): the window
-    holds, the trainer receives every sample of the one-copy cache once, and every unit is released."""
-    from collections import Counter
+def _one_copy_deliveries(ref) -> Counter:
+    """What a trainer should receive from a cache of the same rows: each sample's ids and state sums, once."""
+    return Counter((tuple(ref[i]["input_ids"].tolist()), float(ref[i]["target_hidden_states"].double().sum()),
+                    float(ref[i]["target_last_hidden_states"].double().sum())) for i in range(len(ref)))
 
+
+def _stream_beside_an_fsdp2_producer(tmp_path, path: str, run_args: list[str]) -> tuple[Counter, str, int]:
+    """A torchrun producer (2 ranks, ``run_args``) and, in this process, a streaming trainer on ``path``: what the
+    trainer received, the producer's output and its exit code."""
     from test_write_distributed import free_port
 
-    from dspark_precompute.contract.store import CacheStore
-    from dspark_precompute.contract.window import released_units
-    from dspark_precompute.read.reader import open_cache
     from dspark_precompute.read.training import build_dataloader
 
-    ref = open_cache(one_copy(tmp_path))
-    want = Counter((tuple(ref[i]["input_ids"].tolist()), float(ref[i]["target_hidden_states"].double().sum()))
-                   for i in range(len(ref)))
-    path = tmp_path / "w"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "dspark_precompute",
-           *overrides(tmp_path, "w", "parallel.fsdp=2", "storage.window_units=1")]
+           f"--master_port={free_port()}", "-m", "dspark_precompute", *run_args]
     producer = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        loader = build_dataloader(str(path), stream=True, batch_size=1, release="delivery", poll_s=0.05,
+        loader = build_dataloader(path, stream=True, batch_size=1, release="delivery", poll_s=0.05,
                                   wait_timeout_s=300)
-        got = Counter()
+        got: Counter = Counter()
         for b in loader:
             m = b["attention_mask"][0].bool()
-            got[(tuple(b["input_ids"][0][m].tolist()), float(b["target_hidden_states"][0][m].double().sum()))] += 1
+            got[(tuple(b["input_ids"][0][m].tolist()), float(b["target_hidden_states"][0][m].double().sum()),
+                 float(b["target_last_hidden_states"][0][m].double().sum()))] += 1
         out, _ = producer.communicate(timeout=300)
     finally:
         producer.kill()
-    assert producer.returncode == 0, out[-4000:]
+    return got, out, int(producer.returncode)
+
+
+def test_fsdp2_writes_through_a_window_in_lockstep_while_a_trainer_reads_and_delivers_the_one_copy_cache(tmp_path):
+    """Both ranks wait for the trainer together (an agreement per poll, dummy forwards for a busy peer): the window
+    holds, the trainer receives every sample of the one-copy cache once, and every unit is released."""
+    from dspark_precompute.contract.store import CacheStore
+    from dspark_precompute.contract.window import released_units
+    from dspark_precompute.read.reader import open_cache
+
+    ref = open_cache(one_copy(tmp_path))
+    want = _one_copy_deliveries(ref)
+    path = tmp_path / "w"
+    got, out, rc = _stream_beside_an_fsdp2_producer(
+        tmp_path, str(path), overrides(tmp_path, "w", "parallel.fsdp=2", "storage.window_units=1"))
+    assert rc == 0, out[-4000:]
     assert "waits until the trainer releases unit" in out  # the window held the ranks back
     assert len(want) > 0 and got == want
     n = ref.num_units
@@ -293,38 +306,18 @@ def test_fsdp2_writes_through_a_window_into_a_bucket_while_a_trainer_reads_it_an
         tmp_path, bucket):  # noqa: F811 - test_s3's fixture
     """storage=s3 under a sharded target: both ranks wait on the window's records in the bucket, the trainer reads
     the units from it as they commit and releases each, and what it receives is the one-copy cache, once each."""
-    from collections import Counter
-
-    from test_write_distributed import free_port
-
     from dspark_precompute.contract.store import CacheStore
     from dspark_precompute.contract.window import released_units
     from dspark_precompute.read.reader import open_cache
-    from dspark_precompute.read.training import build_dataloader
     from dspark_precompute.read.verify import verify_cache
 
     ref = open_cache(one_copy(tmp_path))
-    want = Counter((tuple(ref[i]["input_ids"].tolist()), float(ref[i]["target_hidden_states"].double().sum()),
-                    float(ref[i]["target_last_hidden_states"].double().sum())) for i in range(len(ref)))
+    want = _one_copy_deliveries(ref)
     url = f"s3://{bucket}/w"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "dspark_precompute",
-           "storage=s3", f"storage.path={url}",
-           *overrides(tmp_path, "w", "parallel.fsdp=2", "storage.window_units=1")[1:]]  # [0]: a local path
-    producer = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        loader = build_dataloader(url, stream=True, batch_size=1, release="delivery", poll_s=0.05,
-                                  wait_timeout_s=300)
-        got = Counter()
-        for b in loader:
-            m = b["attention_mask"][0].bool()
-            got[(tuple(b["input_ids"][0][m].tolist()), float(b["target_hidden_states"][0][m].double().sum()),
-                 float(b["target_last_hidden_states"][0][m].double().sum()))] += 1
-        out, _ = producer.communicate(timeout=300)
-    finally:
-        producer.kill()
-    assert producer.returncode == 0, out[-4000:]
+    got, out, rc = _stream_beside_an_fsdp2_producer(
+        tmp_path, url, ["storage=s3", f"storage.path={url}",
+                        *overrides(tmp_path, "w", "parallel.fsdp=2", "storage.window_units=1")[1:]])  # [0]: local
+    assert rc == 0, out[-4000:]
     assert "waits until the trainer releases unit" in out  # the window held the ranks back
     assert len(want) > 0 and got == want
     store = CacheStore(url)
@@ -340,8 +333,6 @@ def test_fsdp2_into_a_bucket_through_a_window_with_the_producer_and_trainer_each
     """The producer's rank 1 SIGKILLed at its second unit (torchrun ends the group) and started again; the trainer
     SIGKILLed mid-batch and after a release, resuming from its checkpoint: every sample of the one-copy cache is
     received ``PASSES`` times, every unit released and deleted from the bucket."""
-    from collections import Counter
-
     from test_read_stream import PASSES, TRAIN, _expected, _supervise
     from test_write_distributed import free_port
 
