@@ -272,8 +272,9 @@ def _export_options(s: argparse.ArgumentParser) -> None:
                    help="cut every sample at L tokens; samples left with no supervised token are left out (counted)")
     s.add_argument("--overwrite", action="store_true", help="replace a previous export in OUT")
     s.add_argument("--skip-image-rows", action="store_true",
-                   help="export the text rows of a cache with image rows (every trainer's loader here reads text ids "
-                        "and hidden states only); the count skipped is recorded in the export's marker")
+                   help="leave out the rows with images whose positions an M-RoPE target (Qwen3-VL, Qwen3.5) moved: "
+                        "every trainer here builds positions 0, 1, 2, ... (docs/trainers.md); the count left out is "
+                        "recorded in the export's marker")
     s.add_argument("--shard-size", type=int, default=256, help="nemo: samples per shard (NeMo's default 256)")
     s.add_argument("--shard-bytes", type=int, default=None,
                    help="deepspec: bytes per shard file (DeepSpec's default 64 GiB)")
@@ -293,7 +294,8 @@ def _export_nemo_options(s: argparse.ArgumentParser) -> None:
                         "left out (counted)")
     s.add_argument("--overwrite", action="store_true", help="replace a previous export in OUT")
     s.add_argument("--skip-image-rows", action="store_true",
-                   help="export the text rows of a cache with image rows (the count skipped is in the marker)")
+                   help="leave out the rows with images whose positions an M-RoPE target moved (NeMo builds "
+                        "positions 0, 1, 2, ...); the count left out is in the marker")
 
 
 def _plot_options(s: argparse.ArgumentParser) -> None:

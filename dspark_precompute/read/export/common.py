@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from dspark_precompute.contract.fp8 import convert
+from dspark_precompute.contract.spec import POSITION_IDS
 from dspark_precompute.contract.store import fsync_dir, write_atomically
 from dspark_precompute.errors import CacheFormatError, ExportError, IncompleteCacheError, StorageWriteError
 from dspark_precompute.faults import fault_point
@@ -45,7 +46,7 @@ TARGETS = ("nemo", "deepspec", "specforge", "speculators")
 # why an exported sample was left out (counted in the result, the log and the export's marker)
 DROP_NO_SUPERVISED = "no_supervised_token_within_max_length"
 DROP_NO_CONSECUTIVE = "no_two_consecutive_supervised_tokens"
-DROP_IMAGE_ROWS = "holds_images"  # skip_image_rows=True: a sample with images, which the trainer cannot read
+DROP_IMAGE_ROWS = "holds_images"  # skip_image_rows=True: a sample whose images moved its positions (M-RoPE)
 
 
 def tmp_name(path: Path) -> Path:
@@ -192,6 +193,7 @@ class Selection:
     samples: np.ndarray  # int64 [n]: cache sample index of export row j (ascending: the cache's own order)
     lengths: np.ndarray  # int64 [n]: tokens written for export row j
     dropped: dict[str, int]
+    images: int = 0  # exported samples holding images (their positions are the 1-D ones the trainer builds)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -239,31 +241,50 @@ def check_max_length(max_length: int | None) -> int | None:
     return int(max_length)
 
 
-def image_rows(c: CacheReader, target: str, skip_image_rows: bool) -> np.ndarray:
-    """The readable samples an export must leave out for holding images (empty for a text cache).
+def _one_axis_positions(c: CacheReader, i: int, n: int) -> bool:
+    """Whether sample ``i``'s first ``n`` tokens had the positions 0, 1, 2, ... on every axis (its ids, mask and
+    positions are read; no state)."""
+    pos = c.read_raw(int(i), [], last=False)[POSITION_IDS][:n]
+    return bool((pos == np.arange(n, dtype=pos.dtype)[:, None]).all())
 
-    Every trainer's loader here reads text ids and hidden states only (no pixels, image grids or multi-axis
-    positions), so a cache with image rows is refused unless ``skip_image_rows`` exports its text rows only.
+
+def image_rows(c: CacheReader, cut: np.ndarray, keep_row: np.ndarray, loader: str, skip_image_rows: bool) -> \
+        np.ndarray:
+    """The kept samples an export must leave out because they hold images whose positions the trainer cannot
+    reproduce (empty for a text cache).
+
+    Every trainer here builds its draft's positions from the ids alone as 0, 1, 2, ... (``loader`` says where, in
+    its own code) and reads no pixels, grids or positions; the states already hold the vision features. So an
+    image row is exported as it is exactly when its target gave its ``cut`` tokens those positions: always for a
+    target with one position axis (no ``position_ids`` stored), for an M-RoPE target only where the cut ends
+    before an image moved them. Any other image row is refused, or left out with ``skip_image_rows``.
     """
     rows = c.image_rows()
-    if len(rows) and not skip_image_rows:
-        raise ExportError(f"{c.path} holds {len(rows)} of {len(c)} samples with images; {target}'s loader reads text "
-                          "ids and hidden states only (no pixels, image grids or multi-axis positions), so it would "
-                          "train on the image positions as if they were text. Pass skip_image_rows=True "
-                          "(--skip-image-rows) to export the text rows only (the count skipped is recorded in the "
-                          "export's marker)")
-    return rows
+    rows = rows[keep_row[rows]]
+    if not len(rows) or not c.has_positions:
+        return np.zeros(0, dtype=np.int64)
+    moved = np.asarray([i for i in rows if not _one_axis_positions(c, int(i), int(cut[i]))], dtype=np.int64)
+    if len(moved) and not skip_image_rows:
+        axes = c.manifest.media.position_axes if c.manifest.media is not None else "several"
+        raise ExportError(
+            f"{c.path} holds {len(moved)} of {len(c)} samples with images whose positions are not 0, 1, 2, ...: the "
+            f"target's multi-axis rotary (M-RoPE, position_ids of {axes} axes) moved them. {loader}, so its draft "
+            "would train on positions the target never gave those tokens. Pass skip_image_rows=True "
+            "(--skip-image-rows) to export the other rows (the count left out is recorded in the export's marker); "
+            "none of the four trainers' offline loaders reads multi-axis positions (docs/trainers.md)")
+    return moved
 
 
 def select_export(c: CacheReader, layers: list[int] | None, max_length: int | None,
-                  keep: Callable[[np.ndarray], str | None] = keep_any_supervised, *, target: str = "this trainer",
+                  keep: Callable[[np.ndarray], str | None] = keep_any_supervised, *, loader: str = "",
                   skip_image_rows: bool = False) -> Selection:
     """Decide the exported samples: cut each at ``max_length`` tokens, drop those ``keep`` refuses.
 
     A causal target's states for the first L tokens do not depend on later ones, so a cut
     sample is exactly what a run at ``seq_length=L`` would have stored for it. Only the
-    ids and masks are read to decide (a few bytes per token). Every drop is counted by
-    reason and logged; none is silent.
+    ids and masks are read to decide (a few bytes per token), and the positions of samples
+    with images (:func:`image_rows`; ``loader`` says why the trainer cannot take moved ones).
+    Every drop is counted by reason and logged; none is silent.
     """
     lids = c.check_layers(layers)
     max_length = check_max_length(max_length)
@@ -286,7 +307,7 @@ def select_export(c: CacheReader, layers: list[int] | None, max_length: int | No
             if why is not None:
                 keep_row[i] = False
                 dropped[why] = dropped.get(why, 0) + 1
-    skipped = image_rows(c, target, skip_image_rows)
+    skipped = image_rows(c, cut, keep_row, loader, skip_image_rows)
     if len(skipped):
         keep_row[skipped] = False
         dropped[DROP_IMAGE_ROWS] = len(skipped)
@@ -294,7 +315,11 @@ def select_export(c: CacheReader, layers: list[int] | None, max_length: int | No
     for why, k in sorted(dropped.items()):
         log.warning("export: %d of %d samples left out: %s%s", k, n, why,
                     f" (max_length={max_length})" if max_length is not None else "")
-    return Selection(c, lids, max_length, samples, cut[samples], dropped)
+    images = int(np.isin(samples, c.image_rows()).sum())
+    if images:
+        log.info("export: %d samples with images exported: their positions are 0, 1, 2, ..., what the trainer "
+                 "builds; their features are in the states", images)
+    return Selection(c, lids, max_length, samples, cut[samples], dropped, images)
 
 
 # -- destinations --------------------------------------------------------------------------
@@ -479,6 +504,7 @@ def export_marker(c: CacheReader, sel: Selection, target: str, notes: list[str],
         "num_samples": len(sel),
         "num_tokens": sel.total_tokens,
         "dropped_samples": dict(sorted(sel.dropped.items())),
+        "samples_with_images": sel.images,
         "source_storage_dtype": m.storage_dtype,
         "notes": list(notes),
         "dspark_precompute_version": __version__,

@@ -62,6 +62,11 @@ DEEPSPEC_INDEX = "samples.idx"
 DEFAULT_SHARD_BYTES = 64 * 1024**3  # DeepSpec's own --max-shard-bytes default
 DEEPSPEC_MIN_LOSS_TOKENS = 14  # its prepare_target_cache.py --min-loss-tokens default
 DEEPSPEC_QWEN_TEMPLATE = "qwen"  # the registry name its configs use for Qwen targets
+# why DeepSpec cannot train on rows whose positions an M-RoPE target moved (its source at afdfa7c)
+DEEPSPEC_POSITIONS = ("DeepSpec reads no positions: CacheDataset.__getitem__ (deepspec/data/target_cache_dataset.py) "
+                      "returns input_ids, loss_mask and the two states, and Qwen3DSparkModel.forward "
+                      "(deepspec/modeling/dspark/qwen3/modeling.py) builds its context positions as "
+                      "torch.arange(seq_len)")
 
 
 def shard_file(index: int) -> str:
@@ -83,8 +88,7 @@ def export_deepspec(cache: str | Path | CacheReader, out: str | Path, *, layers:
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, (int, np.integer)) or shard_bytes < 1:
         raise ExportError(f"shard_bytes={shard_bytes!r} must be a positive number of bytes per shard file")
     c = open_complete(cache, "DeepSpec's target cache")
-    sel = select_export(c, layers, max_length, target="DeepSpec",
-                        skip_image_rows=skip_image_rows)
+    sel = select_export(c, layers, max_length, loader=DEEPSPEC_POSITIONS, skip_image_rows=skip_image_rows)
     lids = sel.layers
     if lids != sorted(lids) or len(set(lids)) != len(lids):
         raise ExportError(f"layers={lids}: DeepSpec's manifest needs target_layer_ids in ascending order without "

@@ -49,6 +49,12 @@ NEMO_FORMAT_VERSION = 1
 NEMO_MANIFEST = "manifest.json"
 NEMO_WEIGHTS = "target_weights.safetensors"
 NEMO_SHARD_KEYS = ("input_ids", "attention_mask", "loss_mask", "target_hidden_states", "target_last_hidden_states")
+# why NeMo cannot train on rows whose positions an M-RoPE target moved (NVIDIA-NeMo/Automodel at 36044ad3d)
+NEMO_POSITIONS = ("NeMo AutoModel's cached DSpark path reads no positions: CachedDSparkDataset "
+                  "(components/datasets/llm/dspark_cache.py) loads input_ids, loss_mask and the two states, "
+                  "recipes/llm/train_dspark.py _forward_batch hands the draft no position_ids on the cached path, "
+                  "and the Qwen3 draft's forward (components/speculative/dspark/draft_qwen3.py) builds its context "
+                  "positions as torch.arange(seq_len)")
 
 
 def shard_name(index: int) -> str:
@@ -139,8 +145,7 @@ def export_nemo(cache: str | Path | CacheReader, out: str | Path, *, shard_size:
     if isinstance(shard_size, bool) or not isinstance(shard_size, (int, np.integer)) or shard_size < 1:
         raise ExportError(f"shard_size={shard_size} must be >= 1 (samples per shard)")
     c = open_complete(cache, "NeMo's layout")
-    sel = select_export(c, layers, max_length, target="NeMo AutoModel",
-                        skip_image_rows=skip_image_rows)
+    sel = select_export(c, layers, max_length, loader=NEMO_POSITIONS, skip_image_rows=skip_image_rows)
     lids = sel.layers
     out = Path(out)
     n = len(sel)

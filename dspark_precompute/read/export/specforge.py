@@ -48,6 +48,12 @@ log = logging.getLogger(__name__)
 
 GROUP = 5000  # files per folder, as SpecForge's prepare_hidden_states.py groups them
 _WIDTH = 9  # digits: sorted as strings, names keep their numeric order up to 10**9 samples
+# why SpecForge 0.2.0 cannot train on rows whose positions an M-RoPE target moved
+SPECFORGE_POSITIONS = ("SpecForge 0.2.0's DSpark offline path reads no positions: build_dspark_offline_reader "
+                       "(specforge/algorithms/common/dflash_family_data.py) loads input_ids, loss_mask, hidden_states "
+                       "and target_last_hidden_states (a 'text' feature contract), and _forward_draft_blocks "
+                       "(specforge/algorithms/common/dflash_family_model.py) builds its context positions as "
+                       "torch.arange(seq_len)")
 
 
 def sample_file(j: int) -> str:
@@ -62,7 +68,7 @@ def export_specforge(cache: str | Path | CacheReader, out: str | Path, *, layers
     """Write SpecForge's offline DSpark feature files for ``cache`` into ``out``."""
     t0 = time.perf_counter()
     c = open_complete(cache, "SpecForge's offline features")
-    sel = select_export(c, layers, max_length, keep=keep_two_consecutive, target="SpecForge",
+    sel = select_export(c, layers, max_length, keep=keep_two_consecutive, loader=SPECFORGE_POSITIONS,
                         skip_image_rows=skip_image_rows)
     n = len(sel)
     if n >= 10**_WIDTH:

@@ -40,7 +40,6 @@ from dspark_precompute.read.export.common import (
     bf16_bits,
     export_marker,
     export_progress,
-    image_rows,
     open_complete,
     select_export,
     staging,
@@ -51,6 +50,9 @@ log = logging.getLogger(__name__)
 
 HS_DIR = "hidden_states"
 INSTALL = 'pip install "datasets>=4,<=5.1"  (or pip install -e ".[interop]")'
+# why speculators 0.9.0 cannot train on rows whose positions an M-RoPE target moved
+SPECULATORS_POSITIONS = ("speculators 0.9.0 reads no positions: BaseDataset.__getitem__ (speculators/train/data.py) "
+                         "sets position_ids = torch.arange(seq_len) for every row, its own image rows included")
 
 
 
@@ -80,7 +82,8 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
     """Write vLLM speculators' ``datasets`` folder and ``hidden_states/hs_{i}.safetensors`` for ``cache``."""
     t0 = time.perf_counter()
     c = open_complete(cache, "speculators' training data")
-    image_rows(c, "speculators", skip_image_rows)  # the first refusal: no other fix makes image rows exportable
+    # first: image rows an M-RoPE target moved are refused (no re-run makes them exportable)
+    sel = select_export(c, layers, max_length, loader=SPECULATORS_POSITIONS, skip_image_rows=skip_image_rows)
     if not c.has_pre_norm:
         last = c.manifest.capture.last_state if c.manifest.capture is not None else None
         raise ExportError(
@@ -93,8 +96,6 @@ def export_speculators(cache: str | Path | CacheReader, out: str | Path, *, laye
         from datasets.arrow_writer import ArrowWriter  # noqa: F401
     except ImportError as exc:
         raise MissingDependencyError(f"export to speculators writes a `datasets` folder: {INSTALL}") from exc
-    sel = select_export(c, layers, max_length, target="speculators",
-                        skip_image_rows=skip_image_rows)
     n = len(sel)
     if not sel.layers:
         raise ExportError("layers=[]: speculators needs at least one captured layer before the verifier state")

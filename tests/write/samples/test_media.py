@@ -459,20 +459,85 @@ def test_verify_catches_a_flipped_byte_in_position_ids_and_a_grid_that_disagrees
     assert not report.ok and "image pad tokens" in report.format(), report.format()
 
 
-def test_every_export_refuses_an_image_cache_naming_the_count_and_skip_image_rows_exports_the_text_rows(
+# where each trainer builds its draft's positions from the ids alone (torch.arange(seq_len)): the refusal names it
+ARANGE_IN = {"nemo": "draft_qwen3.py", "deepspec": "Qwen3DSparkModel.forward",
+             "specforge": "_forward_draft_blocks", "speculators": r"BaseDataset.__getitem__"}
+
+
+def test_every_export_refuses_the_image_rows_m_rope_moved_naming_where_its_trainer_builds_arange_positions(
         image_cache, tmp_path):
+    """The image rows' stored positions differ from 0, 1, 2, ... (the positions test above checks them against the
+    model's own forward); every trainer's offline path builds those 1-D ones, so each export refuses, and
+    --skip-image-rows exports the text row only."""
     from dspark_precompute.cli.cache import main
     from dspark_precompute.errors import ExportError
     from dspark_precompute.read.export import EXPORT_MARKER, export
 
     path, _ = image_cache
-    for to in ("nemo", "deepspec", "specforge", "speculators"):
-        with pytest.raises(ExportError, match="2 of 3 samples with images.*text ids and hidden states only"):
+    for to, where in ARANGE_IN.items():
+        with pytest.raises(ExportError, match=r"2 of 3 samples with images whose positions are not 0, 1, 2, .*"
+                                              r"position_ids of 3 axes.*" + where + r".*--skip-image-rows"):
             export(path, tmp_path / to, to=to)
         assert not (tmp_path / to).exists()
     assert main(["export", str(path), str(tmp_path / "out"), "--to", "nemo", "--skip-image-rows"]) == 0
     marker = json.loads((tmp_path / "out" / EXPORT_MARKER).read_text())
     assert marker["num_samples"] == 1 and marker["dropped_samples"] == {"holds_images": 2}
+    assert marker["samples_with_images"] == 0
+
+
+@pytest.fixture(scope="module")
+def one_axis_image_cache(vl_dir, data_dir, tmp_path_factory):
+    """An image cache of a target with one position axis (the language model's own 0, 1, 2, ...: no position_ids
+    stored), with the pre-norm state for speculators. MiniMax M3 is such a target, but its image processor needs
+    torchvision, absent here; so the tiny Qwen3-VL runs with its multi-axis position rule hidden from the run."""
+    from dspark_precompute.write.samples import media
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(media, "_rope_model", lambda model_dir: None)
+        result, _ = image_run(vl_dir, data_dir, tmp_path_factory.mktemp("one_axis"), "capture.last_state=both")
+    return Path(result.path)
+
+
+def test_image_rows_of_a_one_axis_target_reach_specforge_and_speculators_own_loaders_as_the_cache_holds_them(
+        one_axis_image_cache, tmp_path):
+    """Their positions are the 1-D ones every trainer builds, so every export carries them (the marker counts
+    them); SpecForge's DSpark loader and speculators' ArrowDataset read each sample's ids, mask and states bit for
+    bit as our reader gives them, vision pads included."""
+    pytest.importorskip("specforge.runtime.data_plane.offline_reader", reason="needs SpecForge 0.2.0")
+    pytest.importorskip("speculators.train.data", reason="needs vLLM speculators 0.9.0")
+    from speculators.train.data import ArrowDataset
+    from test_export_interop import bits, specforge_batches
+
+    from dspark_precompute.read.export import EXPORT_MARKER, export
+    from dspark_precompute.read.reader import CacheReader
+
+    c = CacheReader(one_axis_image_cache)
+    manifest = json.loads((one_axis_image_cache / "manifest.json").read_text())
+    assert not c.has_positions and manifest["media"]["position_axes"] == 0 and len(c.image_rows()) == 2
+    for to in ("nemo", "deepspec", "specforge", "speculators"):
+        r = export(one_axis_image_cache, tmp_path / to, to=to, progress=False)
+        marker = json.loads((tmp_path / to / EXPORT_MARKER).read_text())
+        assert r.num_samples == 3 and r.dropped == {} and marker["samples_with_images"] == 2, to
+    image = manifest["media"]["image_token_id"]
+    batches = specforge_batches(tmp_path / "specforge", c.seq_length)
+    spec = ArrowDataset(c.seq_length, str(tmp_path / "speculators"), on_missing="raise")
+    assert len(batches) == len(spec) == 3
+    for j in range(3):
+        want = c.read_raw(j, [0, 1])
+        ids = want["input_ids"].astype(np.int64)
+        pads = int((ids == image).sum())  # one per merged 2x2 patch of the sample's images; none in the text row
+        assert pads == int(c.images(j)["grid_thw"].prod(-1).sum()) // 4 and (pads > 0) == (j in c.image_rows())
+        b, got = batches[j], spec[j]
+        for loaded in (b["input_ids"][0], got["input_ids"]):
+            assert np.array_equal(loaded.numpy(), ids)
+        for loaded in (b["loss_mask"][0], got["loss_mask"]):
+            assert np.array_equal(loaded.numpy(), want["loss_mask"].astype(np.int64))
+        assert np.array_equal(bits(b["hidden_states"][0]), want["target_hidden_states"])
+        assert np.array_equal(bits(b["target_last_hidden_states"][0]), want["target_last_hidden_states"])
+        assert np.array_equal(bits(got["hidden_states"]), want["target_hidden_states"])
+        pre = c.read_raw(j, [], last=False, pre_norm=True)["target_pre_norm_hidden_states"]
+        assert np.array_equal(bits(got["verifier_last_hidden_states"]), pre)
+        assert torch.equal(got["position_ids"], torch.arange(len(ids)))  # the one-axis target's own positions
 
 
 def test_a_text_run_on_an_image_text_checkpoint_writes_no_media_section_positions_or_image_tables(vl_dir, data_dir,
