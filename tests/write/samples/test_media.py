@@ -192,15 +192,17 @@ def test_truncation_never_cuts_inside_an_image(vl_dir, data_dir):
 TEXT_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
 
 
-def image_run(vl_dir, data_dir, tmp_path, *extra):
-    """A run over two image rows (both forms) and a text row, seq_length 4096 (nothing cut)."""
+def image_run(vl_dir, data_dir, tmp_path, *extra, records=None):
+    """A run over two image rows (both forms) and a text row (or ``records(names)``), seq_length 4096 (nothing
+    cut)."""
     from helpers import compose, small
 
     from dspark_precompute.write.run import run
 
     names = write_images(data_dir / "imgs")
     rows = data_dir / "rows.jsonl"
-    rows.write_text("\n".join(json.dumps(r) for r in (sharegpt_row(names), TEXT_ROW, openai_row(names))) + "\n")
+    records = records(names) if records else (sharegpt_row(names), TEXT_ROW, openai_row(names))
+    rows.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     cfg = compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", "seq_length=4096",
                         "batch.max_tokens=8192", "model.dtype=fp32", "model.layer_ids=[0,1]", *extra))
     return run(cfg), names
@@ -538,6 +540,38 @@ def test_image_rows_of_a_one_axis_target_reach_specforge_and_speculators_own_loa
         pre = c.read_raw(j, [], last=False, pre_norm=True)["target_pre_norm_hidden_states"]
         assert np.array_equal(bits(got["verifier_last_hidden_states"]), pre)
         assert torch.equal(got["position_ids"], torch.arange(len(ids)))  # the one-axis target's own positions
+
+
+def test_an_m_rope_image_row_cut_before_its_image_moved_a_position_is_exported_and_one_cut_after_is_refused(
+        vl_dir, data_dir, tmp_path):
+    """A row answered before its image: cut at its first image pad, its positions are still 0, 1, 2, ... on every
+    axis (what SpecForge builds), so SpecForge's own loader gets it as our reader gives it; two tokens further
+    the image has moved them and the export refuses."""
+    from test_export_interop import bits, specforge_batches
+
+    from dspark_precompute.errors import ExportError
+    from dspark_precompute.read.export import EXPORT_MARKER, export
+    from dspark_precompute.read.reader import CacheReader
+
+    def late_image(names):
+        return [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"},
+                              {"role": "user", "content": "<image>And here?"},
+                              {"role": "assistant", "content": "A goal."}], "images": names[:1]}]
+
+    result, _ = image_run(vl_dir, data_dir, tmp_path, records=late_image)
+    c = CacheReader(result.path)
+    raw = c.read_raw(0, [0, 1])
+    first = int(np.flatnonzero(raw["input_ids"] == c.manifest.media.image_token_id)[0])
+    pos = raw["position_ids"]
+    assert (pos[:first + 1] == np.arange(first + 1)[:, None]).all() and (pos[first + 1] != first + 1).any()
+    r = export(result.path, tmp_path / "sf", to="specforge", max_length=first, progress=False)
+    assert r.num_samples == 1 and json.loads((tmp_path / "sf" / EXPORT_MARKER).read_text())["samples_with_images"] == 1
+    (b,) = specforge_batches(tmp_path / "sf", first)
+    assert np.array_equal(b["input_ids"][0].numpy(), raw["input_ids"][:first].astype(np.int64))
+    assert np.array_equal(b["loss_mask"][0].numpy(), raw["loss_mask"][:first].astype(np.int64))
+    assert np.array_equal(bits(b["hidden_states"][0]), raw["target_hidden_states"][:first])
+    with pytest.raises(ExportError, match="1 of 1 samples with images whose positions are not 0, 1, 2"):
+        export(result.path, tmp_path / "sf2", to="specforge", max_length=first + 2, progress=False)
 
 
 def test_a_text_run_on_an_image_text_checkpoint_writes_no_media_section_positions_or_image_tables(vl_dir, data_dir,
