@@ -252,6 +252,59 @@ def test_image_text_layouts_transformers_cannot_shard_are_refused_before_weights
             run(compose(overrides(tmp_path, "c", path, "parallel.fsdp=2", layout)))
 
 
+# ---- rows with images, sharded: the vision tower held whole on every rank ----
+
+def image_rows_run(tmp_path: Path, model_type: str) -> list[str]:
+    """Overrides of a run over a tiny image-text checkpoint and nine rows (both image forms and text rows, units
+    of 256 tokens: some hold images, some do not)."""
+    from test_media import image_rows, write_images
+
+    path = image_text_checkpoint(tmp_path, model_type)
+    rows = image_rows(tmp_path, write_images(tmp_path / "imgs"))
+    return [path, f"data.path={rows}", "data.max_samples=null", "model.dtype=fp32", "seq_length=256",
+            "batch.max_tokens=1024", "storage.chunk_tokens=64", "storage.unit_tokens=256"]
+
+
+def images_by_step(cache: str, world: int) -> list[list[bool]]:
+    """For each rank of a fresh run, whether each unit it forwards (in order) holds a sample with images."""
+    from dspark_precompute.read.reader import CacheReader
+
+    reader = CacheReader(cache)
+    with_images = set(reader.units()[reader.image_rows()].tolist())
+    return [[u in with_images for u in share] for share in units_per_rank(Path(cache), world)]
+
+
+def test_rows_with_images_under_fsdp2_killed_on_one_rank_then_resumed_equal_the_one_copy_cache(tmp_path):
+    """At some step one rank forwards images while its peer forwards text: their collectives must still pair (the
+    vision tower is held whole, so only the language model's run as collectives)."""
+    extra = image_rows_run(tmp_path, "qwen3_vl")
+    ref = one_copy(tmp_path, *extra)
+    steps = images_by_step(ref, 2)
+    assert any(a != b for a, b in zip(*steps, strict=False)), steps  # a step with images on one rank only
+    proc = sharded(tmp_path, 2, "fsdp2", *extra, "parallel.fsdp=2",
+                   env={"DSPARK_FAULT": "unit_submitted=1", "DSPARK_FAULT_RANK": "1"})  # rank 1 killed
+    assert proc.returncode != 0
+    proc = sharded(tmp_path, 2, "fsdp2", *extra, "parallel.fsdp=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_cache(ref, str(tmp_path / "fsdp2"), layout=True)
+    out = proc.stdout + proc.stderr
+    assert re.search(r"rank 0 holds the vision modules \(model\.visual\) whole: [1-9]\d* parameter bytes", out), out
+    part = json.loads((tmp_path / "fsdp2" / "manifest.json").read_text())["capture"]["target_part"]
+    assert part["loaded"] == "model" and part["skipped_modules"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type,layout", [("qwen3_5_moe", ("parallel.fsdp=2", "parallel.ep=2")),
+                                               ("qwen3_5", ("parallel.fsdp=2",))])
+def test_rows_with_images_through_qwen3_5_checkpoints_sharded_equal_their_one_copy_cache(tmp_path, model_type,
+                                                                                        layout):
+    extra = image_rows_run(tmp_path, model_type)
+    ref = one_copy(tmp_path, *extra)
+    proc = sharded(tmp_path, 2, "sharded", *extra, *layout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_cache(ref, str(tmp_path / "sharded"), layout=True)
+
+
 def _one_copy_deliveries(ref) -> Counter:
     """What a trainer should receive from a cache of the same rows: each sample's ids and state sums, once."""
     return Counter((tuple(ref[i]["input_ids"].tolist()), float(ref[i]["target_hidden_states"].double().sum()),
