@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_same_cache, compose
 from test_s3 import bucket, s3_endpoint  # noqa: F401 - fixtures
-from test_write_distributed import torchrun, units_per_rank
+from test_write_distributed import free_port, torchrun, units_per_rank
 
 from dspark_precompute.write.run import run
 
@@ -291,6 +291,70 @@ def test_rows_with_images_under_fsdp2_killed_on_one_rank_then_resumed_equal_the_
     assert re.search(r"rank 0 holds the vision modules \(model\.visual\) whole: [1-9]\d* parameter bytes", out), out
     part = json.loads((tmp_path / "fsdp2" / "manifest.json").read_text())["capture"]["target_part"]
     assert part["loaded"] == "model" and part["skipped_modules"] == []
+
+
+HOLD_SCRIPT = """
+import datetime, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from dspark_precompute.errors import TargetError
+from dspark_precompute.write.target.sharding import hold_whole
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a missing peer fails, never hangs
+torch.manual_seed(0)
+
+class Top(nn.Module):  # an image-text model's shape: model.visual beside model.language_model, and lm_head
+    def __init__(self):
+        super().__init__()
+        vision = nn.Module()
+        vision.blocks, vision.merger = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)]), nn.Linear(8, 4)
+        self.model = nn.Module()
+        self.model.visual, self.model.language_model, self.lm_head = vision, nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lm_head(self.model.language_model(x))
+
+model = Top
+
+mesh = init_device_mesh("cpu", (2,))
+m = model()
+whole = {k: v.clone() for k, v in m.model.visual.state_dict().items()}
+for block in m.model.visual.blocks:  # a layout that shards the vision blocks as FSDP units of their own
+    fully_shard(block, mesh=mesh)
+fully_shard(m.model.language_model, mesh=mesh)
+fully_shard(m, mesh=mesh)
+m(torch.zeros(1, 4))  # the warm-up through the root: the root's own group (the merger, lm_head) stays gathered
+hold_whole(m, ("model.visual",), dist.get_rank())
+got = dict(m.model.visual.named_parameters())
+assert not any(hasattr(p, "to_local") for p in got.values()) and all(torch.equal(got[k], whole[k]) for k in whole)
+if dist.get_rank() == 0:  # only rank 0 has images: its vision forwards must be local (rank 1 joins none)
+    for _ in range(2):
+        m.model.visual.merger(m.model.visual.blocks[1](m.model.visual.blocks[0](torch.randn(3, 8))))
+dist.barrier()
+bad = model()
+bad.model.visual.merger.weight = nn.Parameter(distribute_tensor(bad.model.visual.merger.weight, mesh, [Shard(0)]))
+try:
+    hold_whole(bad, ("model.visual",), dist.get_rank())
+except TargetError as exc:
+    assert "model.visual.merger.weight stays sharded" in str(exc), exc
+    print("HELD", dist.get_rank(), flush=True)
+"""
+
+
+def test_vision_modules_sharded_as_units_of_their_own_are_held_whole_so_one_rank_forwards_them_alone(tmp_path):
+    """A layout with FSDP units inside the vision tower: held, rank 0 runs them twice while rank 1 runs nothing
+    (without the hold rank 0's all-gathers would wait for a peer that never joins); a parameter that stays a
+    sharded DTensor is refused, naming it."""
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(script)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(re.findall(r"HELD (\d)", proc.stdout)) == ["0", "1"], proc.stdout
 
 
 @pytest.mark.slow

@@ -149,7 +149,7 @@ def hold_whole(model: Any, modules: tuple[str, ...], rank: int) -> None:
     """
     from torch.distributed.fsdp import FSDPModule
 
-    held = 0
+    held = gathered = 0
     for path in modules:
         try:
             root = model.get_submodule(path)
@@ -159,13 +159,16 @@ def hold_whole(model: Any, modules: tuple[str, ...], rank: int) -> None:
             if isinstance(m, FSDPModule):
                 m.set_reshard_after_forward(False, recurse=False)
                 m.unshard()
+                gathered += 1
         for name, p in root.named_parameters():
             if hasattr(p, "to_local"):
                 raise TargetError(f"{path}.{name} stays sharded after it was gathered, so rows with images cannot "
                                   "run sharded here; run one copy per rank (parallel.fsdp=1 parallel.ep=1 "
                                   "parallel.tp=1)")
             held += p.numel() * p.element_size()
-    log.info("rank %d holds the vision modules (%s) whole: %d parameter bytes", rank, ", ".join(modules), held)
+    log.info("rank %d holds the vision modules (%s) whole: %d parameter bytes (%d FSDP module(s) of theirs "
+             "gathered here; the rest is the root's, gathered by the warm-up forward, which never reshards it)",
+             rank, ", ".join(modules), held, gathered)
 
 
 def load_tiny_sharded(model: Any, kwargs: dict[str, Any], par: ParallelConfig | None, world: int) -> Any:
