@@ -531,7 +531,7 @@ def fit_problem(cfg: ModelConfig, info: TargetInfo, device: torch.device, dtype:
     """
     par = par or ParallelConfig()
     whole = weight_bytes(cfg, info, dtype)
-    vision = vision_bytes(info, dtype) if par.sharded else 0
+    vision = vision_bytes(info, dtype)
     need = rank_weight_bytes(whole, par, vision)
     mem = memory if memory is not None else available_memory(device)
     gib = 1 << 30
@@ -540,26 +540,27 @@ def fit_problem(cfg: ModelConfig, info: TargetInfo, device: torch.device, dtype:
             + (f" (1/{par.group} of {(whole - vision) / gib:.1f} GiB" if par.group > 1 else "")
             + (f", and the vision tower's {vision / gib:.1f} GiB whole" if par.group > 1 and vision else "")
             + (")" if par.group > 1 else ""))
+    hint = shard_hint(whole, mem.get("device", mem["host"]), vision=vision)
     if cfg.device_map:
         room = mem.get("all_gpus", 0) + mem["host"]
         if need > room:
-            return (f"{what}, more than this node's GPUs and host memory together ({room / gib:.1f} GiB); "
-                    f"{shard_hint(whole, mem.get('device', mem['host']))}")
+            return f"{what}, more than this node's GPUs and host memory together ({room / gib:.1f} GiB); {hint}"
         return None
     if device.type == "cuda":
         if need <= mem["device"]:
             return None
-        return f"{what} but {device} has {mem['device'] / gib:.1f} GiB; {shard_hint(whole, mem['device'])}"
+        return f"{what} but {device} has {mem['device'] / gib:.1f} GiB; {hint}"
     if need > mem["host"]:
         return (f"{what} but only {mem['host'] / gib:.1f} GiB of host memory is available; run it on GPUs "
-                f"(model.device=cuda), free memory, or {shard_hint(whole, mem['host'])}")
+                f"(model.device=cuda), free memory, or {shard_hint(whole, mem['host'], vision=vision)}")
     return None
 
 
-def shard_hint(whole: int, room: int, headroom: float = 0.8) -> str:
-    """The smallest FSDP layout whose share of ``whole`` bytes fits in ``headroom`` of ``room`` (one GPU's memory)."""
+def shard_hint(whole: int, room: int, headroom: float = 0.8, vision: int = 0) -> str:
+    """The smallest FSDP layout whose share of ``whole`` bytes (``vision`` of them held whole on every rank) fits in
+    ``headroom`` of ``room`` (one GPU's memory)."""
     ranks = 1
-    while rank_weight_bytes(whole, ParallelConfig(fsdp=ranks)) > headroom * room and ranks < 1 << 16:
+    while rank_weight_bytes(whole, ParallelConfig(fsdp=ranks), vision) > headroom * room and ranks < 1 << 16:
         ranks *= 2
     nodes = "" if ranks <= 8 else f" ({-(-ranks // 8)} nodes of 8 GPUs)"
     return (f"shard it over {ranks} GPUs{nodes}: parallel.fsdp={ranks} (add parallel.ep=<a divisor of the routed "
