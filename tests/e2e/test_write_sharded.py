@@ -147,6 +147,47 @@ def test_a_sigkilled_rank_then_the_same_command_then_another_layout_give_a_bit_i
     assert_same_cache(one_copy(tmp_path, *moe), str(tmp_path / "s"), layout=True)
 
 
+def _killed_at_random_moments(tmp_path: Path, name: str, extra: tuple[str, ...], rng, commits_at: tuple[int, ...],
+                              n: int = 2) -> list[int]:
+    """Start the sharded run again and again; each time, once ``k`` units are committed and a random delay more
+    has passed, SIGKILL torchrun and every rank and writer with it (its process group, as a scheduler's kill
+    does). The exit codes, the last run's included (it is left to finish)."""
+    import signal
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    commits = tmp_path / name / "commits"
+    codes = []
+    for k in (*commits_at, None):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", "-m", "dspark_precompute", *overrides(tmp_path, name, *extra)]
+        with open(tmp_path / f"{name}.log", "a") as log:
+            proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=log, env=env, start_new_session=True)
+            if k is not None:
+                while proc.poll() is None and len(list(commits.glob("u*.json"))) < k:
+                    time.sleep(0.05)  # polling the readiness signal (the k-th commit record), not a wait for it
+                time.sleep(rng.uniform(0.0, 1.0))  # then a random moment: forwarding, writing, committing
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            codes.append(proc.wait(timeout=600))
+    return codes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_sharded_run_sigkilled_whole_at_random_moments_then_resumed_equals_one_copy(tmp_path, seed):
+    """Not at named fault points: whatever the ranks and their writers were doing when the job died."""
+    import random
+
+    from dspark_precompute.read.verify import verify_cache
+
+    moe = ("model.random.model_type=qwen3_moe", "data.max_samples=32", "parallel.fsdp=2", "parallel.ep=2")
+    codes = _killed_at_random_moments(tmp_path, "s", moe, random.Random(seed), commits_at=(1, 3, 5))
+    assert codes[-1] == 0 and -9 in codes[:-1], (codes, (tmp_path / "s.log").read_text()[-4000:])
+    assert_same_cache(one_copy(tmp_path, *moe[:2]), str(tmp_path / "s"), layout=True)
+    assert verify_cache(str(tmp_path / "s")).ok
+
+
 @pytest.mark.slow
 def test_sigterm_on_one_rank_stops_every_rank_with_the_interrupted_error_and_the_cache_resumes(tmp_path):
     """The signal reaches rank 1 only (not through torchrun); the agreed flag stops rank 0 as well."""
