@@ -256,20 +256,27 @@ def test_states_altered_at_one_image_samples_image_pads_fail_verify_teacher_and_
     assert not by_check and report["precision"]["samples"] == 3
 
 
-def test_images_the_processor_now_grids_otherwise_are_problems_of_their_samples_not_a_crash(image_cache, tmp_path):
-    """Another resize bound than the capture's (here the recorded data.image.max_pixels, edited) gives other grids:
-    fed, they would not fill the stored image pads. Each image sample is a problem naming both grids."""
+def test_images_the_processor_now_grids_otherwise_are_problems_of_their_samples_not_a_crash(vl_dir, image_cache,
+                                                                                            tmp_path):
+    """A checkpoint whose preprocessor_config.json now resizes to other bounds (its config and weights unchanged, so
+    still the recorded target) grids the images otherwise: fed, they would not fill the stored image pads. Each image
+    sample is a problem naming both grids (on main --recompute died on transformers' ValueError)."""
     from dspark_precompute.write.rerun.teacher import teacher_check
 
     path, _ = image_cache
-    altered = tmp_path / "altered"
-    shutil.copytree(path, altered)
-    cache = CacheReader(altered)
-    m = json.loads((altered / "manifest.json").read_text())
-    m["config"]["data"]["image"].update(min_pixels=1024, max_pixels=2048)
-    (altered / "manifest.json").write_text(json.dumps(m))
-    r = teacher_check(altered, 10**9)
+    moved = tmp_path / "checkpoint"
+    shutil.copytree(vl_dir, moved)
+    pre = json.loads((moved / "preprocessor_config.json").read_text())
+    pre["size"] = {"shortest_edge": 1024, "longest_edge": 2048}
+    (moved / "preprocessor_config.json").write_text(json.dumps(pre))
+    cache = CacheReader(path)
     images = [i for i in range(len(cache)) if cache.images(i)["sha256"]]
-    assert sorted(p["sample"] for p in r.problems) == images and r.samples == 1  # the text row is still compared
     recorded = cache.images(images[0])["grid_thw"].tolist()
+    r = teacher_check(path, 10**9, model=str(moved))
+    assert sorted(p["sample"] for p in r.problems) == images and r.samples == 1  # the text row is still compared
     assert all("cannot be fed again" in p["message"] and f"recorded {recorded}" in p["message"] for p in r.problems)
+    r = recompute(path, 3, model=str(moved))
+    fed = [p for p in r.problems if "cannot be fed again" in p["message"]]
+    assert r.recomputed == 0 and len(fed) == 3  # one batch: the text row's holds the image rows too
+    both = recorded * 2  # the batch's images in batch order: both image rows hold the same two images
+    assert all(f"the images table recorded {both}" in p["message"] for p in fed)
