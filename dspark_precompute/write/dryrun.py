@@ -40,7 +40,7 @@ from dspark_precompute.write.plan.prepare import Plan, prepare
 from dspark_precompute.write.samples.media import image_tables
 from dspark_precompute.write.samples.tokenize import Tokenized, reason_counts, tokenize, warn_about_rejects
 from dspark_precompute.write.store.batching import make_batches
-from dspark_precompute.write.target.load import parameter_count, rank_weight_bytes, weight_bytes
+from dspark_precompute.write.target.load import parameter_count, rank_weight_bytes, vision_bytes, weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ def weights_per_rank(plan: Plan) -> tuple[int, int, str]:
     whole = weight_bytes(plan.cfg.model, plan.target, plan.compute_dtype)
     layout = (f"parallel.fsdp={par.fsdp} parallel.ep={par.ep} ({par.group} ranks per copy)" if par.sharded
               else "one copy per rank")
-    return whole, rank_weight_bytes(whole, par), layout
+    return whole, rank_weight_bytes(whole, par, vision_bytes(plan.target, plan.compute_dtype)), layout
 
 
 def array_plans(plan: Plan, layout: Layout, slots: int, tokens: int) -> tuple[list[ArrayPlan], set[str]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_same_cache, compose
 from test_s3 import bucket, s3_endpoint  # noqa: F401 - fixtures
-from test_write_distributed import torchrun, units_per_rank
+from test_write_distributed import free_port, torchrun, units_per_rank
 
 from dspark_precompute.write.run import run
 
@@ -250,6 +250,123 @@ def test_image_text_layouts_transformers_cannot_shard_are_refused_before_weights
         path = image_text_checkpoint(tmp_path / model_type, model_type)
         with pytest.raises(ConfigError, match=words):
             run(compose(overrides(tmp_path, "c", path, "parallel.fsdp=2", layout)))
+
+
+# ---- rows with images, sharded: the vision tower held whole on every rank ----
+
+def image_rows_run(tmp_path: Path, model_type: str) -> list[str]:
+    """Overrides of a run over a tiny image-text checkpoint and nine rows (both image forms and text rows, units
+    of 256 tokens: some hold images, some do not)."""
+    from test_media import image_rows, write_images
+
+    path = image_text_checkpoint(tmp_path, model_type)
+    rows = image_rows(tmp_path, write_images(tmp_path / "imgs"))
+    return [path, f"data.path={rows}", "data.max_samples=null", "model.dtype=fp32", "seq_length=256",
+            "batch.max_tokens=1024", "storage.chunk_tokens=64", "storage.unit_tokens=256"]
+
+
+def images_by_step(cache: str, world: int) -> list[list[bool]]:
+    """For each rank of a fresh run, whether each unit it forwards (in order) holds a sample with images."""
+    from dspark_precompute.read.reader import CacheReader
+
+    reader = CacheReader(cache)
+    with_images = set(reader.units()[reader.image_rows()].tolist())
+    return [[u in with_images for u in share] for share in units_per_rank(Path(cache), world)]
+
+
+def test_rows_with_images_under_fsdp2_killed_on_one_rank_then_resumed_equal_the_one_copy_cache(tmp_path):
+    """At some step one rank forwards images while its peer forwards text: their collectives must still pair (the
+    vision tower is held whole, so only the language model's run as collectives)."""
+    extra = image_rows_run(tmp_path, "qwen3_vl")
+    ref = one_copy(tmp_path, *extra)
+    steps = images_by_step(ref, 2)
+    assert any(a != b for a, b in zip(*steps, strict=False)), steps  # a step with images on one rank only
+    proc = sharded(tmp_path, 2, "fsdp2", *extra, "parallel.fsdp=2",
+                   env={"DSPARK_FAULT": "unit_submitted=1", "DSPARK_FAULT_RANK": "1"})  # rank 1 killed
+    assert proc.returncode != 0
+    proc = sharded(tmp_path, 2, "fsdp2", *extra, "parallel.fsdp=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_cache(ref, str(tmp_path / "fsdp2"), layout=True)
+    out = proc.stdout + proc.stderr
+    assert re.search(r"rank 0 holds the vision modules \(model\.visual\) whole: [1-9]\d* parameter bytes", out), out
+    part = json.loads((tmp_path / "fsdp2" / "manifest.json").read_text())["capture"]["target_part"]
+    assert part["loaded"] == "model" and part["skipped_modules"] == []
+
+
+HOLD_SCRIPT = """
+import datetime, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from dspark_precompute.errors import TargetError
+from dspark_precompute.write.target.sharding import hold_whole
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a missing peer fails, never hangs
+torch.manual_seed(0)
+
+class Top(nn.Module):  # an image-text model's shape: model.visual beside model.language_model, and lm_head
+    def __init__(self):
+        super().__init__()
+        vision = nn.Module()
+        vision.blocks, vision.merger = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)]), nn.Linear(8, 4)
+        self.model = nn.Module()
+        self.model.visual, self.model.language_model, self.lm_head = vision, nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lm_head(self.model.language_model(x))
+
+model = Top
+
+mesh = init_device_mesh("cpu", (2,))
+m = model()
+whole = {k: v.clone() for k, v in m.model.visual.state_dict().items()}
+for block in m.model.visual.blocks:  # a layout that shards the vision blocks as FSDP units of their own
+    fully_shard(block, mesh=mesh)
+fully_shard(m.model.language_model, mesh=mesh)
+fully_shard(m, mesh=mesh)
+m(torch.zeros(1, 4))  # the warm-up through the root: the root's own group (the merger, lm_head) stays gathered
+hold_whole(m, ("model.visual",), dist.get_rank())
+got = dict(m.model.visual.named_parameters())
+assert not any(hasattr(p, "to_local") for p in got.values()) and all(torch.equal(got[k], whole[k]) for k in whole)
+if dist.get_rank() == 0:  # only rank 0 has images: its vision forwards must be local (rank 1 joins none)
+    for _ in range(2):
+        m.model.visual.merger(m.model.visual.blocks[1](m.model.visual.blocks[0](torch.randn(3, 8))))
+dist.barrier()
+bad = model()
+bad.model.visual.merger.weight = nn.Parameter(distribute_tensor(bad.model.visual.merger.weight, mesh, [Shard(0)]))
+try:
+    hold_whole(bad, ("model.visual",), dist.get_rank())
+except TargetError as exc:
+    assert "model.visual.merger.weight stays sharded" in str(exc), exc
+    print("HELD", dist.get_rank(), flush=True)
+"""
+
+
+def test_vision_modules_sharded_as_units_of_their_own_are_held_whole_so_one_rank_forwards_them_alone(tmp_path):
+    """A layout with FSDP units inside the vision tower: held, rank 0 runs them twice while rank 1 runs nothing
+    (without the hold rank 0's all-gathers would wait for a peer that never joins); a parameter that stays a
+    sharded DTensor is refused, naming it."""
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(script)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(re.findall(r"HELD (\d)", proc.stdout)) == ["0", "1"], proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type,layout", [("qwen3_5_moe", ("parallel.fsdp=2", "parallel.ep=2")),
+                                               ("qwen3_5", ("parallel.fsdp=2",))])
+def test_rows_with_images_through_qwen3_5_checkpoints_sharded_equal_their_one_copy_cache(tmp_path, model_type,
+                                                                                        layout):
+    extra = image_rows_run(tmp_path, model_type)
+    ref = one_copy(tmp_path, *extra)
+    proc = sharded(tmp_path, 2, "sharded", *extra, *layout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_cache(ref, str(tmp_path / "sharded"), layout=True)
 
 
 def _one_copy_deliveries(ref) -> Counter:

@@ -230,3 +230,22 @@ def test_a_dry_run_of_rows_with_images_counts_the_position_ids_and_the_image_tab
     assert plan.images == 4 and plan.image_table_bytes == 4 * (8 + 3 * 4 + 32)
     assert "4 images" in dict(plan.rows())["other files"]
     assert "vision tower included" in plan.target_part
+
+
+def test_a_sharded_dry_run_of_rows_with_images_holds_the_vision_tower_whole_on_each_rank(tmp_path, monkeypatch):
+    """The oracle: the checkpoint's own parameters, split into the language model (over the ranks) and the rest."""
+    import json
+
+    from test_media import TEXT_ROW, sharegpt_row, write_images
+
+    src = tmp_path / "src"
+    full = tiny.save_image_text_checkpoint("qwen3_5_moe", src, dtype=__import__("torch").bfloat16)
+    vision = sum(p.numel() for n, p in full.named_parameters() if n.startswith("model.visual."))
+    lm = sum(p.numel() for n, p in full.named_parameters()) - vision
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in (sharegpt_row(write_images(tmp_path / "imgs")), TEXT_ROW)))
+    refuse_building_weights(monkeypatch)
+    plan = dry_run(compose(small(tmp_path, f"model.path={src}", f"data.path={rows}", "model.dtype=bf16",
+                                 "dry_run=true", "parallel.fsdp=2", "parallel.ep=2")))
+    assert vision > 0 and plan.weight_bytes == 2 * (lm + vision)
+    assert plan.rank_weight_bytes == -(-2 * lm // 2) + 2 * vision  # bf16: 2 bytes a parameter

@@ -219,11 +219,6 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
             if importlib.util.find_spec("PIL") is None:
                 problems.append(f"data.path={cfg.data.path} holds rows with images, which need Pillow to be "
                                 "decoded; install the vision extra: pip install 'dspark-precompute[vision]'")
-            if cfg.parallel.sharded:
-                problems.append(f"data.path={cfg.data.path}: rows with images under parallel.fsdp/ep/tp are not "
-                                "supported yet (the whole image-text model, vision tower included, has not been "
-                                "checked sharded); run one copy per rank (parallel.* = 1, several ranks split the "
-                                "units), or select text rows only")
         else:
             media = None  # text rows: the processor is never loaded (MiniMax M3's needs torchvision)
         fit = _target_storage_problems(cfg, target, device, compute_dtype, problems, refuse_fit=fingerprint)

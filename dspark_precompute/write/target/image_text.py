@@ -36,25 +36,34 @@ class ImageTextPart:
     ignored_patterns: tuple[str, ...]  # the class's own unexpected-key patterns (^mtp.*: the MTP head)
     nested: bool = True  # the checkpoint names its language model's tensors ``...language_model...``
     vision: bool = False  # rows with images: the whole checkpoint loads (vision tower and projector too)
+    vision_modules: tuple[str, ...] = ()  # with vision: the modules a text-only load leaves out (model.visual, ...)
 
     def with_vision(self) -> ImageTextPart:
         """The part loaded for rows with images: every module (the class's ignored keys, an MTP head, stay unread)."""
-        return dataclasses.replace(self, skipped_modules=(), vision=True)
+        return dataclasses.replace(self, skipped_modules=(), vision=True, vision_modules=self.skipped_modules)
+
+    def outside(self) -> tuple[str, ...]:
+        """The modules beside the language model and lm_head (the vision tower, its projector), loaded or not."""
+        return self.vision_modules if self.vision else self.skipped_modules
 
     def loads(self, tensor: str) -> bool:
-        """Whether the checkpoint's tensor ``tensor`` is read.
-
-        A checkpoint that names its language model (``model.language_model.*``, MiniMax M3's
-        ``language_model.*``) loads those and ``lm_head``; the rest (vision tower, projector, patch
-        merger, MTP head) is left unread. An older flat layout (``model.layers.*`` beside
-        ``visual.*``) loads all but the skipped modules and the class's ignored keys.
-        """
-        parts = tensor.split(".")
+        """Whether the checkpoint's tensor ``tensor`` is read (with vision: all but the class's ignored keys)."""
         if self.vision:
             return not any(re.search(p, tensor) for p in self.ignored_patterns)
+        return self.in_language_model(tensor)
+
+    def in_language_model(self, tensor: str) -> bool:
+        """Whether the checkpoint's tensor ``tensor`` belongs to the language model (``lm_head`` included).
+
+        A checkpoint that names its language model (``model.language_model.*``, MiniMax M3's
+        ``language_model.*``) has those and ``lm_head``; the rest (vision tower, projector, patch
+        merger, MTP head) is outside it. An older flat layout (``model.layers.*`` beside
+        ``visual.*``) holds all but the modules outside and the class's ignored keys.
+        """
+        parts = tensor.split(".")
         if self.nested:
             return LANGUAGE_MODEL in parts[:-1] or parts[0] == "lm_head"
-        leaves = {m.rsplit(".", 1)[-1] for m in self.skipped_modules}
+        leaves = {m.rsplit(".", 1)[-1] for m in self.outside()}
         if any(p in leaves for p in parts[:-1]):
             return False
         return not any(re.search(p, tensor) for p in self.ignored_patterns)

@@ -486,9 +486,20 @@ def weight_bytes(cfg: ModelConfig, info: TargetInfo, dtype: torch.dtype) -> int:
     return _meta_numel(cfg, info) * itemsize
 
 
-def rank_weight_bytes(total: int, par: ParallelConfig) -> int:
-    """What one rank holds of ``total`` weight bytes under ``par``: 1/(fsdp x tp) of them (experts included)."""
-    return -(-total // par.group)
+def rank_weight_bytes(total: int, par: ParallelConfig, whole: int = 0) -> int:
+    """What one rank holds of ``total`` weight bytes under ``par``: 1/(fsdp x tp) of them (experts included), and
+    ``whole`` of them (a vision tower every rank holds whole: :func:`sharding.hold_whole`) entire."""
+    return -(-(total - whole) // par.group) + whole
+
+
+def vision_bytes(info: TargetInfo, dtype: torch.dtype) -> int:
+    """What the loaded modules outside the language model (vision tower, projector) take at ``dtype``; 0 for a
+    causal LM or a text-only load. Under ``parallel.*`` every rank holds them whole."""
+    if info.part is None or not info.part.vision or not info.weight_files:
+        return 0
+    part, itemsize = info.part, torch.empty((), dtype=dtype).element_size()
+    return safetensors_parameter_bytes(info.weight_files, itemsize,
+                                       lambda t: part.loads(t) and not part.in_language_model(t))
 
 
 def available_memory(device: torch.device) -> dict[str, int]:
@@ -520,32 +531,36 @@ def fit_problem(cfg: ModelConfig, info: TargetInfo, device: torch.device, dtype:
     """
     par = par or ParallelConfig()
     whole = weight_bytes(cfg, info, dtype)
-    need = rank_weight_bytes(whole, par)
+    vision = vision_bytes(info, dtype)
+    need = rank_weight_bytes(whole, par, vision)
     mem = memory if memory is not None else available_memory(device)
     gib = 1 << 30
     dname = str(dtype).replace("torch.", "")
     what = (f"model.path={cfg.path!r} needs {need / gib:.1f} GiB of weights in {dname} per rank"
-            + (f" (1/{par.group} of {whole / gib:.1f} GiB)" if par.group > 1 else ""))
+            + (f" (1/{par.group} of {(whole - vision) / gib:.1f} GiB" if par.group > 1 else "")
+            + (f", and the vision tower's {vision / gib:.1f} GiB whole" if par.group > 1 and vision else "")
+            + (")" if par.group > 1 else ""))
+    hint = shard_hint(whole, mem.get("device", mem["host"]), vision=vision)
     if cfg.device_map:
         room = mem.get("all_gpus", 0) + mem["host"]
         if need > room:
-            return (f"{what}, more than this node's GPUs and host memory together ({room / gib:.1f} GiB); "
-                    f"{shard_hint(whole, mem.get('device', mem['host']))}")
+            return f"{what}, more than this node's GPUs and host memory together ({room / gib:.1f} GiB); {hint}"
         return None
     if device.type == "cuda":
         if need <= mem["device"]:
             return None
-        return f"{what} but {device} has {mem['device'] / gib:.1f} GiB; {shard_hint(whole, mem['device'])}"
+        return f"{what} but {device} has {mem['device'] / gib:.1f} GiB; {hint}"
     if need > mem["host"]:
         return (f"{what} but only {mem['host'] / gib:.1f} GiB of host memory is available; run it on GPUs "
-                f"(model.device=cuda), free memory, or {shard_hint(whole, mem['host'])}")
+                f"(model.device=cuda), free memory, or {shard_hint(whole, mem['host'], vision=vision)}")
     return None
 
 
-def shard_hint(whole: int, room: int, headroom: float = 0.8) -> str:
-    """The smallest FSDP layout whose share of ``whole`` bytes fits in ``headroom`` of ``room`` (one GPU's memory)."""
+def shard_hint(whole: int, room: int, headroom: float = 0.8, vision: int = 0) -> str:
+    """The smallest FSDP layout whose share of ``whole`` bytes (``vision`` of them held whole on every rank) fits in
+    ``headroom`` of ``room`` (one GPU's memory)."""
     ranks = 1
-    while rank_weight_bytes(whole, ParallelConfig(fsdp=ranks)) > headroom * room and ranks < 1 << 16:
+    while rank_weight_bytes(whole, ParallelConfig(fsdp=ranks), vision) > headroom * room and ranks < 1 << 16:
         ranks *= 2
     nodes = "" if ranks <= 8 else f" ({-(-ranks // 8)} nodes of 8 GPUs)"
     return (f"shard it over {ranks} GPUs{nodes}: parallel.fsdp={ranks} (add parallel.ep=<a divisor of the routed "
@@ -634,6 +649,8 @@ def load_target(cfg: ModelConfig, info: TargetInfo, vocab_size: int, device: tor
                               f"parallel.ep={par.ep} parallel.tp={par.tp}: {exc}") from exc
         sharding.check_loaded(model, rank)
         sharding.warm_up(model)
+        if info.part is not None and info.part.vision:
+            sharding.hold_whole(model, info.part.outside(), rank)
         return model
     from transformers import AutoModelForCausalLM
 

@@ -136,6 +136,41 @@ def warm_up(model: Any) -> None:
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
 
 
+def hold_whole(model: Any, modules: tuple[str, ...], rank: int) -> None:
+    """Keep ``modules`` (an image-text model's vision tower and projector) gathered whole on every rank, for good.
+
+    Only batches with images run them, and each rank forwards its own batches: were their weights
+    gathered per forward, a rank with images would all-gather while its peers (text rows, or
+    the 1-token forward of a rank that is done) do not, and the ranks' collectives would pair
+    wrongly. Held whole, the vision forward is local, and every forward's collectives are the
+    language model's alone, the same on every rank. Every rank calls this together (an
+    all-gather per FSDP module inside them, in the same order). They are counted whole in the
+    fit (:func:`~dspark_precompute.write.target.load.vision_bytes`).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    held = gathered = 0
+    for path in modules:
+        try:
+            root = model.get_submodule(path)
+        except AttributeError:
+            continue  # a module the class built under another name: nothing of it to hold
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                m.set_reshard_after_forward(False, recurse=False)
+                m.unshard()
+                gathered += 1
+        for name, p in root.named_parameters():
+            if hasattr(p, "to_local"):
+                raise TargetError(f"{path}.{name} stays sharded after it was gathered, so rows with images cannot "
+                                  "run sharded here; run one copy per rank (parallel.fsdp=1 parallel.ep=1 "
+                                  "parallel.tp=1)")
+            held += p.numel() * p.element_size()
+    log.info("rank %d holds the vision modules (%s) whole: %d parameter bytes (%d FSDP module(s) of theirs "
+             "gathered here; the rest is the root's, gathered by the warm-up forward, which never reshards it)",
+             rank, ", ".join(modules), held, gathered)
+
+
 def load_tiny_sharded(model: Any, kwargs: dict[str, Any], par: ParallelConfig | None, world: int) -> Any:
     """The built-in random target saved to a private temporary directory, then loaded as a checkpoint.
 

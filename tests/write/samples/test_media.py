@@ -293,13 +293,13 @@ def test_a_changed_image_refuses_the_resume_naming_the_images_hash(vl_dir, data_
         run(compose(overrides))
 
 
-def test_rows_with_images_count_the_vision_tower_in_the_fit_and_are_refused_sharded_before_weights_load(
+def test_rows_with_images_count_the_vision_tower_in_the_fit_whole_on_every_rank_when_sharded(
         vl_dir, data_dir, tmp_path, monkeypatch):
     from helpers import compose, refuse_building_weights, small
 
     from dspark_precompute.errors import ConfigError
     from dspark_precompute.write.plan.prepare import prepare
-    from dspark_precompute.write.target.load import weight_bytes
+    from dspark_precompute.write.target.load import rank_weight_bytes, vision_bytes, weight_bytes
 
     refuse_building_weights(monkeypatch)
     rows = image_rows(data_dir, write_images(data_dir / "imgs"))
@@ -320,7 +320,13 @@ def test_rows_with_images_count_the_vision_tower_in_the_fit_and_are_refused_shar
             vision += sum(int(np.prod(fh.get_slice(k).get_shape())) for k in fh.keys()
                           if "language_model" not in k and not k.startswith("lm_head"))
     assert vision > 0 and full - lm == vision * 4  # fp32
-    with pytest.raises(ConfigError, match="rows with images under parallel"):
+    sharded = prepare(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", "parallel.fsdp=2")),
+                      world=2)
+    assert vision_bytes(sharded.target, torch.float32) == vision * 4
+    assert rank_weight_bytes(full, sharded.cfg.parallel, vision * 4) == -(-lm // 2) + vision * 4
+    assert vision_bytes(text_only.target, torch.float32) == 0  # a text-only load holds no vision tower
+    monkeypatch.setattr("dspark_precompute.write.target.load._host_available", lambda: 1)
+    with pytest.raises(ConfigError, match=r"1/2 of 0\.0 GiB, and the vision tower's 0\.0 GiB whole"):
         prepare(compose(small(tmp_path, f"model.path={vl_dir}", f"data.path={rows}", "parallel.fsdp=2")), world=2)
 
 
