@@ -228,7 +228,8 @@ def _verify_options(s: argparse.ArgumentParser) -> None:
                    help="reload the target and recompute N random samples (needs the target and data)")
     s.add_argument("--teacher", type=int, default=0, metavar="N",
                    help="reload the target and compare its own logits with lm_head applied to the stored final state "
-                        "at N sampled positions (top-1 agreement, logit difference, total variation)")
+                        "at N sampled positions (top-1 agreement, logit difference, total variation); needs the "
+                        "target, and on an image cache the data too (its rows name the images fed again)")
     s.add_argument("--teacher-min-top1", type=float, default=0.95, metavar="SHARE",
                    help="--teacher fails below this top-1 agreement (default 0.95)")
     s.add_argument("--teacher-max-tv", type=float, default=0.1, metavar="TV",
@@ -239,7 +240,8 @@ def _verify_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--precision", type=int, default=0, metavar="N",
                    help="reload the target, recompute N sampled token positions and report what the storage dtype "
                         "costs: relative RMS error per stored array, the worst token, and for the final state the "
-                        "teacher's (lm_head) top-1 agreement and total-variation distance")
+                        "teacher's (lm_head) top-1 agreement and total-variation distance; needs what --teacher "
+                        "does")
     s.add_argument("--precision-max-rel-rms", type=float, default=0.05, metavar="ERR",
                    help="--precision fails above this relative RMS error of any array (default 0.05); its final-state "
                         "check uses --teacher-min-top1 and --teacher-max-tv")

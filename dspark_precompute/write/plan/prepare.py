@@ -171,17 +171,22 @@ class Plan:
     @property
     def encoding(self) -> RowEncoding:
         """How this plan turns rows into samples (what tokenizing takes, not the whole plan)."""
-        d = self.cfg.data
-        root = data_root(str(d.path)) if self.media is not None else None
-        spec = RowEncoder(self.template, self.cfg.seq_length, d.mask_reasoning_content, d.mask_generation_prompt,
-                          d.format, d.mask_rule, self.media, root)
-        return RowEncoding(spec, self.tokenizer)
+        return RowEncoding(row_encoder(self.cfg, self.template, self.media), self.tokenizer)
 
     @property
     def pad_id(self) -> int:
         """The id right-padded batches use (the tokenizer's pad, else eos, else 0; never seen by real tokens)."""
         pad = getattr(self.tokenizer, "pad_token_id", None)
         return int(pad if pad is not None else (getattr(self.tokenizer, "eos_token_id", None) or 0))
+
+
+def row_encoder(cfg: PrecomputeConfig, template: str, media: MediaSpec | None) -> RowEncoder:
+    """How a run of ``cfg`` turns rows into samples with ``template`` (and ``media``, an image-text target's
+    processor; relative image paths then start from the data's folder): the run's and a rerun's own encoder."""
+    d = cfg.data
+    root = data_root(str(d.path)) if media is not None else None
+    return RowEncoder(template, cfg.seq_length, d.mask_reasoning_content, d.mask_generation_prompt, d.format,
+                      d.mask_rule, media, root)
 
 
 def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None = None) -> Plan:

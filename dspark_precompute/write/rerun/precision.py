@@ -2,9 +2,11 @@
 
 The target is rebuilt as for ``--teacher`` (:mod:`dspark_precompute.write.rerun.teacher`: the recorded
 config and weights, ``--model PATH`` for a target that moved, remote code only on the user's
-flag; the stored ``input_ids`` are the inputs, the data is not needed). N token positions are
+flag; the stored ``input_ids`` are the inputs, a text cache needs no data; an image sample gets
+its images again, checked against the images table's sha256). N token positions are
 drawn across the readable samples (seeded); each sample holding one is run alone through the
-decoder in the recorded compute dtype, and at those positions every stored array (fp8
+decoder (an image sample through the whole image-text checkpoint, with its pixels) in the
+recorded compute dtype, and at those positions every stored array (fp8
 dequantized exactly as a reader does) is compared with the recomputed state:
 
 * per array, the relative RMS error ``sqrt(sum (stored - ref)^2 / sum ref^2)`` over the
@@ -153,7 +155,8 @@ def _measure(sampled: SampledTarget, layer_of: dict[str, int], errors: list[Arra
     run, target, dev, dtype = sampled.run, sampled.target, sampled.dev, sampled.dtype
     m = run.m
     head = target.get_output_embeddings()
-    capture = HiddenStateCapture(target, m.layer_ids, pre_norm=m.pre_norm_array is not None)
+    capture = HiddenStateCapture(target, m.layer_ids, pre_norm=m.pre_norm_array is not None,
+                                 media=sampled.feed is not None)
     last_id = m.num_hidden_layers - 1
     scales = m.scale_arrays
     top1: list[bool] = []
@@ -167,8 +170,12 @@ def _measure(sampled: SampledTarget, layer_of: dict[str, int], errors: list[Arra
                 except CacheFormatError as exc:
                     out.add_unreadable(s, exc)
                     continue
+                media, problem = sampled.image_inputs(s, got[INPUT_IDS])
+                if problem:
+                    out.add(problem, sample=s)
+                    continue
                 ids = torch.from_numpy(got[INPUT_IDS].astype(np.int64)).to(dev)
-                states, last = capture(ids[None])
+                states, last = capture(ids[None], media=media)
                 pos = torch.tensor(toks, dtype=torch.long)
                 for e in errors:
                     lid = layer_of.get(e.array, last_id)

@@ -10,6 +10,8 @@ scales bit-exact for the tiny target), in e4m3 steps at its scale.
 An image cache reruns through the whole image-text checkpoint: each row is re-encoded by its processor and each
 batch gets the pixels of its samples' images, each image first checked against the images table's sha256 (a
 changed or unreadable one is a problem of every sample whose batch needs it; the others are still compared).
+:class:`ImageFeed` owns that feeding; ``--teacher`` and ``--precision`` feed each image sample's images to its
+forward alone through it (:meth:`SampledTarget.image_inputs`).
 
 Nothing read from the cache turns on remote code or points a loader at code: the
 recorded ``model.trust_remote_code`` is replaced by the caller's own flag, and paths that
@@ -42,18 +44,18 @@ from dspark_precompute.contract.spec import (
 )
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import StorageDtype
-from dspark_precompute.errors import CacheFormatError, DataError, DsparkError
+from dspark_precompute.errors import CacheFormatError, DataError, DsparkError, TargetError
 from dspark_precompute.tensors import torch_dtype
 from dspark_precompute.write.config.compose import from_dict
 from dspark_precompute.write.config.schema import TINY, PrecomputeConfig
-from dspark_precompute.write.plan.prepare import Plan, prepare
+from dspark_precompute.write.plan.prepare import Plan, prepare, row_encoder
 from dspark_precompute.write.samples.chat import Encoded
 from dspark_precompute.write.samples.files import resolve_source as resolve_data_source
 from dspark_precompute.write.samples.images import SampleImages, content_sha256, image_base, image_sources
 from dspark_precompute.write.samples.images import resolve_source as resolve_image
-from dspark_precompute.write.samples.media import MediaInputs
+from dspark_precompute.write.samples.media import MediaEncoder, MediaInputs, media_spec_for
 from dspark_precompute.write.samples.normalize import Reject, normalize
-from dspark_precompute.write.samples.rows import read_rows
+from dspark_precompute.write.samples.rows import RawRow, read_rows
 from dspark_precompute.write.store.batching import batch_inputs, make_batches
 from dspark_precompute.write.store.transfer import quantize_e4m3
 from dspark_precompute.write.target.capture import HiddenStateCapture
@@ -301,19 +303,36 @@ def positions_by_sample(picked: list[tuple[int, int]]) -> dict[int, list[int]]:
 
 @dataclass
 class SampledTarget:
-    """A stored run, ``n`` seeded positions of it and its target loaded: what a position-wise check compares."""
+    """A stored run, ``n`` seeded positions of it and its target loaded: what a position-wise check compares. An
+    image cache's whole checkpoint is loaded, and ``feed`` gives each image sample its pixels again."""
 
     run: StoredRun
     picked: list[tuple[int, int]]
-    target: Any  # a transformers CausalLM
+    target: Any  # a transformers CausalLM (an image cache's: the whole image-text checkpoint)
     dev: torch.device
     dtype: torch.dtype
+    feed: ImageFeed | None = None
+    gives: str = "states"  # what the check recomputes, as its problems name it
+
+    def image_inputs(self, s: int, ids: np.ndarray) -> tuple[dict[str, Any] | None, str | None]:
+        """Sample ``s``'s image inputs for a forward of it alone (None for a text sample), or the problem that
+        keeps it from being rerun as it was captured (an image changed, vanished or gives another grid)."""
+        if self.feed is None or not self.feed.holds(s):
+            return None, None
+        refs = self.feed.sample_images(s)
+        if isinstance(refs, str):
+            return None, image_problem(s, refs, self.gives)
+        try:
+            return self.feed.inputs(np.array([s]), {s: ids}, len(ids)), None
+        except DataError as exc:  # an image changed between its hash and its read, or gives another grid
+            return None, f"sample {s}: its images cannot be fed again ({exc})"
 
 
 def open_sampled(out: CheckResult, path: str | Path, n: int, *, seed: int, device: str | None, model: str | None,
                  trust_remote_code: bool, what: str, gives: str) -> SampledTarget | None:
-    """:func:`open_for_rerun`, :func:`stored_target`, :func:`sample_positions`, then the target loaded; notes and a
-    problem go into ``out``. ``None`` when there is nothing to compare (a problem, or no readable token: a note)."""
+    """:func:`open_for_rerun`, :func:`stored_target`, :func:`sample_positions`, then the target loaded (an image
+    cache's whole checkpoint, with its :class:`ImageFeed`); notes and a problem go into ``out``. ``None`` when there
+    is nothing to compare (a problem, or no readable token: a note)."""
     run, notes, problem = open_for_rerun(path, model=model, trust_remote_code=trust_remote_code, device=device,
                                       what=what)
     out.notes += notes
@@ -324,19 +343,39 @@ def open_sampled(out: CheckResult, path: str | Path, n: int, *, seed: int, devic
     if problem or found is None:
         out.add(problem or "the target cannot be found")
         return None
-    readable = run.readable
-    with_images = np.unique(run.opened.tables.get(IMAGE_SAMPLE, np.zeros(0, dtype=np.int64)))
-    if len(with_images):  # their states need the pixels this check does not feed: only --recompute reruns them
-        readable = readable[~np.isin(readable, with_images)]
-        out.notes.append(f"{what} leaves out the {len(with_images)} sample(s) with images (it runs the language "
-                         "model on the token ids alone, without their pixels); `dspark-cache verify --recompute N` "
-                         "reruns them with their images")
-    picked = sample_positions(run.lengths, readable, n, seed)
+    picked = sample_positions(run.lengths, run.readable, n, seed)
+    feed: ImageFeed | None = None
+    if run.m.media is not None:  # an image cache: the vision tower runs on the image samples' pixels
+        if not has_images_table(run.opened.tables):
+            out.add(no_images_table(what))
+            return None
+        found.info.load_vision()
+        feed, picked = sampled_feed(run, found, picked, out, gives)
     if not picked:
         out.notes.append(f"{what} found no readable token to compare")
         return None
     target, dev, dtype = found.load()
-    return SampledTarget(run, picked, target, dev, dtype)
+    return SampledTarget(run, picked, target, dev, dtype, feed, gives)
+
+
+def sampled_feed(run: StoredRun, found: FoundTarget, picked: list[tuple[int, int]], out: CheckResult,
+                 gives: str) -> tuple[ImageFeed | None, list[tuple[int, int]]]:
+    """The image cache's :class:`ImageFeed` for a position-wise check, and the positions it can compare. When the
+    feed cannot be built (the rows or the processor cannot be read), one problem names the image samples that
+    cannot be rerun and their positions are left out; the text samples are still compared."""
+    try:
+        return ImageFeed.of_run(run, found), picked
+    except (DsparkError, OSError) as exc:
+        why = str(exc).rstrip(".")
+    images = set(np.unique(run.opened.tables[IMAGE_SAMPLE]).tolist())
+    hit = sorted({s for s, _ in picked if s in images})
+    if hit:
+        listed = ", ".join(str(s) for s in hit[:8]) + (", ..." if len(hit) > 8 else "")
+        out.add(f"{len(hit)} sample(s) with images (samples {listed}) cannot be rerun with their images, so their "
+                f"{gives} cannot be recomputed: {why}. Their images are found through the rows that name them: "
+                "restore the run's data (the recorded data.path) and its images, or re-create the cache",
+                sample=hit[0])
+    return None, [(s, t) for s, t in picked if s not in images]
 
 
 def recompute(path: str | Path, n: int, *, seed: int = 0, tolerance: float = 1.0, device: str | None = None,
@@ -387,10 +426,8 @@ def rebuild_plan(run: StoredRun, moved: bool, out: RecomputeResult) -> tuple[Pre
         out.add(f"the target, tokenizer or data named in the manifest changed since the cache was written "
                 f"({listed_differences(diffs)}); recomputing would compare against a different run")
         return None
-    if plan.media is not None and IMAGE_SAMPLE not in run.opened.tables:
-        out.add("the cache holds rows with images but its images table (images/sample, images/grid_thw, "
-                "images/sha256) cannot be read, so their images cannot be fed again; run `dspark-cache verify` "
-                "without --recompute to see the damage")
+    if plan.media is not None and not has_images_table(run.opened.tables):
+        out.add(no_images_table("recompute"))
         return None
     return cfg, plan
 
@@ -415,8 +452,101 @@ class StoredImages:
         return int(lo), int(hi)
 
 
+def has_images_table(tables: dict[str, np.ndarray]) -> bool:
+    """Whether the images table (each image's sample, grid and sha256) could be read: a rerun feeds nothing else."""
+    return all(name in tables for name in (IMAGE_SAMPLE, IMAGE_GRID, IMAGE_SHA256))
+
+
+def no_images_table(what: str) -> str:
+    """The problem of an image cache whose images table cannot be read, for ``what`` (the check)."""
+    return (f"the cache holds rows with images but its images table (images/sample, images/grid_thw, images/sha256) "
+            f"cannot be read, so their images cannot be fed again and {what} stops; run `dspark-cache verify` "
+            "alone to see the damage")
+
+
+def image_problem(s: int, why: str, gives: str) -> str:
+    """The problem of sample ``s`` whose image ``why`` (changed, vanished): its ``gives`` cannot be recomputed."""
+    return (f"sample {s}: {why}, so its {gives} cannot be recomputed. Restore the image the cache was made from, or "
+            "re-create the cache (a resume over a changed image is refused too)")
+
+
 def _shown(where: str) -> str:
     return "a data: URL" if where.startswith("data:") else where
+
+
+class ImageFeed:
+    """An image cache's images fed to the whole image-text checkpoint again, as the capture fed them: each sample's
+    sources (those its source row names, as many as the images table holds for it), each checked against its
+    recorded sha256 first; the pixels come from the run's own processor, their grids checked against the table's."""
+
+    def __init__(self, tables: dict[str, np.ndarray], source_row: np.ndarray, rows: list[RawRow], data_format: str,
+                 root: str | None, media: MediaEncoder) -> None:
+        self.images = StoredImages.of(tables)
+        self.source_row, self.rows, self.data_format, self.root, self.media = source_row, rows, data_format, root, \
+            media
+        self._refs: dict[int, SampleImages | str | None] = {}
+
+    @classmethod
+    def of_run(cls, run: StoredRun, found: FoundTarget) -> ImageFeed:
+        """The feed of a check that needs no plan (the stored ids are its inputs): the recorded config's rows and
+        encoder, with the found target's processor; raises when they cannot be read."""
+        cfg = from_dict(run.cfgd)
+        spec = media_spec_for(found.info.local_dir, cfg.data.image)
+        if spec is None:
+            raise TargetError(f"model.path={cfg.model.path} has no image processor (preprocessor_config.json and a "
+                              "vision_config) to read the images with")
+        encoder = row_encoder(cfg, run.m.chat_template, spec)
+        chat = encoder.build(load_tokenizer(cfg.model))
+        rows = read_rows(resolve_data_source(cfg.data.path, cfg.data.split_slice()[0]), cfg.data)
+        return cls(run.opened.tables, run.source_row, rows, cfg.data.format, encoder.data_root, chat.media)
+
+    def holds(self, s: int) -> bool:
+        """Whether sample ``s`` holds images (the images table lists one)."""
+        lo, hi = self.images.span(s)
+        return hi > lo
+
+    def sample_images(self, t: int) -> SampleImages | str | None:
+        """Sample ``t``'s images as the capture read them, each checked against its recorded sha256: None for a text
+        sample, a description of the first image that changed or is missing. Each sample is checked once."""
+        if t not in self._refs:
+            self._refs[t] = self._check_images(t)
+        return self._refs[t]
+
+    def _check_images(self, t: int) -> SampleImages | str | None:
+        lo, hi = self.images.span(t)
+        if lo == hi:
+            return None
+        raw = self.rows[int(self.source_row[t])]
+        conv = normalize(raw, self.data_format, media=True)
+        named = [] if isinstance(conv, Reject) else image_sources(conv.messages)
+        base = image_base(self.root, raw.file)
+        where = [resolve_image(x, base) for x in named][:hi - lo]
+        if len(where) < hi - lo:
+            return f"source row {raw.row} names {len(named)} image(s), the images table {hi - lo}"
+        for k, (w, want) in enumerate(zip(where, self.images.sha256[lo:hi], strict=True)):
+            now = content_sha256(w)
+            if now.startswith("missing:"):
+                return f"image {k} ({_shown(w)}) cannot be read ({now.removeprefix('missing:')})"
+            if now != want:
+                return (f"image {k} ({_shown(w)}) changed since the cache was written (sha256 recorded "
+                        f"{want[:16]}..., now {now[:16]}...)")
+        return SampleImages(tuple(where), tuple(self.images.sha256[lo:hi]), self.images.grid[lo:hi])
+
+    def inputs(self, batch: np.ndarray, ids_of: dict[int, np.ndarray], width: int) -> dict[str, Any] | None:
+        """The forward's image inputs of ``batch`` (right-padded to ``width``; ``ids_of``: each sample's ids), as
+        :class:`MediaInputs` gives the pipeline them; None when no sample of it holds an image. Raises
+        :class:`DataError` when the processor's grids are not the recorded ones (its pixel settings changed)."""
+        refs = {int(t): r for t in batch if isinstance(r := self.sample_images(int(t)), SampleImages)}
+        if not refs:
+            return None
+        pixels = MediaInputs(refs, self.media).of_batch(batch, ids_of, width)
+        assert pixels is not None  # a sample of the batch holds images
+        want = np.concatenate([refs[int(t)].grid_thw for t in batch if int(t) in refs])
+        got = pixels["image_grid_thw"].numpy().astype(np.int64).reshape(-1, 3)
+        if not np.array_equal(got, want):
+            raise DataError(f"the processor gives the images grids {got.tolist()}, the images table recorded "
+                            f"{want.tolist()} (data.image.* or the checkpoint's preprocessor_config.json changed)")
+        return pixels
 
 
 class _Rerun:
@@ -430,11 +560,11 @@ class _Rerun:
         self.rows = read_rows(resolve_data_source(cfg.data.path, cfg.data.split_slice()[0]), cfg.data)
         self.spec = plan.encoding.spec  # the run's own row encoder: an image row goes through the processor
         self.encoder = self.spec.build(plan.tokenizer)
-        self.images = StoredImages.of(run.opened.tables) if plan.media is not None else None
-        self._refs: dict[int, SampleImages | str | None] = {}
+        self.feed = None if plan.media is None else ImageFeed(run.opened.tables, run.source_row, self.rows,
+                                                              cfg.data.format, self.spec.data_root, self.encoder.media)
         target = load_target(cfg.model, plan.target, len(plan.tokenizer), plan.device, plan.compute_dtype)
         self.capture = HiddenStateCapture(target, plan.layer_ids, pre_norm=m.pre_norm_array is not None,
-                                          media=self.images is not None)
+                                          media=self.feed is not None)
         self.names = {int(k): v for k, v in m.arrays.items() if k.lstrip("-").isdigit()}
 
     def compare(self, s: int) -> None:
@@ -450,9 +580,7 @@ class _Rerun:
         raw = self.rows[int(run.source_row[s])]
         refs = self.sample_images(s)
         if isinstance(refs, str):
-            out.add(f"sample {s}: {refs}, so its states cannot be recomputed. Restore the image the cache was made "
-                    "from, or re-create the cache (a resume over a changed image is refused too)", sample=s,
-                    unit=int(self.layout.unit[s]))
+            out.add(image_problem(s, refs, "states"), sample=s, unit=int(self.layout.unit[s]))
             return
         enc = self.spec.encode(self.encoder, raw, int(run.source_row[s]))
         if isinstance(enc, Reject):
@@ -470,7 +598,7 @@ class _Rerun:
                 return
         try:
             worst, exact = self._compare_states(s, got, batch)
-        except DataError as exc:  # an image changed between its hash and its read
+        except DataError as exc:  # an image changed between its hash and its read, or gives another grid
             out.add(f"sample {s}: its batch's images cannot be fed again ({exc})", sample=s)
             return
         out.recomputed += 1
@@ -481,34 +609,8 @@ class _Rerun:
         return [POSITION_IDS] if POSITION_IDS in self.run.opened.metas else []
 
     def sample_images(self, t: int) -> SampleImages | str | None:
-        """Sample ``t``'s images as the capture read them (the sources its row names, as many as the images table
-        holds for it), each checked against its recorded sha256: None for a text sample, a description of the
-        first image that changed or is missing. Each sample is checked once per rerun."""
-        if t not in self._refs:
-            self._refs[t] = self._check_images(t)
-        return self._refs[t]
-
-    def _check_images(self, t: int) -> SampleImages | str | None:
-        if self.images is None:
-            return None
-        lo, hi = self.images.span(t)
-        if lo == hi:
-            return None
-        raw = self.rows[int(self.run.source_row[t])]
-        conv = normalize(raw, self.cfg.data.format, media=True)
-        named = [] if isinstance(conv, Reject) else image_sources(conv.messages)
-        base = image_base(self.spec.data_root, raw.file)
-        where = [resolve_image(x, base) for x in named][:hi - lo]
-        if len(where) < hi - lo:
-            return f"source row {raw.row} names {len(named)} image(s), the images table {hi - lo}"
-        for k, (w, want) in enumerate(zip(where, self.images.sha256[lo:hi], strict=True)):
-            now = content_sha256(w)
-            if now.startswith("missing:"):
-                return f"image {k} ({_shown(w)}) cannot be read ({now.removeprefix('missing:')})"
-            if now != want:
-                return (f"image {k} ({_shown(w)}) changed since the cache was written (sha256 recorded "
-                        f"{want[:16]}..., now {now[:16]}...)")
-        return SampleImages(tuple(where), tuple(self.images.sha256[lo:hi]), self.images.grid[lo:hi])
+        """Sample ``t``'s images, checked (:meth:`ImageFeed.sample_images`); None in a text cache."""
+        return None if self.feed is None else self.feed.sample_images(t)
 
     def _compare_tokens(self, s: int, got: dict[str, np.ndarray], enc: Encoded, row: int) -> None:
         """Stored ids, masks (and positions) against the re-encoded row: a problem at the first token that differs."""
@@ -541,11 +643,7 @@ class _Rerun:
         run = self.run
         members = {int(t): run.read_sample([INPUT_IDS], int(t))[INPUT_IDS] for t in batch}
         ids, _ = batch_inputs(members, batch, run.lengths, self.plan.pad_id, self.plan.device)
-        pixels = None
-        refs = {int(t): r for t in batch if isinstance(r := self.sample_images(int(t)), SampleImages)}
-        if refs:
-            assert self.encoder.media is not None  # an image cache's plan builds its processor
-            pixels = MediaInputs(refs, self.encoder.media).of_batch(batch, members, ids.shape[1])
+        pixels = None if self.feed is None else self.feed.inputs(batch, members, ids.shape[1])
         states, last = self.capture(ids, media=pixels)
         return states, last, int(np.flatnonzero(batch == s)[0])
 

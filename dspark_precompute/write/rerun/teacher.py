@@ -11,8 +11,12 @@ position fails it.
 
 The target is rebuilt under :mod:`dspark_precompute.write.rerun.recompute`'s rules: the user's
 ``--trust-remote-code`` only, never a path inside the cache, ``--model PATH`` for a target
-that moved (its config and weights must still be the recorded ones). The data is not needed:
-the stored ``input_ids`` are the inputs.
+that moved (its config and weights must still be the recorded ones). The stored ``input_ids``
+are the inputs, so a text cache needs no data. An image cache loads the whole image-text
+checkpoint and feeds each image sample its images again (read from the paths its source row
+names, each checked against the images table's sha256 first): the forward is the checkpoint's
+own on the capture's input, vision tower and multi-axis positions included. A changed or missing
+image is a problem of its sample.
 """
 
 from __future__ import annotations
@@ -74,14 +78,17 @@ def agreement(teacher: torch.Tensor, student: torch.Tensor) -> tuple[list[bool],
     return top1, tv
 
 
-def _teacher_logits(model: Any, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """The CausalLM's own logits at ``pos`` of one unpadded sequence (float32, ``[len(pos), vocab]``)."""
+def _teacher_logits(model: Any, ids: torch.Tensor, pos: torch.Tensor,
+                    media: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The CausalLM's own logits at ``pos`` of one unpadded sequence (float32, ``[len(pos), vocab]``); ``media``: an
+    image sample's pixel inputs, for the image-text checkpoint's own forward (vision tower, multi-axis positions)."""
     logits: torch.Tensor
+    extra = {k: v.to(ids.device) for k, v in (media or {}).items()}
     try:
-        out = model(input_ids=ids[None], use_cache=False, logits_to_keep=pos)
+        out = model(input_ids=ids[None], use_cache=False, logits_to_keep=pos, **extra)
         logits = out.logits[0].float()
     except TypeError:  # a model class without logits_to_keep: project every position, keep the picked ones
-        logits = model(input_ids=ids[None], use_cache=False).logits[0, pos].float()
+        logits = model(input_ids=ids[None], use_cache=False, **extra).logits[0, pos].float()
     return logits
 
 
@@ -139,10 +146,14 @@ def _compare_logits(sampled: SampledTarget, norm: Any, out: TeacherResult) -> _A
             except CacheFormatError as exc:
                 out.add_unreadable(s, exc)
                 continue
+            media, problem = sampled.image_inputs(s, got[INPUT_IDS])
+            if problem:
+                out.add(problem, sample=s)
+                continue
             ids = torch.from_numpy(got[INPUT_IDS].astype(np.int64)).to(dev)
             for b in range(0, len(toks), POSITIONS_PER_FORWARD):
                 block = toks[b:b + POSITIONS_PER_FORWARD]
-                teacher = _teacher_logits(target, ids, torch.tensor(block, dtype=torch.long, device=dev))
+                teacher = _teacher_logits(target, ids, torch.tensor(block, dtype=torch.long, device=dev), media)
                 stored = stored_as_torch(got[last][block], m.last_storage_dtype,
                                          got[last_scale][block] if last_scale else None)
                 acc.storage_eps = STEP[m.last_storage_dtype][0]
