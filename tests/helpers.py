@@ -27,6 +27,36 @@ if "DSPARK_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["DSPARK_CACHE_DIR"], ignore_errors=True)
 
 
+SHM = Path("/dev/shm")
+
+
+def shm_names() -> set[str]:
+    """The names in /dev/shm now (what :func:`shm_left` compares against)."""
+    return set(os.listdir(SHM))
+
+
+def shm_left(before: set[str]) -> set[str]:
+    """Names in /dev/shm made since ``before`` that no other live process maps: what this process or the dead
+    processes under test left there. The machine is shared: another run's loader workers, semaphores and servers
+    make (and map) their own names meanwhile, and counting those failed the "nothing left" checks under load."""
+    new = shm_names() - before
+    if not new:
+        return new
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        if maps.parent.name == str(os.getpid()):
+            continue
+        try:
+            text = maps.read_text()
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        for line in text.splitlines():
+            at = line.find(f"{SHM}/")
+            if at >= 0:
+                mapped.add(line[at + len(str(SHM)) + 1:].split(" ")[0])
+    return new - mapped
+
+
 def tiny_manifest(**fields) -> Manifest:
     """A typed manifest a tiny run could write (4 layers of 64, layers [1, 2, 3], bf16, one unit), ``fields``
     replacing its defaults: the one manifest factory of the contract tests."""

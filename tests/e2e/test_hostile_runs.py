@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, assert_same_cache, compose, small
+from helpers import REPO, assert_same_cache, compose, shm_left, shm_names, small
 
 from dspark_precompute.errors import ConfigError, DataError, ForeignDirectoryError, IncompatibleCacheError
 from dspark_precompute.write.config.schema import ModelConfig, ParallelConfig, RandomTargetConfig
@@ -118,15 +118,25 @@ def test_a_run_refused_after_taking_the_lock_leaves_no_directory_behind(tmp_path
 # -- nothing left in /dev/shm ------------------------------------------------------------------------------
 
 def test_killing_the_whole_process_group_leaves_nothing_in_dev_shm(tmp_path):
-    shm = Path("/dev/shm")
-    before = set(os.listdir(shm))
+    import psutil
+
+    before = shm_names()
     proc = cli(tmp_path, small(tmp_path, *UNITS, name="c"), env={"DSPARK_FAULT": "writer_array=1:sleep"},
                start_new_session=True)
     assert wait_for(lambda: unit_committed(tmp_path / "c"))
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
-    time.sleep(0.5)
-    assert set(os.listdir(shm)) - before == set()
+
+    def group_gone() -> bool:  # the writers and the helper server too: waited for, not a fixed sleep
+        for p in psutil.process_iter():
+            try:
+                if os.getpgid(p.pid) == proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    return False
+            except (ProcessLookupError, psutil.Error):
+                continue  # ended while being looked at
+        return True
+    assert wait_for(group_gone)
+    assert shm_left(before) == set()
 
 
 # -- signals -------------------------------------------------------------------------------------------------

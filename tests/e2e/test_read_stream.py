@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers import compose, small
 from test_s3 import bucket, local_reference, s3_endpoint, tiny_run  # noqa: F401 - fixtures
 
@@ -28,8 +30,12 @@ UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=512", "data.max_sample
 PASSES = 2
 
 TRAIN = r'''
-import json, os, sys
+import hashlib, json, os, sys
+import torch
 from dspark_precompute.read.training import build_dataloader
+
+def bits(t):  # a state's exact bf16 bits: the oracle (a resumed run promises the same bytes as one never stopped)
+    return hashlib.sha256(t.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()[:20]
 
 path, ckpt = sys.argv[1], sys.argv[2]
 loader = build_dataloader(path, stream=True, batch_size=1, passes=int(sys.argv[3]), seed=5, poll_s=0.05)
@@ -42,8 +48,9 @@ for batch in loader:
     ids, mask = batch["input_ids"], batch["attention_mask"]
     for r in range(len(ids)):
         m = mask[r].bool()
-        seen.append([ids[r][m].tolist(), float(batch["target_hidden_states"][r][m].double().sum()),
-                     float(batch["target_last_hidden_states"][r][m].double().sum())])
+        hid, last = batch["target_hidden_states"][r][m], batch["target_last_hidden_states"][r][m]
+        seen.append([ids[r][m].tolist(), bits(hid), bits(last),  # the key; the sums only say by how much it differs
+                     float(hid.double().sum()), float(last.double().sum())])
     tmp = ckpt + ".tmp"  # a checkpoint after every step, atomically
     with open(tmp, "w") as f:
         json.dump({"seen": seen, "loader": loader.state_dict()}, f)
@@ -52,14 +59,48 @@ loader.close()
 '''
 
 
+def _bits(t: torch.Tensor) -> str:
+    """TRAIN's ``bits``: the sha256 of a state's bf16 bits (exact: no float sum whose order could matter)."""
+    return hashlib.sha256(t.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()[:20]
+
+
+def delivered(seen: list) -> Counter:
+    """What TRAIN's checkpoint says the trainer received: (ids, hidden bits, post-norm bits) -> times."""
+    return Counter((tuple(ids), h, last) for ids, h, last, *_ in seen)
+
+
 def _expected(path: str) -> Counter:
+    """What a trainer must receive from the cache at ``path`` (written in full): each sample ``PASSES`` times, keyed
+    as :func:`delivered` keys it. Exact bits, not a tolerance: the capture is bit-identical from run to run
+    (same batches per unit wherever a run resumed: ``write/store/batching.py``), and docs/reliability.md promises a
+    resumed run's bytes are an uninterrupted run's."""
     c = open_cache(path)
     out: Counter = Counter()
     for i in range(len(c)):
         s = c[i]
-        out[(tuple(s["input_ids"].tolist()), float(s["target_hidden_states"].double().sum()),
-             float(s["target_last_hidden_states"].double().sum()))] += PASSES
+        out[(tuple(s["input_ids"].tolist()), _bits(s["target_hidden_states"]),
+             _bits(s["target_last_hidden_states"]))] += PASSES
     return out
+
+
+def deliveries_differ(got: Counter, want: Counter, seen: list, path: str) -> str:
+    """Why ``got`` is not ``want``, sample by sample: its unit in the full cache at ``path``, the times received
+    against promised, and whether its states' bits differ (with the sums, to tell one rounding from garbage)."""
+    c = open_cache(path)
+    units = c.units()
+    where = {tuple(s["input_ids"].tolist()): (i, int(units[i]), float(s["target_hidden_states"].double().sum()))
+             for i, s in enumerate(c)}
+    sums = {(tuple(ids), h, last): (a, b) for ids, h, last, a, b in seen}
+    lines = []
+    for key in sorted(set(got) | set(want), key=lambda k: where.get(k[0], (-1, -1, 0.0))):
+        if got[key] == want[key]:
+            continue
+        i, unit, ref_sum = where.get(key[0], (-1, -1, float("nan")))
+        state = "states as the full cache's" if key in want else (
+            f"states NOT the full cache's (hidden sum {sums[key][0]!r}, full cache's {ref_sum!r})")
+        lines.append(f"sample {i} (unit {unit}, {len(key[0])} tokens, ids {list(key[0][:6])}...): received "
+                     f"{got[key]} times, promised {want[key]}; {state}")
+    return "\n".join(lines)
 
 
 def _supervise(commands: dict[str, list[list[str]]], faults: dict[str, list[str | None]], cwd: Path,
@@ -130,9 +171,8 @@ def test_producer_and_trainer_each_killed_and_resumed_deliver_every_sample_the_p
     assert codes == {"producer": [-9, 0], "trainer": [-9, -9, 0]}, logs
     assert "waits until the trainer releases unit" in logs["producer"]
     seen = json.loads(ckpt.read_text())["seen"]
-    got = Counter((tuple(ids), a, b) for ids, a, b in seen)
-    want = _expected(full)
-    assert len(want) > 0 and got == want
+    got, want = delivered(seen), _expected(full)
+    assert len(want) > 0 and got == want, f"{deliveries_differ(got, want, seen, full)}\n{codes}\n{logs}"
     store = CacheStore(str(cache))
     n = json.loads((cache / "manifest.json").read_text())["layout"]["num_units"]
     assert n >= 5 and released_units(store, n) == set(range(n))
@@ -175,8 +215,8 @@ def test_producer_and_trainer_killed_at_random_moments_still_deliver_every_sampl
     # every planned kill landed: the trainer waits for the producer, and the window holds the producer back
     assert codes == {"producer": [-9, -9, -9, 0], "trainer": [-9, -9, -9, -9, 0]}, codes
     seen = json.loads(ckpt.read_text())["seen"]
-    got = Counter((tuple(ids), a, b) for ids, a, b in seen)
-    assert got == _expected(full), codes
+    got, want = delivered(seen), _expected(full)
+    assert got == want, f"{deliveries_differ(got, want, seen, full)}\n{codes}\n{logs}"
     n = json.loads((cache / "manifest.json").read_text())["layout"]["num_units"]
     assert released_units(CacheStore(str(cache)), n) == set(range(n))
     assert verify_cache(str(cache)).ok

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +18,15 @@ from dspark_precompute.write.run import run
 UNITS = ("storage.chunk_tokens=256", "storage.unit_tokens=1024")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun_cmd(n: int, *args: str) -> list[str]:
+    """torchrun on this host, ``n`` ranks: ``--standalone``, so its agent binds the rendezvous store on a port the
+    kernel picks and the ranks join that store. A port picked here and bound later by torchrun (the old
+    ``--master_port=<free port>``) could be taken meanwhile by another run on this shared machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
 
 
 def torchrun(tmp_path: Path, n: int, overrides: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "dspark_precompute", *overrides]
+    cmd = torchrun_cmd(n, "-m", "dspark_precompute", *overrides)
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 

@@ -16,7 +16,7 @@ import textwrap
 
 import psutil
 import pytest
-from helpers import compose, small
+from helpers import compose, shm_left, shm_names, small
 
 from dspark_precompute.contract.lock import WriterLock
 
@@ -91,7 +91,7 @@ def test_an_interrupted_library_run_raises_to_the_caller_and_leaves_no_lock_help
             signal.raise_signal(signal.SIGINT)  # a real Ctrl-C, under the caller's (Python's default) handler
         raise RuntimeError("the caller's code failed")
     monkeypatch.setattr(forward, "fault_point", interrupt)  # the forward loop's unit_submitted point
-    shm = set(os.listdir("/dev/shm"))
+    shm = shm_names()
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt if how == "ctrl_c" else RuntimeError):
@@ -103,7 +103,7 @@ def test_an_interrupted_library_run_raises_to_the_caller_and_leaves_no_lock_help
     lock.release()
     server = processes.context().pid
     assert server is not None and psutil.Process(server).children() == []  # every writer process has exited
-    assert set(os.listdir("/dev/shm")) <= shm
+    assert shm_left(shm) == set()
     monkeypatch.undo()
     assert run_module.run(cfg).complete  # and the cache resumes
 

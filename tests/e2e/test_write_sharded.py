@@ -419,12 +419,11 @@ def _one_copy_deliveries(ref) -> Counter:
 def _stream_beside_an_fsdp2_producer(tmp_path, path: str, run_args: list[str]) -> tuple[Counter, str, int]:
     """A torchrun producer (2 ranks, ``run_args``) and, in this process, a streaming trainer on ``path``: what the
     trainer received, the producer's output and its exit code."""
-    from test_write_distributed import free_port
+    from test_write_distributed import torchrun_cmd
 
     from dspark_precompute.read.training import build_dataloader
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "dspark_precompute", *run_args]
+    cmd = torchrun_cmd(2, "-m", "dspark_precompute", *run_args)
     producer = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -491,8 +490,8 @@ def test_fsdp2_into_a_bucket_through_a_window_with_the_producer_and_trainer_each
     """The producer's rank 1 SIGKILLed at its second unit (torchrun ends the group) and started again; the trainer
     SIGKILLed mid-batch and after a release, resuming from its checkpoint: every sample of the one-copy cache is
     received ``PASSES`` times, every unit released and deleted from the bucket."""
-    from test_read_stream import PASSES, TRAIN, _expected, _supervise
-    from test_write_distributed import free_port
+    from test_read_stream import PASSES, TRAIN, _expected, _supervise, delivered, deliveries_differ
+    from test_write_distributed import torchrun_cmd
 
     from dspark_precompute.contract.store import CacheStore
     from dspark_precompute.contract.window import released_units
@@ -500,18 +499,17 @@ def test_fsdp2_into_a_bucket_through_a_window_with_the_producer_and_trainer_each
 
     ref = one_copy(tmp_path)
     url, ckpt = f"s3://{bucket}/w", tmp_path / "ckpt.json"
-    produce = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "dspark_precompute", "storage=s3", f"storage.path={url}",
-               *overrides(tmp_path, "w", "parallel.fsdp=2", "storage.window_units=2")[1:]]
+    produce = torchrun_cmd(2, "-m", "dspark_precompute", "storage=s3", f"storage.path={url}",
+                           *overrides(tmp_path, "w", "parallel.fsdp=2", "storage.window_units=2")[1:])
     train = [sys.executable, "-c", TRAIN, url, str(ckpt), str(PASSES)]
     faults = {"producer": ["unit_submitted=2@1", None], "trainer": ["stream_batch=5", "window_release=2", None]}
     codes = _supervise({"producer": [produce], "trainer": [train]}, faults, tmp_path)
     logs = {k: (tmp_path / f"{k}.log").read_text() for k in codes}
     assert codes["producer"][-1] == 0 and len(codes["producer"]) == 2, logs["producer"][-4000:]
     assert codes["trainer"] == [-9, -9, 0], logs["trainer"][-4000:]
-    got = Counter((tuple(ids), a, b) for ids, a, b in json.loads(ckpt.read_text())["seen"])
-    want = _expected(ref)
-    assert len(want) > 0 and got == want
+    seen = json.loads(ckpt.read_text())["seen"]
+    got, want = delivered(seen), _expected(ref)
+    assert len(want) > 0 and got == want, deliveries_differ(got, want, seen, ref)
     store = CacheStore(url)
     n = json.loads(store.read_bytes("manifest.json"))["layout"]["num_units"]
     assert n >= 3 and released_units(store, n) == set(range(n))

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from helpers import compose, drop_chunk, small
+from helpers import compose, drop_chunk, shm_left, shm_names, small
 from test_reader import to_memory_fs
 
 import dspark_precompute.read.assemble as assemble
@@ -120,13 +120,11 @@ def test_a_recycled_buffer_gets_every_pad_written(default_run, monkeypatch):
 
 def test_a_worker_batch_arrives_as_one_shared_buffer_without_a_name_in_dev_shm(default_run):
     _, result = default_run
-    import os
-
-    before = set(os.listdir("/dev/shm"))
+    before = shm_names()
     got = BatchAssembler(CacheDataset(result.path).cache).build([[0, 1]], "shared")[0]
     storages = {t.untyped_storage().data_ptr() for t in got.values()}
     assert len(storages) == 1 and got["input_ids"].untyped_storage().is_shared()
-    assert set(os.listdir("/dev/shm")) == before
+    assert shm_left(before) == set()
 
 
 @pytest.mark.parametrize("shuffle,workers", [(True, 0), (True, 2), ("block", 0), ("block", 2), (False, 0)])
