@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_same_cache, compose
 from test_s3 import bucket, s3_endpoint  # noqa: F401 - fixtures
-from test_write_distributed import free_port, torchrun, units_per_rank
+from test_write_distributed import torchrun, torchrun_cmd, units_per_rank
 
 from dspark_precompute.write.run import run
 
@@ -159,8 +159,7 @@ def _killed_at_random_moments(tmp_path: Path, name: str, extra: tuple[str, ...],
     commits = tmp_path / name / "commits"
     codes = []
     for k in (*commits_at, None):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "dspark_precompute", *overrides(tmp_path, name, *extra)]
+        cmd = torchrun_cmd(n, "-m", "dspark_precompute", *overrides(tmp_path, name, *extra))
         with open(tmp_path / f"{name}.log", "a") as log:
             proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=log, env=env, start_new_session=True)
             if k is not None:
@@ -390,8 +389,7 @@ def test_vision_modules_sharded_as_units_of_their_own_are_held_whole_so_one_rank
     sharded DTensor is refused, naming it."""
     script = tmp_path / "hold.py"
     script.write_text(HOLD_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(script)]
+    cmd = torchrun_cmd(2, str(script))
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
