@@ -457,6 +457,7 @@ def test_fsdp2_writes_through_a_window_in_lockstep_while_a_trainer_reads_and_del
     assert n >= 3 and released_units(CacheStore(str(path)), n) == set(range(n))
 
 
+@pytest.mark.slow  # the local-disk window under fsdp=2 and the bucket stream stay in the default lane (10 minutes)
 def test_fsdp2_writes_through_a_window_into_a_bucket_while_a_trainer_reads_it_and_delivers_the_one_copy_cache(
         tmp_path, bucket):  # noqa: F811 - test_s3's fixture
     """storage=s3 under a sharded target: both ranks wait on the window's records in the bucket, the trainer reads
