@@ -52,7 +52,9 @@ def test_recompute_of_an_image_cache_reruns_each_batch_with_its_images_and_finds
     assert sorted({p["sample"] for p in r.problems}) == images and r.exact == 1
 
 
-def test_recompute_flags_the_image_sample_whose_stored_state_was_altered_at_a_vision_token(image_cache, tmp_path):
+def altered_image_sample(image_cache, tmp_path: Path) -> tuple[Path, CacheReader, dict, int, np.ndarray]:
+    """A copy of the image cache to alter: (its path, its reader, its manifest, its first sample with images, that
+    sample's image-pad positions within it)."""
     path, _ = image_cache
     altered = tmp_path / "altered"
     shutil.copytree(path, altered)
@@ -60,7 +62,12 @@ def test_recompute_flags_the_image_sample_whose_stored_state_was_altered_at_a_vi
     m = json.loads((altered / "manifest.json").read_text())
     victim = next(i for i in range(len(cache)) if cache.images(i)["sha256"])
     ids = cache.sample(victim)["input_ids"].numpy()
-    token = int(np.flatnonzero(ids == m["media"]["image_token_id"])[3])  # an image pad: only the pixels make it
+    return altered, cache, m, victim, np.flatnonzero(ids == m["media"]["image_token_id"])
+
+
+def test_recompute_flags_the_image_sample_whose_stored_state_was_altered_at_a_vision_token(image_cache, tmp_path):
+    altered, cache, m, victim, pads = altered_image_sample(image_cache, tmp_path)
+    token = int(pads[3])  # an image pad: only the pixels make it
     name = m["arrays"]["0"]
     arr = zarr.open_array(str(altered / name), mode="r+")
     pos = int(cache.starts()[victim]) + token
@@ -225,14 +232,8 @@ def test_states_altered_at_one_image_samples_image_pads_fail_verify_teacher_and_
     checks left the image samples out and passed)."""
     from dspark_precompute.cli.cache import main
 
-    path, _ = image_cache
-    altered = tmp_path / "altered"
-    shutil.copytree(path, altered)
-    cache = CacheReader(altered)
-    m = json.loads((altered / "manifest.json").read_text())
-    victim = next(i for i in range(len(cache)) if cache.images(i)["sha256"])
-    ids = cache.sample(victim)["input_ids"].numpy()
-    pads = int(cache.starts()[victim]) + np.flatnonzero(ids == m["media"]["image_token_id"])
+    altered, cache, m, victim, pads = altered_image_sample(image_cache, tmp_path)
+    pads = int(cache.starts()[victim]) + pads
     assert len(pads) >= 8
     for name in (m["arrays"]["0"], m["arrays"]["last"]):
         arr = zarr.open_array(str(altered / name), mode="r+")
