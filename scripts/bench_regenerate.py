@@ -103,24 +103,20 @@ class serve:
         self.args, self.tmp, self.proc = args, tmp, None
 
     def __enter__(self) -> tuple[str, str]:
-        import subprocess
-
-        from test_write_regenerate import free_port, save_target, wait_ready
+        from test_write_regenerate import save_target, serve
 
         if self.args.url:
             return self.args.url, self.args.model
         target = save_target(self.tmp / "target")
-        port, logf = free_port(), self.tmp / "serve.log"
-        with open(logf, "wb") as fh:
-            self.proc = subprocess.Popen([str(Path(sys.executable).with_name("transformers")), "serve", str(target),
-                                          "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
-                                         stdout=fh, stderr=subprocess.STDOUT)
-        wait_ready(f"http://127.0.0.1:{port}", self.proc, logf)
-        return f"http://127.0.0.1:{port}/v1", str(target)
+        self.proc, url = serve(target, self.tmp / "serve.log")
+        return f"{url}/v1", str(target)
 
     def __exit__(self, *a: object) -> None:
-        if self.proc is not None:
-            self.proc.kill()
+        if self.proc is not None:  # the server runs in a session of its own: kill its whole group
+            import os
+            import signal
+
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
 

@@ -50,20 +50,52 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PortTaken(Exception):
+    """The port picked was bound by another process before the server bound it."""
+
+
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, limit: float = 300.0) -> None:
-    """Poll /health until it answers 200 (a deadline, never a fixed sleep); the server's log if it dies."""
+    """Poll /health until it answers 200 (a deadline, never a fixed sleep); the server's log if it dies.
+
+    A server that exits because its port was taken in the meantime raises :class:`PortTaken` (the caller picks
+    another); one that answers while ours has exited is another process's server, never taken for ours."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            text = log.read_text(errors="replace")
+            if "address already in use" in text.lower():
+                raise PortTaken(url)
+            pytest.fail(f"the server exited ({proc.returncode}):\n{text[-3000:]}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
+                if r.status == 200 and proc.poll() is None:
                     return
         except OSError:
             pass
         time.sleep(0.2)  # polling interval of the readiness probe
     pytest.fail(f"the server did not answer /health within {limit:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+def serve(target: Path, log: Path, tries: int = 5) -> tuple[subprocess.Popen, str]:
+    """``transformers serve`` of ``target`` on a free port, its log in ``log``: (process, base url). A port that
+    another process bound between our pick and the server's bind is picked again."""
+    exe = Path(sys.executable).with_name("transformers")
+    for _ in range(tries):
+        port = free_port()
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen([str(exe), "serve", str(target), "--host", "127.0.0.1", "--port", str(port),
+                                     "--device", "cpu"], stdout=fh, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc, log)
+            return proc, f"http://127.0.0.1:{port}"
+        except PortTaken:
+            proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    pytest.fail(f"{tries} ports in a row were taken before the server bound them")
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +109,9 @@ def engine(tmp_path_factory):
     if not exe.is_file():
         pytest.skip(f"no transformers CLI beside {sys.executable}")
     target = save_target(tmp_path_factory.mktemp("served"))
-    port = free_port()
-    log = target / "serve.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([str(exe), "serve", str(target), "--host", "127.0.0.1", "--port", str(port),
-                                 "--device", "cpu"], stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, url = serve(target, target / "serve.log")
     try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, log)
-        yield f"http://127.0.0.1:{port}/v1", target
+        yield f"{url}/v1", target
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
