@@ -25,7 +25,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def write_atomically(path: Path, parts: Iterable[Any], *, tmp: Path | None = None, fsync: bool = True,
-                     faults: bool = False) -> int:
+                     faults: bool = False, before_publish: Callable[[], None] | None = None) -> int:
     """``parts`` (buffers, taken one at a time) written one after the other as ``path``, whole or not at all; the
     bytes written. The one atomic file writer of the package (the cache's files, exports, the regeneration log).
 
@@ -64,6 +64,7 @@ def write_atomically(path: Path, parts: Iterable[Any], *, tmp: Path | None = Non
     skipped when ``fsync`` is false), so after a power loss the file is absent or whole. Any error removes
     the temporary and propagates: callers wrap it in their own message. ``faults``: the crash tests'
     ``write_part`` and ``atomic_write`` points (the cache's own files only, so their counts stay the cache's).
+    ``before_publish``: called last before the rename; what it raises leaves nothing (a writer whose run died).
     """
     made = tmp is None
     if tmp is None:
@@ -88,6 +89,8 @@ def write_atomically(path: Path, parts: Iterable[Any], *, tmp: Path | None = Non
                 os.fsync(fh.fileno())
         if faults:
             fault_point("atomic_write")
+        if before_publish is not None:
+            before_publish()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -206,7 +209,8 @@ class CacheStore:
         """Atomic: readers see the old file or the whole new one, never a part."""
         self.write_parts(key, [data], fsync)
 
-    def write_parts(self, key: str, parts: Iterable[Any], fsync: bool = True) -> int:
+    def write_parts(self, key: str, parts: Iterable[Any], fsync: bool = True,
+                    before_publish: Callable[[], None] | None = None) -> int:
         """``parts`` (buffers, taken one at a time) written one after the other as the object ``key``,
         atomically; the bytes written.
 
@@ -214,15 +218,16 @@ class CacheStore:
         false), renamed over ``key``, and the directory fsynced, so after a power loss the
         file is either absent or whole. On an object store: one object, uploaded in parts
         when large (a multipart upload completed only when every part is in, aborted on an
-        error), so it appears whole or not at all.
+        error), so it appears whole or not at all. ``before_publish`` runs just before the object appears (the
+        rename; the upload's completion): what it raises aborts the write.
         """
         if self.url:
-            return self._put_parts(key, parts)
+            return self._put_parts(key, parts, before_publish)
         target = self._local(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        return write_atomically(target, parts, fsync=fsync, faults=True)
+        return write_atomically(target, parts, fsync=fsync, faults=True, before_publish=before_publish)
 
-    def _put_parts(self, key: str, parts: Iterable[Any]) -> int:
+    def _put_parts(self, key: str, parts: Iterable[Any], before_publish: Callable[[], None] | None = None) -> int:
         """One object from ``parts``: fsspec's buffered writer uploads blocks as they fill (multipart) and
         completes the upload on close; an error aborts it, so no partial object ever appears."""
         fh = self.fs.open(self._remote(key), "wb")
@@ -234,6 +239,8 @@ class CacheStore:
                 written += view.nbytes
                 fault_point("write_part")
             fault_point("atomic_write")
+            if before_publish is not None:
+                before_publish()
         except BaseException:
             discard = getattr(fh, "discard", None)
             if discard is not None:

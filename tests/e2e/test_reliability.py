@@ -137,6 +137,32 @@ def test_three_writers_and_two_tokenizers_write_the_same_bytes_as_one_of_each(tm
     assert_same_cache(reference[0], str(tmp_path / "c"), process_counts=True)
 
 
+def test_a_writer_whose_run_was_sigkilled_mid_shard_never_puts_that_shard_in_place(tmp_path):
+    """The run's process SIGKILLed alone while its writer is inside a shard: the writer finishes nothing. A shard
+    renamed into place after the run died could land after a resumed run committed that unit again, or after a
+    trainer released and deleted it (a deleted unit's states back on disk)."""
+    import psutil
+
+    cache, ready, go = tmp_path / "c", tmp_path / "ready", tmp_path / "go"
+    env = {"DSPARK_FAULT": "shard_part=1:await", "DSPARK_FAULT_READY": str(ready), "DSPARK_FAULT_AWAIT": str(go)}
+    proc = cli(tmp_path, [*small(tmp_path, *UNITS, name="c"), "storage.writers=1"], env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ready.exists():  # the writer waits inside its first shard (written in part, not yet in place)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        helpers = psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()  # the run's process alone, as the OOM killer does: its writer lives on
+        proc.wait()
+        go.touch()  # the writer goes on: it must see its run is gone before anything is put in place
+        gone, alive = psutil.wait_procs(helpers, timeout=60)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert not list((cache / "hidden_states").rglob("c.*"))  # no shard
+    assert not list((cache / "hidden_states").rglob(".c.*.tmp"))  # and its temporary removed
+
+
 def test_sigterm_stops_cleanly_with_a_resume_message_and_the_rerun_completes(tmp_path, reference):
     overrides = small(tmp_path, *UNITS, name="c")
     proc = cli(tmp_path, overrides, env={"DSPARK_FAULT": "unit_submitted=1:sleep"})

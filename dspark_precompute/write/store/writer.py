@@ -67,6 +67,12 @@ def _writer_main(path: str, slot_list: list[Slot], tasks: Any, done: Any, env: d
         # A killed forward loop must not leave a writer that keeps writing behind a resumed run.
         return parent is not None and not parent.is_alive()
 
+    def still_ours() -> None:
+        # Checked again just before a shard is put in place: a shard that appears after its run died could land
+        # after a resumed run committed the unit again, or after a trainer released and deleted it.
+        if orphaned():
+            raise _Orphaned
+
     while True:
         try:
             if not tasks.poll(1.0):
@@ -85,9 +91,12 @@ def _writer_main(path: str, slot_list: list[Slot], tasks: Any, done: Any, env: d
                 break
             rows = slots[slot][name][:n_slots]
             shard = encode_unit_shard(rows, chunk, per_shard, encoders[name])
-            store.write_parts(shard_key(name, unit, two_d=rows.ndim == 2), _parts(shard), fsync)  # a chunk at a time
+            store.write_parts(shard_key(name, unit, two_d=rows.ndim == 2), _parts(shard), fsync,  # a chunk at a time
+                              before_publish=still_ours)
             fault_point("writer_array")
             done.send((Message.done, unit, slot, (rows.nbytes, time.perf_counter() - busy, name, shard.digest.hex())))
+        except _Orphaned:
+            break  # the temporary is gone, nothing was put in place
         except (EOFError, OSError) as exc:
             if orphaned():
                 break
@@ -99,6 +108,10 @@ def _writer_main(path: str, slot_list: list[Slot], tasks: Any, done: Any, env: d
     del slots
     for slot_ in slot_list:
         slot_.close()
+
+
+class _Orphaned(Exception):
+    """A writer's run died while it wrote a shard: the shard is dropped, never put in place."""
 
 
 def _parts(parts: Iterable[Any]) -> Iterator[Any]:
