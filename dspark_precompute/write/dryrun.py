@@ -30,6 +30,7 @@ from dspark_precompute.contract.spec import (
     SAMPLE_ARRAYS,
     TOKEN_ARRAYS,
     UNIT_ARRAYS,
+    VIDEO_SAMPLE,
 )
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import DsparkError
@@ -317,7 +318,9 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
         estimate_note=estimate_note(cfg.storage, notes), parameters=params, tokens_per_second=rate,
         rate_note=rate_note, estimated_seconds=seconds,
     )
-    files = inventory(len(plan.specs), u, n, any(spec.scale_of for spec in plan.specs), images=images)
+    videos = len(image_tables(tok.images).get(VIDEO_SAMPLE, ())) if plan.media is not None else 0
+    files = inventory(len(plan.specs), u, n, any(spec.scale_of for spec in plan.specs), images=images,
+                      videos=videos)
     hidden_raw = sum(a.raw_bytes for a in arrays if a.name not in (INPUT_IDS, LOSS_MASK, POSITION_IDS))
     out.files, out.directories, out.entries_per_tb = files.files, files.directories, files.per_tb(hidden_raw)
     out.weight_bytes, out.rank_weight_bytes, out.weights_layout = weights_per_rank(plan)
@@ -331,8 +334,8 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
 
 
 def image_table_facts(plan: Plan, tok: Tokenized) -> tuple[int | None, int]:
-    """(images, raw bytes of the images/* tables) of an image cache, from the tables the run writes; (None, 0) for
-    a text cache."""
+    """(images, raw bytes of the images/* and videos/* tables) of an image cache, from the tables the run writes;
+    (None, 0) for a text cache."""
     if plan.media is None:
         return None, 0
     tables = image_tables(tok.images)
