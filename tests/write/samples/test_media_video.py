@@ -314,3 +314,63 @@ def test_a_changed_video_refuses_the_resume_naming_the_media_hash(vl_dir, data_d
     shutil.copyfile(data_dir / "vids" / "2.avi", data_dir / "vids" / "3.mp4")  # another video under its name
     with pytest.raises(IncompatibleCacheError, match="images_sha256"):
         run(compose(overrides))
+
+
+def test_the_teacher_and_precision_checks_rerun_every_video_sample_and_a_changed_video_is_its_samples_problem(
+        vl_dir, data_dir, video_cache):
+    from dspark_precompute.read.reader import CacheReader
+    from dspark_precompute.write.rerun.precision import precision_check
+    from dspark_precompute.write.rerun.recompute import ImageFeed, recompute
+    from dspark_precompute.write.rerun.teacher import teacher_check
+
+    result, _ = video_cache
+    cache = CacheReader(result.path)
+    tokens = sum(len(cache.sample(s)["input_ids"]) for s in range(len(cache)))
+    r = teacher_check(result.path, 10**9)
+    # a tiny random model's near-ties: one bf16-stored position of 481 may flip its argmax (the check passes)
+    assert r.problems == [] and r.samples == 4 and len(r.positions) == tokens and r.top1_agreement >= 0.99
+    assert r.rel_error_mean < 0.005
+    p = precision_check(result.path, 10**9)
+    assert p.problems == [] and p.samples == 4 and p.positions == tokens
+    assert all(e.rel_rms < 0.005 for e in p.arrays)
+    with pytest.MonkeyPatch.context() as mp:  # the videos' pixels left out: the checks must see it
+        mp.setattr(ImageFeed, "inputs", lambda *a, **k: None)
+        assert teacher_check(result.path, 10**9).problems and precision_check(result.path, 10**9).problems
+    shutil.copyfile(data_dir / "vids" / "1.mp4", data_dir / "vids" / "3.mp4")  # another video under its name
+    rc = recompute(result.path, 4)
+    rows = {int(r): k for k, r in enumerate(cache.source_row)}
+    by = {p["sample"]: p["message"] for p in rc.problems}  # the four rows were one forward batch: none reruns
+    assert sorted(by) == [0, 1, 2, 3] and rc.recomputed == 0
+    assert "video 0" in by[rows[3]] and "changed since the cache was written" in by[rows[3]]
+    assert all(f"holds sample {rows[3]}" in m for s, m in by.items() if s != rows[3])
+
+
+def test_rows_with_videos_are_asked_with_each_video_inline_as_a_video_url_and_the_regenerated_rows_capture(
+        vl_dir, data_dir):
+    """regenerate=server sends a video as vLLM's OpenAI API takes it (a video_url part, the file's bytes in a
+    data:video/mp4 URL; tested against the fake server only: no vLLM with torchvision runs here)."""
+    import base64
+
+    from fake_openai import Fake
+    from test_regenerate import config, output_rows
+
+    from dspark_precompute.read.reader import CacheReader
+    from dspark_precompute.write.plan.regenerated import regenerate_stage
+    from dspark_precompute.write.run import run
+
+    rows = data_dir / "chat.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in (sharegpt_row(), TEXT_ROW, openai_row("vids/3.mp4"))))
+    with Fake() as f:
+        done, capture = regenerate_stage(config(data_dir, [f.url], rows, f"model.path={vl_dir}"))
+        sent = [p["video_url"]["url"] for b in f.requests for m in b["messages"] if isinstance(m["content"], list)
+                for p in m["content"] if p["type"] == "video_url"]
+    assert done.counts.regenerated == 3 and len(sent) == 2
+    assert all(u.startswith("data:video/mp4;base64,") for u in sent)
+    assert sorted(base64.b64decode(u.split(",", 1)[1]) for u in sent) == sorted(
+        (data_dir / "vids" / v).read_bytes() for v in ("1.mp4", "3.mp4"))
+    named = [p["video"] for r in output_rows(data_dir) for m in r["messages"] if isinstance(m["content"], list)
+             for p in m["content"] if p["type"] == "video"]
+    assert [Path(v).name for v in named] == ["1.mp4", "3.mp4"] and all(Path(v).is_absolute() for v in named)
+    result = run(compose([*small(data_dir, f"model.path={vl_dir}", "seq_length=1024"),
+                          f"data.path={capture.data.path}"]))
+    assert result.complete and len(CacheReader(result.path).videos(0)["sha256"]) == 1
