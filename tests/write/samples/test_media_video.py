@@ -374,3 +374,57 @@ def test_rows_with_videos_are_asked_with_each_video_inline_as_a_video_url_and_th
     result = run(compose([*small(data_dir, f"model.path={vl_dir}", "seq_length=1024"),
                           f"data.path={capture.data.path}"]))
     assert result.complete and len(CacheReader(result.path).videos(0)["sha256"]) == 1
+
+
+def test_a_video_row_through_a_tiny_qwen3_5_equals_its_own_forward_ids_mask_and_rope_index(
+        data_dir, tmp_path_factory):
+    """Qwen3.5 (Qwen3.6's architecture: Gated DeltaNet and attention layers) ships Qwen3-VL's processor."""
+    from dspark_precompute.write.target.capture import HiddenStateCapture
+
+    d = tmp_path_factory.mktemp("tiny_qwen3_5")
+    save_image_text_checkpoint("qwen3_5", d)
+    e, enc = encode(d, data_dir, sharegpt_row("vids/2.avi"))
+    assert isinstance(e, Encoded), getattr(e, "message", None)
+    ref_inputs = processor_inputs(enc.media.processor, data_dir, sharegpt_row("vids/2.avi"))
+    assert np.array_equal(e.input_ids, ref_inputs["input_ids"][0].numpy())
+    vt = enc.media.vision
+    first = int(np.flatnonzero(np.isin(e.input_ids, sorted(vt.starts)))[0])
+    last = int(np.flatnonzero(np.isin(e.input_ids, sorted(vt.ends)))[-1])
+    assert not e.loss_mask[first:last + 1].any() and e.loss_mask.sum() > 0
+    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(**ref_inputs, output_hidden_states=True).hidden_states
+        pos, _ = model.model.get_rope_index(input_ids=ref_inputs["input_ids"],
+                                            mm_token_type_ids=ref_inputs["mm_token_type_ids"],
+                                            video_grid_thw=ref_inputs["video_grid_thw"],
+                                            attention_mask=ref_inputs["attention_mask"])
+    assert np.array_equal(e.position_ids, pos[:, 0, :].T.numpy())
+    n = len(ref) - 1
+    ids = torch.from_numpy(e.input_ids.astype(np.int64))[None]
+    with HiddenStateCapture(model, [0, n - 1], media=True) as cap:
+        states, _ = cap(ids, media=enc.media.pixel_inputs(e.images, e.input_ids))
+    for lid in (0, n - 1):
+        stored, want = states[lid].to(torch.bfloat16).float(), ref[lid + 1]
+        step = want.abs().clamp_min(2.0 ** -126) * 2.0 ** -7  # one bf16 step at each value
+        assert stored.shape == want.shape and bool(((stored - want).abs() <= step).all()), lid
+
+
+def test_a_dry_run_of_rows_with_videos_counts_the_tables_files_and_positions_a_real_run_writes(vl_dir, data_dir):
+    """The oracle: the real run's cache (its files on disk, the videos/* tables' shapes, position_ids' chunks)."""
+    import dataclasses
+
+    from test_dry_run import assert_inventory_matches, assert_plan_matches
+
+    from dspark_precompute.write.dryrun import dry_run
+    from dspark_precompute.write.run import run
+
+    rows = data_dir / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in (sharegpt_row(), TEXT_ROW, openai_row("vids/2.avi"))))
+    cfg = compose(small(data_dir, f"model.path={vl_dir}", f"data.path={rows}", "seq_length=4096",
+                        "batch.max_tokens=8192", "model.layer_ids=[0,1]"))
+    result = run(cfg)
+    plan = dry_run(dataclasses.replace(cfg, dry_run=True))
+    assert_plan_matches(plan, result.path)
+    assert_inventory_matches(plan, result)
+    assert plan.images == 0 and plan.videos == 2 and plan.image_table_bytes == 2 * (8 + 3 * 4 + 32)
+    assert "(0 images, 2 videos)" in dict(plan.rows())["other files"]
