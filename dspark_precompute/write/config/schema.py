@@ -297,6 +297,10 @@ class VideoConfig:
     """The video processor's lower resize bound (``size.shortest_edge``: pixels of all sampled frames together)."""
     max_pixels: int | None = None
     """The video processor's upper resize bound (``size.longest_edge``: fewer vision tokens per video)."""
+    cap_pixels_per_frame: bool | None = None
+    """Qwen3-VL's per-frame pixel cap of the reference implementation (qwen-vl-utils): true caps each frame, so a
+    video's tokens grow with its duration; null: the checkpoint's setting (transformers 5.24: uncapped, with a
+    warning)."""
     max_bytes: int | None = None
     """A video file larger than this is a video_too_large reject, never decoded; null: 256 MiB."""
     max_input_frames: int | None = None
@@ -311,6 +315,8 @@ class VideoConfig:
         if self.fps is not None and (isinstance(self.fps, bool) or not isinstance(self.fps, int | float)
                                      or not self.fps > 0):
             out.append(f"data.video.fps={self.fps!r} must be a positive number or null")
+        if self.cap_pixels_per_frame is not None and not isinstance(self.cap_pixels_per_frame, bool):
+            out.append(f"data.video.cap_pixels_per_frame={self.cap_pixels_per_frame!r} must be true, false or null")
         for lo, hi in (("min_frames", "max_frames"), ("min_pixels", "max_pixels")):
             a, b = getattr(self, lo), getattr(self, hi)
             if isinstance(a, int) and isinstance(b, int) and a > b:

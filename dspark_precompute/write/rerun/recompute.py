@@ -355,7 +355,7 @@ def open_sampled(out: CheckResult, path: str | Path, n: int, *, seed: int, devic
     picked = sample_positions(run.lengths, run.readable, n, seed)
     feed: ImageFeed | None = None
     if run.m.media is not None:  # an image cache: the vision tower runs on the image samples' pixels
-        if not has_images_table(run.opened.tables):
+        if not has_images_table(run.opened.tables, bool(run.m.media.videos)):
             out.add(no_images_table(what))
             return None
         found.info.load_vision()
@@ -436,7 +436,7 @@ def rebuild_plan(run: StoredRun, moved: bool, out: RecomputeResult) -> tuple[Pre
         out.add(f"the target, tokenizer or data named in the manifest changed since the cache was written "
                 f"({listed_differences(diffs)}); recomputing would compare against a different run")
         return None
-    if plan.media is not None and not has_images_table(run.opened.tables):
+    if plan.media is not None and not has_images_table(run.opened.tables, bool(run.m.media and run.m.media.videos)):
         out.add(no_images_table("recompute"))
         return None
     return cfg, plan
@@ -466,14 +466,16 @@ class StoredImages:
         return int(lo), int(hi)
 
 
-def has_images_table(tables: dict[str, np.ndarray]) -> bool:
+def has_images_table(tables: dict[str, np.ndarray], videos: bool = False) -> bool:
     """Whether the images table (each image's sample, grid and sha256) could be read: a rerun feeds nothing else."""
-    return all(name in tables for name in (IMAGE_SAMPLE, IMAGE_GRID, IMAGE_SHA256))
+    names = (IMAGE_SAMPLE, IMAGE_GRID, IMAGE_SHA256) + ((VIDEO_SAMPLE, VIDEO_GRID, VIDEO_SHA256) if videos else ())
+    return all(name in tables for name in names)  # ``videos``: a cache with videos needs its videos table too
 
 
 def no_images_table(what: str) -> str:
     """The problem of an image cache whose images table cannot be read, for ``what`` (the check)."""
-    return (f"the cache holds rows with images but its images table (images/sample, images/grid_thw, images/sha256) "
+    return (f"the cache holds rows with images (or videos) but its images table (images/sample, images/grid_thw, "
+            "images/sha256) or videos table "
             f"cannot be read, so their images cannot be fed again and {what} stops; run `dspark-cache verify` "
             "alone to see the damage")
 

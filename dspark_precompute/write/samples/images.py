@@ -294,14 +294,15 @@ def load_video(source: str, base: Path | None, video_processor: Any, max_bytes: 
 
 def video_processor_of(model_dir: Path, video: dict[str, Any] | None = None) -> Any | None:
     """The checkpoint's ``AutoVideoProcessor`` with ``video`` (``fps``, ``min_frames``, ``max_frames``,
-    ``min_pixels``/``max_pixels`` as its ``size`` bounds) over its own settings; None where none can run (no
-    torchvision or PyAV: :func:`video_problem`, or the checkpoint has no ``video_preprocessor_config.json``)."""
+    ``min_pixels``/``max_pixels`` as its ``size`` bounds, ``cap_pixels_per_frame``) over its own settings; None
+    where none can run (no torchvision or PyAV: :func:`video_problem`, or the checkpoint has no
+    ``video_preprocessor_config.json``)."""
     if video_problem() is not None or not (model_dir / "video_preprocessor_config.json").is_file():
         return None
     from transformers import AutoVideoProcessor
 
     v = {k: x for k, x in (video or {}).items() if x is not None}
-    kwargs: dict[str, Any] = {k: v[k] for k in ("fps", "min_frames", "max_frames") if k in v}
+    kwargs: dict[str, Any] = {k: v[k] for k in ("fps", "min_frames", "max_frames", "cap_pixels_per_frame") if k in v}
     if "min_pixels" in v or "max_pixels" in v:
         own = AutoVideoProcessor.from_pretrained(model_dir).size  # type: ignore[no-untyped-call]
         kwargs["size"] = {"shortest_edge": v.get("min_pixels", own.shortest_edge),

@@ -72,7 +72,8 @@ class MediaSpec:
 
     def video_keys(self) -> dict[str, Any]:
         """The video processor's keys of ``data.video`` (fps, frames, pixels)."""
-        return {k: v for k, v in self.video if k in ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels")}
+        keys = ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels", "cap_pixels_per_frame")
+        return {k: v for k, v in self.video if k in keys}
 
 
 class MediaEncoder:

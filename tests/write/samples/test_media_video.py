@@ -182,6 +182,8 @@ def test_video_limits_are_config_keys_that_change_the_grid_and_enter_the_identit
     assert few.images.video_grid_thw[0, 0] == 2 < many.images.video_grid_thw[0, 0]  # 4 frames: 2 frame pairs
     small_px, _ = encode(vl_dir, data_dir, sharegpt_row(), video=(("max_pixels", 8 * 32 * 32),))
     assert small_px.images.video_grid_thw[0, 1:].prod() < many.images.video_grid_thw[0, 1:].prod()
+    capped, _ = encode(vl_dir, data_dir, sharegpt_row(), video=(("cap_pixels_per_frame", True),))
+    assert isinstance(capped, Encoded) and capped.images.video_grid_thw[0, 0] == many.images.video_grid_thw[0, 0]
     rows = data_dir / "rows.jsonl"
     rows.write_text(json.dumps(sharegpt_row()) + "\n")
     base = small(data_dir, f"model.path={vl_dir}", f"data.path={rows}")
