@@ -430,3 +430,29 @@ def test_a_dry_run_of_rows_with_videos_counts_the_tables_files_and_positions_a_r
     assert_inventory_matches(plan, result)
     assert plan.images == 0 and plan.videos == 2 and plan.image_table_bytes == 2 * (8 + 3 * 4 + 32)
     assert "(0 images, 2 videos)" in dict(plan.rows())["other files"]
+
+
+def test_a_processor_whose_video_expansion_is_not_the_videos_pads_and_inserted_tokens_is_a_template_error(
+        vl_dir, data_dir):
+    """The render check allows inside a video's span only its grid's pads and what the processor inserts between
+    them: a pad short, or an image pad inside it, and the row is a template_error reject."""
+    spec, enc = encoder(vl_dir, data_dir)
+    processor = enc.media.processor
+    vt = enc.media.vision
+    own = type(processor).__call__
+    for bad in ("one pad short", "an image pad inside"):
+        def altered(self, *a, _bad=bad, **k):
+            out = own(self, *a, **k)
+            ids = out["input_ids"]
+            at = int((ids[0] == vt.video).nonzero()[0])
+            if _bad == "one pad short":
+                out["input_ids"] = torch.cat([ids[:, :at], ids[:, at + 1:]], dim=1)
+            else:
+                ids[0, at] = vt.image
+            return out
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(processor), "__call__", altered)
+            e = spec.encode(enc, RawRow(0, 1, record=sharegpt_row(), file="rows.jsonl"), 0)
+        assert isinstance(e, Reject) and e.reason == "template_error" and "video pads" in e.message, bad
+    assert isinstance(spec.encode(enc, RawRow(0, 1, record=sharegpt_row(), file="rows.jsonl"), 0), Encoded)
