@@ -31,6 +31,7 @@ from dspark_precompute.contract.spec import (
     SAMPLE_ARRAYS,
     TOKEN_ARRAYS,
     UNIT_ARRAYS,
+    VIDEO_ARRAYS,
     array_layer_id,
     final_state,
     is_int,
@@ -203,6 +204,10 @@ def expected_arrays(m: Manifest) -> dict[str, ExpectedArray]:
         for name, (image_dt, width) in IMAGE_ARRAYS.items():
             shape = (m.media.images,) + (() if width is None else (width,))
             out[name] = ExpectedArray(np.dtype(image_dt), shape, None, {}, "media.images", separator=sep)
+        if m.media.videos:  # a cache with videos: the videos/* tables, the columns of the image tables
+            for name, (video_dt, width) in VIDEO_ARRAYS.items():
+                shape = (m.media.videos,) + (() if width is None else (width,))
+                out[name] = ExpectedArray(np.dtype(video_dt), shape, None, {}, "media.videos", separator=sep)
     return out
 
 

@@ -42,6 +42,7 @@ from dspark_precompute.contract.spec import (
     MANIFEST,
     MAX_RECORD_BYTES,
     SCALE_GROUP,
+    VIDEO_GROUP,
 )
 from dspark_precompute.contract.store import CacheStore, open_regular
 from dspark_precompute.errors import CacheFormatError, ChecksumError, DamagedShardError, NotRegularFileError
@@ -509,7 +510,8 @@ def group_problems(store: CacheStore, m: Manifest, zstore: Any = None) -> list[s
     ``format_version`` and the manifest file; ``samples``, ``units``, ``hidden_states`` (and ``hidden_scales``
     with an fp8 array; ``images`` in an image cache) are groups. A reader of this package goes by the manifest; plain
     zarr starts here."""
-    names = ["", *(g for g in GROUPS if g != SCALE_GROUP or m.scale_arrays), *([IMAGE_GROUP] if m.media else [])]
+    names = ["", *(g for g in GROUPS if g != SCALE_GROUP or m.scale_arrays), *([IMAGE_GROUP] if m.media else []),
+             *([VIDEO_GROUP] if m.media and m.media.videos else [])]
     keys = [f"{g}/zarr.json" if g else "zarr.json" for g in names]
     problems = []
     for g, key, blob in zip(names, keys, get_many(store, zstore, keys, [MAX_JSON_BYTES] * len(keys))):

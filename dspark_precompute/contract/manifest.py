@@ -233,6 +233,12 @@ FIELDS: tuple[Field, ...] = (
           lo=_TOKENS[0], hi=_TOKENS[1], since=3),
     Field("media.spatial_merge_size", Kind.INT, "patches merged per side into one image pad: a sample holds "
           "sum(t x h x w) / merge^2 pads", lo=1, hi=1 << 10, since=3),
+    Field("media.video_token_id", Kind.INT, "caches with videos only: the video pad id (one per merged patch of a "
+          "frame pair)", required=False, lo=0, hi=MAX_VOCAB_SIZE, since=3),
+    Field("media.samples_with_videos", Kind.INT, "caches with videos only: stored samples holding at least one "
+          "video", required=False, lo=_TOKENS[0], hi=_TOKENS[1], since=3),
+    Field("media.videos", Kind.INT, "caches with videos only: rows of the videos/* tables (every video kept after "
+          "truncation); absent: no videos/* tables", required=False, lo=_TOKENS[0], hi=_TOKENS[1], since=3),
     Field("bytes_per_token", Kind.INT, "raw bytes per real token (ids, mask, hidden arrays, fp8 scales)",
           required=False, derived=True),
     Field("target_hidden_dim", Kind.INT, "H x len(layer_ids) (NeMo's name)", required=False, derived=True),
@@ -370,6 +376,9 @@ class MediaInfo:
     samples_with_images: int
     images: int
     spatial_merge_size: int = 2
+    video_token_id: int | None = None  # a cache with videos: the video pad, its counts, its videos/* tables
+    samples_with_videos: int | None = None
+    videos: int | None = None
 
 
 @dataclass(frozen=True)
@@ -547,6 +556,8 @@ class Manifest:
                 continue
             if isinstance(v, RunProvenance):
                 out[f.name] = v.to_json()
+            elif isinstance(v, MediaInfo):  # the video keys only where the cache holds videos
+                out[f.name] = {k: x for k, x in dataclasses.asdict(v).items() if x is not None}
             elif dataclasses.is_dataclass(v) and not isinstance(v, type):
                 out[f.name] = dataclasses.asdict(v)
             else:
@@ -921,6 +932,19 @@ def _rule_media(c: _Checked) -> list[str]:
     if c.ok("media.image_token_id", "media.vision_token_ids") and c["media.image_token_id"] not in c[
             "media.vision_token_ids"]:
         p.append(f"manifest media.image_token_id = {c['media.image_token_id']} is not among media.vision_token_ids")
+    vkeys = ("media.samples_with_videos", "media.videos", "media.video_token_id")
+    present = [k for k in vkeys if c.get(k) is not None]
+    if present and len(present) != len(vkeys):
+        p.append(f"manifest names {present} but not {[k for k in vkeys if k not in present]} (a cache with videos "
+                 "records all three)")
+    elif present and c.ok(*vkeys):
+        with_videos, videos = int(c["media.samples_with_videos"]), int(c["media.videos"])
+        if videos < with_videos or (with_videos == 0) != (videos == 0):
+            p.append(f"manifest media.videos = {videos} cannot fill media.samples_with_videos = {with_videos} (each "
+                     "such sample holds at least one video)")
+        if c.ok("media.vision_token_ids") and c["media.video_token_id"] not in c["media.vision_token_ids"]:
+            p.append(f"manifest media.video_token_id = {c['media.video_token_id']} is not among "
+                     "media.vision_token_ids")
     return p
 
 

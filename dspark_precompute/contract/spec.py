@@ -74,8 +74,13 @@ IMAGE_SAMPLE, IMAGE_GRID, IMAGE_SHA256 = "images/sample", "images/grid_thw", "im
 # the per-image tables of an image cache: name -> (dtype, row width; None: 1-D)
 IMAGE_ARRAYS: dict[str, tuple[type[np.generic], int | None]] = {
     IMAGE_SAMPLE: (np.int64, None), IMAGE_GRID: (np.int32, 3), IMAGE_SHA256: (np.uint8, 32)}
-TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS, *IMAGE_ARRAYS)
-GROUPS = ("samples", "units", HIDDEN_GROUP, SCALE_GROUP)  # an image cache also has IMAGE_GROUP
+VIDEO_GROUP = "videos"
+VIDEO_SAMPLE, VIDEO_GRID, VIDEO_SHA256 = "videos/sample", "videos/grid_thw", "videos/sha256"
+# the per-video tables of a cache holding videos (manifest media.videos > 0): the columns of the image tables
+VIDEO_ARRAYS: dict[str, tuple[type[np.generic], int | None]] = {
+    VIDEO_SAMPLE: (np.int64, None), VIDEO_GRID: (np.int32, 3), VIDEO_SHA256: (np.uint8, 32)}
+TABLES = (*SAMPLE_ARRAYS, *UNIT_ARRAYS, *IMAGE_ARRAYS, *VIDEO_ARRAYS)
+GROUPS = ("samples", "units", HIDDEN_GROUP, SCALE_GROUP)  # an image cache also has IMAGE_GROUP (and VIDEO_GROUP)
 KEY_SEPARATOR = "."  # format 2 chunk keys: ``c.3.0``, files beside each other (format 1: ``c/3/0``, a dir each)
 COORD = "coord"  # failure markers of a multi-rank job
 WINDOW = "window"  # a streamed cache's window records (contract/window.py)
@@ -88,6 +93,7 @@ LOCK = ".writer.lock"
 OWN_ENTRIES = frozenset({
     "zarr.json", MANIFEST, WEIGHTS, REJECTS, COMMITS, COORD, HYDRA_RECORD, LOCK,
     INPUT_IDS, LOSS_MASK, HIDDEN_GROUP, SCALE_GROUP, "samples", "units", WINDOW, POSITION_IDS, IMAGE_GROUP,
+    VIDEO_GROUP,
 })
 
 
@@ -130,6 +136,7 @@ _STATE_FILES = rf"(zarr\.json|zarr\.[0-9a-f]{{32}}\.partial|{_STATE_NAMES}/{_ARR
 _OWN_NESTED = {
     INPUT_IDS: re.compile(rf"^{_ARRAY_FILES}$"), LOSS_MASK: re.compile(rf"^{_ARRAY_FILES}$"),
     POSITION_IDS: re.compile(rf"^{_ARRAY_FILES}$"), IMAGE_GROUP: re.compile(rf"^{_GROUP_FILES}$"),
+    VIDEO_GROUP: re.compile(rf"^{_GROUP_FILES}$"),
     HIDDEN_GROUP: re.compile(rf"^{_STATE_FILES}$"), SCALE_GROUP: re.compile(rf"^{_STATE_FILES}$"),
     "samples": re.compile(rf"^{_GROUP_FILES}$"), "units": re.compile(rf"^{_GROUP_FILES}$"),
     COMMITS: re.compile(r"^(u\d{6,}|tokens)\.json$"), COORD: re.compile(r"^[^/]+/failed-\d+\.json$"),

@@ -179,7 +179,14 @@ class RejectReason(StrEnum):
     IMAGE_TOO_LARGE = "image_too_large"
     """An image file over 64 MiB, or with more pixels than data.image.max_input_pixels."""
     VIDEO_UNSUPPORTED = "video_unsupported"
-    """A video part or <video> placeholder: the video processors need torchvision, absent here."""
+    """A video part or <video> placeholder where no video processor runs: transformers' video processors need
+    torchvision (and decoding needs PyAV), or the checkpoint has no video processor."""
+    VIDEO_MISSING = "video_missing"
+    """A video the row names cannot be read (no such file, a web or data: URL, more placeholders than videos)."""
+    VIDEO_UNDECODABLE = "video_undecodable"
+    """A video whose bytes do not decode (not a video, a truncated or broken file)."""
+    VIDEO_TOO_LARGE = "video_too_large"
+    """A video file over data.video.max_bytes, or with more frames than data.video.max_input_frames."""
     NONFINITE = "nonfinite_hidden_states"
     """NaN or Inf in a stored state, found after the forward; the sample is dropped from the cache."""
 

@@ -51,6 +51,9 @@ from dspark_precompute.contract.spec import (
     LOSS_MASK,
     POSITION_IDS,
     PRE_NORM,
+    VIDEO_GRID,
+    VIDEO_SAMPLE,
+    VIDEO_SHA256,
     WEIGHTS,
 )
 from dspark_precompute.contract.vocab import StorageDtype
@@ -121,8 +124,11 @@ class CacheReader:
         self._source_row, self._untruncated = t["samples/source_row"], t["samples/untruncated_length"]
         # an image cache: each image's sample, grid and content hash (empty for a text cache)
         self._image_sample = t.get(IMAGE_SAMPLE, np.zeros(0, dtype=np.int64))
-        self._image_grid = t.get(IMAGE_GRID, np.zeros((0, 3), dtype=np.int32))
+        self._image_grid = t.get(IMAGE_GRID, np.zeros((0, 3), dtype=np.int32)).reshape(-1, 3)
         self._image_sha = t.get(IMAGE_SHA256, np.zeros((0, 32), dtype=np.uint8))
+        self._video_sample = t.get(VIDEO_SAMPLE, np.zeros(0, dtype=np.int64))  # a cache with videos: the same
+        self._video_grid = t.get(VIDEO_GRID, np.zeros((0, 3), dtype=np.int32)).reshape(-1, 3)
+        self._video_sha = t.get(VIDEO_SHA256, np.zeros((0, 32), dtype=np.uint8))
         self.has_positions: bool = POSITION_IDS in opened.metas  # position_ids stored (an M-RoPE image cache)
         units = _units if _units is not None else (
             None if m.complete and not opened.released else sorted(opened.committed - opened.released))
@@ -274,8 +280,17 @@ class CacheReader:
         return out
 
     def image_rows(self) -> np.ndarray:
-        """The readable samples (indices ``i``) that hold an image: empty for a text cache."""
-        return np.flatnonzero(np.isin(self.indices, self._image_sample)).astype(np.int64)
+        """The readable samples (indices ``i``) that hold an image or a video: empty for a text cache."""
+        held = np.concatenate([self._image_sample, self._video_sample])
+        return np.flatnonzero(np.isin(self.indices, held)).astype(np.int64)
+
+    def videos(self, i: int) -> dict[str, Any]:
+        """Sample ``i``'s videos, in order: ``grid_thw`` int64 [n, 3] (the video processor's grid of each: frame
+        pairs, height and width in patches) and ``sha256`` (of each video file's bytes); none where it holds none."""
+        s = self._resolve(i)
+        lo, hi = np.searchsorted(self._video_sample, [s, s + 1])
+        return {"grid_thw": self._video_grid[lo:hi].astype(np.int64),
+                "sha256": [bytes(row).hex() for row in self._video_sha[lo:hi]]}
 
     def images(self, i: int) -> dict[str, Any]:
         """Sample ``i``'s images, in order: ``grid_thw`` int64 [n, 3] (the processor's patch grid of each) and

@@ -30,6 +30,7 @@ from dspark_precompute.contract.spec import (
     SAMPLE_ARRAYS,
     TOKEN_ARRAYS,
     UNIT_ARRAYS,
+    VIDEO_SAMPLE,
 )
 from dspark_precompute.contract.vocab import StorageDtype
 from dspark_precompute.errors import DsparkError
@@ -133,6 +134,7 @@ class DryRunPlan:
     table_bytes: int = 0
     image_table_bytes: int = 0  # an image cache's images/* tables (each image's sample, grid, sha256)
     images: int | None = None  # an image cache's image count; None: a text cache (no images group)
+    videos: int = 0  # a cache with videos: their count (the videos/* tables, in image_table_bytes)
     weights_file_bytes: int = 0
     rejects_file_bytes: int = 0
     raw_bytes: int = 0
@@ -169,7 +171,8 @@ class DryRunPlan:
         pad = 100.0 * (self.forward_tokens - self.tokens) / max(1, self.forward_tokens)
         arrays = ", ".join(f"{a.name} {a.row_bytes} B" for a in self.arrays)
         images = "" if self.images is None else \
-            f"{self.image_table_bytes:,} B of image tables ({self.images:,} images), "
+            f"{self.image_table_bytes:,} B of image tables ({self.images:,} images" + (
+                f", {self.videos:,} videos" if self.videos else "") + "), "
         return [
             ("storage.path", f"{self.path} ({self.storage_state})"),
             ("target", self.target),
@@ -317,9 +320,12 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
         estimate_note=estimate_note(cfg.storage, notes), parameters=params, tokens_per_second=rate,
         rate_note=rate_note, estimated_seconds=seconds,
     )
-    files = inventory(len(plan.specs), u, n, any(spec.scale_of for spec in plan.specs), images=images)
+    videos = len(image_tables(tok.images).get(VIDEO_SAMPLE, ())) if plan.media is not None else 0
+    files = inventory(len(plan.specs), u, n, any(spec.scale_of for spec in plan.specs), images=images,
+                      videos=videos)
     hidden_raw = sum(a.raw_bytes for a in arrays if a.name not in (INPUT_IDS, LOSS_MASK, POSITION_IDS))
     out.files, out.directories, out.entries_per_tb = files.files, files.directories, files.per_tb(hidden_raw)
+    out.videos = videos
     out.weight_bytes, out.rank_weight_bytes, out.weights_layout = weights_per_rank(plan)
     _weights_facts(plan, out)
     for k, v in out.rows():
@@ -331,8 +337,8 @@ def dry_run(cfg: PrecomputeConfig) -> DryRunPlan:
 
 
 def image_table_facts(plan: Plan, tok: Tokenized) -> tuple[int | None, int]:
-    """(images, raw bytes of the images/* tables) of an image cache, from the tables the run writes; (None, 0) for
-    a text cache."""
+    """(images, raw bytes of the images/* and videos/* tables) of an image cache, from the tables the run writes;
+    (None, 0) for a text cache."""
     if plan.media is None:
         return None, 0
     tables = image_tables(tok.images)

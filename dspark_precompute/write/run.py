@@ -34,6 +34,7 @@ from dspark_precompute.contract.spec import (
     REJECTS,
     TOKEN_DIGESTS,
     TOKENS_FIRST,
+    VIDEO_SAMPLE,
     WEIGHTS,
 )
 from dspark_precompute.contract.store import CacheStore, is_url
@@ -317,7 +318,8 @@ class _Run:
             log.warning("%s: deleting the existing cache in %s", "overwrite=true" if self.cfg.overwrite
                         else "restarting an allocation that was interrupted", plan.path)
             resume.clear(store)
-        fresh = plan.manifest(layout, samples.counts, image_samples=samples.tables.get(IMAGE_SAMPLE))
+        fresh = plan.manifest(layout, samples.counts, image_samples=samples.tables.get(IMAGE_SAMPLE),
+                              video_samples=samples.tables.get(VIDEO_SAMPLE))
         attrs = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "manifest": MANIFEST}
         try:
             allocate(store, plan.specs, layout, plan.cfg.storage, samples.tables, attrs)
@@ -348,7 +350,8 @@ class _Run:
         if ranks.main:
             _put(self.store, TOKEN_DIGESTS, samples.tokens.to_bytes(), plan.cfg.storage.fsync)
             resume.rebind_tokens(self.store, samples.tokens, plan.cfg.storage.fsync)
-            m = plan.manifest(layout, samples.counts, created, samples.tables.get(IMAGE_SAMPLE))
+            m = plan.manifest(layout, samples.counts, created, samples.tables.get(IMAGE_SAMPLE),
+                              samples.tables.get(VIDEO_SAMPLE))
             m.tokens_stored = True
             _write_manifest(self.store, m)
         self.timing["store_tokens_s"] = time.perf_counter() - t0
@@ -389,7 +392,8 @@ class _Run:
             counts = _dropped_counts(counts, samples, dropped, plan)
             _put(store, REJECTS, _with_dropped(samples.rejects(), samples.tables, dropped), plan.cfg.storage.fsync)
         self.timing["wall_s"] = time.perf_counter() - self.t_start
-        final = plan.manifest(layout, counts, created, samples.tables.get(IMAGE_SAMPLE))
+        final = plan.manifest(layout, counts, created, samples.tables.get(IMAGE_SAMPLE),
+                              samples.tables.get(VIDEO_SAMPLE))
         final.tokens_stored = True
         if dropped:
             final.dropped_samples = sorted(dropped)

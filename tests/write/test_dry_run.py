@@ -40,7 +40,8 @@ def stored_bytes(path: str) -> dict[str, int]:
                    for f in (Path(path) / n).iterdir() if f.name.startswith("c.")) for n in names}
     return {"token_arrays": sum(rows[n] * row[n] for n in names),
             "tables": sum(g[n].shape[0] * g[n].dtype.itemsize for n in TABLES),
-            "image_tables": sum(int(np.prod(g[n].shape)) * g[n].dtype.itemsize for n in fmt.IMAGE_ARRAYS if n in g),
+            "image_tables": sum(int(np.prod(g[n].shape)) * g[n].dtype.itemsize
+                                for n in (*fmt.IMAGE_ARRAYS, *fmt.VIDEO_ARRAYS) if n in g),
             "weights": (Path(path) / fmt.WEIGHTS).stat().st_size,
             "rejects": (Path(path) / fmt.REJECTS).stat().st_size}
 

@@ -250,8 +250,8 @@ def _one_axis_positions(c: CacheReader, i: int, n: int) -> bool:
 
 def image_rows(c: CacheReader, cut: np.ndarray, keep_row: np.ndarray, loader: str, skip_image_rows: bool) -> \
         np.ndarray:
-    """The kept samples an export must leave out because they hold images whose positions the trainer cannot
-    reproduce (empty for a text cache).
+    """The kept samples an export must leave out because they hold images (or videos) whose positions the trainer
+    cannot reproduce (empty for a text cache).
 
     Every trainer here builds its draft's positions from the ids alone as 0, 1, 2, ... (``loader`` says where, in
     its own code) and reads no pixels, grids or positions; the states already hold the vision features. So an
@@ -267,7 +267,8 @@ def image_rows(c: CacheReader, cut: np.ndarray, keep_row: np.ndarray, loader: st
     if len(moved) and not skip_image_rows:
         axes = c.manifest.media.position_axes if c.manifest.media is not None else "several"
         raise ExportError(
-            f"{c.path} holds {len(moved)} of {len(c)} samples with images whose positions are not 0, 1, 2, ...: the "
+            f"{c.path} holds {len(moved)} of {len(c)} samples with images or videos whose positions are not 0, 1, 2, "
+            "...: the "
             f"target's multi-axis rotary (M-RoPE, position_ids of {axes} axes) moved them. {loader}, so its draft "
             "would train on positions the target never gave those tokens. Pass skip_image_rows=True "
             "(--skip-image-rows) to export the other rows (the count left out is recorded in the export's marker); "

@@ -45,6 +45,10 @@ from dspark_precompute.contract.spec import (
     TOKEN_ARRAYS,
     TOKEN_DIGESTS,
     UNIT_ARRAYS,
+    VIDEO_ARRAYS,
+    VIDEO_GRID,
+    VIDEO_GROUP,
+    VIDEO_SAMPLE,
     WEIGHTS,
     is_own_temporary_key,
 )
@@ -78,12 +82,14 @@ class Context:
     supervised: np.ndarray | None = None
     mask_ok: bool = True
     image_pads: np.ndarray | None = None  # an image cache: image pad tokens counted per sample in input_ids
+    video_pads: np.ndarray | None = None  # a cache with videos: video pad tokens counted per sample
     ids_ok: bool = True  # every readable unit's input_ids decoded (the pad counts are whole)
 
     @property
     def arrays(self) -> dict[str, ArrayMeta]:
         """The token arrays (ids, mask, hidden states) whose metadata passed."""
-        return {k: v for k, v in self.metas.items() if k not in TABLES and k not in IMAGE_ARRAYS}
+        return {k: v for k, v in self.metas.items() if k not in TABLES and k not in IMAGE_ARRAYS
+                and k not in VIDEO_ARRAYS}
 
     def table(self, name: str) -> np.ndarray:
         return self.tables[name].astype(np.int64)
@@ -287,13 +293,14 @@ def check_entries(ctx: Context) -> None:
     exactly its listed entries (a stray shard past the last unit, a chunk key no array has, a leftover file)."""
     assert ctx.m is not None
     m = ctx.m
-    groups = [*GROUPS, *([IMAGE_GROUP] if m.media is not None else [])]
+    groups = [*GROUPS, *([IMAGE_GROUP] if m.media is not None else []),
+              *([VIDEO_GROUP] if m.media is not None and m.media.videos else [])]
     listed = {f"{g}/zarr.json" for g in groups} | {TOKEN_DIGESTS} | {commit_key(u) for u in range(m.layout.num_units)}
     for name, meta in ctx.metas.items():
         per = int(meta.shard_chunks or 1)
         listed |= {f"{name}/zarr.json", *(meta.object_key(c) for c in range(0, meta.num_chunks, per))}
     unchecked = tuple(f"{n}/" for n in expected_arrays(m) if n not in ctx.metas)  # already reported as broken
-    tops = [*TOKEN_ARRAYS, POSITION_IDS, *GROUPS, IMAGE_GROUP, COMMITS]
+    tops = [*TOKEN_ARRAYS, POSITION_IDS, *GROUPS, IMAGE_GROUP, VIDEO_GROUP, COMMITS]
     for key in ctx.store.file_keys(t for t in tops if ctx.store.exists(t)):
         if key in listed or is_own_temporary_key(key) or key.startswith(unchecked) or (
                 key.startswith(f"{COMMITS}/") and parse_commit_key(key) is not None):  # past the units: check_commits
@@ -331,6 +338,7 @@ def check_chunks(ctx: Context) -> None:
     where = SampleIndex(start, length) if ctx.offsets_ok else None
     ctx.supervised = np.zeros(len(start), dtype=np.int64)
     ctx.image_pads = np.zeros(len(start), dtype=np.int64) if ctx.m.media is not None else None
+    ctx.video_pads = np.zeros(len(start), dtype=np.int64) if ctx.m.media is not None and ctx.m.media.videos else None
     ctx.mask_ok = LOSS_MASK in ctx.arrays
     ctx.ids_ok = INPUT_IDS in ctx.arrays
     total = ctx.m.layout.total_token_slots
@@ -445,6 +453,8 @@ def _check_values(ctx: Context, name: str, idx: tuple[int, ...], data: np.ndarra
                                   f"outside the vocabulary [0, {vocab})", array=name, chunk=idx, sample=int(s), unit=u)
             if ctx.image_pads is not None and ctx.m.media is not None:
                 ctx.image_pads[s] += int((part == ctx.m.media.image_token_id).sum())
+            if ctx.video_pads is not None and ctx.m.media is not None:
+                ctx.video_pads[s] += int((part == ctx.m.media.video_token_id).sum())
         elif name == POSITION_IDS:
             if (part < 0).any() or (part >= ctx.m.seq_length).any():  # a position never passes its token's index
                 bad.add(Check.values, f"array {name!r} chunk {idx}: sample {s} has positions outside [0, "
@@ -463,35 +473,48 @@ def _check_values(ctx: Context, name: str, idx: tuple[int, ...], data: np.ndarra
 
 
 def check_images(ctx: Context) -> None:
-    """An image cache: its images/* tables name stored samples in order, the manifest counts them, and each
-    readable sample holds exactly sum(t x h x w) / merge^2 image pads for its images' grids."""
+    """An image cache: its images/* tables (and a cache with videos its videos/* tables) name stored samples in
+    order, the manifest counts them, and each readable sample holds exactly sum(t x h x w) / merge^2 image (video)
+    pads for its images' (videos') grids."""
     assert ctx.m is not None
     media = ctx.m.media
-    if media is None or not all(n in ctx.tables for n in IMAGE_ARRAYS):
+    if media is None:
         return
-    sample, grid = ctx.table(IMAGE_SAMPLE), ctx.table(IMAGE_GRID)
+    if all(n in ctx.tables for n in IMAGE_ARRAYS):
+        _check_media(ctx, "image", IMAGE_SAMPLE, IMAGE_GRID, media.samples_with_images, media.image_token_id,
+                     ctx.image_pads)
+    if media.videos and all(n in ctx.tables for n in VIDEO_ARRAYS):
+        _check_media(ctx, "video", VIDEO_SAMPLE, VIDEO_GRID, int(media.samples_with_videos or 0),
+                     int(media.video_token_id or 0), ctx.video_pads)
+
+
+def _check_media(ctx: Context, kind: str, sample_table: str, grid_table: str, samples_with: int, pad_id: int,
+                 pads: np.ndarray | None) -> None:
+    assert ctx.m is not None and ctx.m.media is not None
+    media = ctx.m.media
+    sample, grid = ctx.table(sample_table), ctx.table(grid_table).reshape(-1, 3)  # (0,) when none was written
     stored, bad = ctx.m.stored_samples, ctx.bad
     if len(sample) and (sample.min() < 0 or sample.max() >= stored or (np.diff(sample) < 0).any()):
-        bad.add(Check.values, f"table {IMAGE_SAMPLE!r} names samples outside [0, {stored}) or out of order",
-                array=IMAGE_SAMPLE)
+        bad.add(Check.values, f"table {sample_table!r} names samples outside [0, {stored}) or out of order",
+                array=sample_table)
         return
     if (grid <= 0).any():
-        bad.add(Check.values, f"table {IMAGE_GRID!r} holds a grid with a side <= 0", array=IMAGE_GRID)
+        bad.add(Check.values, f"table {grid_table!r} holds a grid with a side <= 0", array=grid_table)
         return
-    if len(np.unique(sample)) != media.samples_with_images:
-        bad.add(Check.counts, f"manifest media.samples_with_images = {media.samples_with_images}, table "
-                              f"{IMAGE_SAMPLE!r} names {len(np.unique(sample))}")
-    if ctx.image_pads is None or not ctx.ids_ok or not ctx.offsets_ok:
+    if len(np.unique(sample)) != samples_with:
+        bad.add(Check.counts, f"manifest media.samples_with_{kind}s = {samples_with}, table "
+                              f"{sample_table!r} names {len(np.unique(sample))}")
+    if pads is None or not ctx.ids_ok or not ctx.offsets_ok:
         return
     want = np.zeros(stored, dtype=np.int64)
     np.add.at(want, sample, grid.prod(axis=1) // media.spatial_merge_size ** 2)
     readable = np.flatnonzero(np.isin(ctx.table("samples/unit"), ctx.readable_units))
-    wrong = readable[ctx.image_pads[readable] != want[readable]]
+    wrong = readable[pads[readable] != want[readable]]
     for s in wrong[:8]:
-        bad.add(Check.values, f"sample {int(s)} holds {int(ctx.image_pads[s])} image pad tokens (id "
-                              f"{media.image_token_id}), its grids in {IMAGE_GRID!r} give {int(want[s])} "
-                              f"(sum(t*h*w) / {media.spatial_merge_size}^2): the ids or the image tables were "
-                              "altered", array=IMAGE_GRID, sample=int(s))
+        bad.add(Check.values, f"sample {int(s)} holds {int(pads[s])} {kind} pad tokens (id "
+                              f"{pad_id}), its grids in {grid_table!r} give {int(want[s])} "
+                              f"(sum(t*h*w) / {media.spatial_merge_size}^2): the ids or the {kind} tables were "
+                              "altered", array=grid_table, sample=int(s))
 
 
 def check_counts(ctx: Context) -> None:

@@ -282,6 +282,53 @@ class ImageConfig:
 
 
 @dataclass
+class VideoConfig:
+    """How rows with videos are read when the target is an image-text checkpoint whose processor has a video
+    processor (transformers' need torchvision, decoding needs PyAV: ``pip install 'dspark-precompute[video]'``).
+    Every key set is part of the identity; null keeps the checkpoint's ``video_preprocessor_config.json``."""
+
+    fps: float | None = None
+    """Frames sampled per second of video (Qwen3-VL's ``fps``)."""
+    min_frames: int | None = None
+    """The fewest frames sampled from a video."""
+    max_frames: int | None = None
+    """The most frames sampled from a video."""
+    min_pixels: int | None = None
+    """The video processor's lower resize bound (``size.shortest_edge``: pixels of all sampled frames together)."""
+    max_pixels: int | None = None
+    """The video processor's upper resize bound (``size.longest_edge``: fewer vision tokens per video)."""
+    cap_pixels_per_frame: bool | None = None
+    """Qwen3-VL's per-frame pixel cap of the reference implementation (qwen-vl-utils): true caps each frame, so a
+    video's tokens grow with its duration; null: the checkpoint's setting (transformers 5.24: uncapped, with a
+    warning)."""
+    max_bytes: int | None = None
+    """A video file larger than this is a video_too_large reject, never decoded; null: 256 MiB."""
+    max_input_frames: int | None = None
+    """A video whose stream holds more frames is a video_too_large reject before it is decoded; null: 100,000."""
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("min_frames", "max_frames", "min_pixels", "max_pixels", "max_bytes", "max_input_frames"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                out.append(f"data.video.{name}={v!r} must be a positive integer or null")
+        if self.fps is not None and (isinstance(self.fps, bool) or not isinstance(self.fps, int | float)
+                                     or not self.fps > 0):
+            out.append(f"data.video.fps={self.fps!r} must be a positive number or null")
+        if self.cap_pixels_per_frame is not None and not isinstance(self.cap_pixels_per_frame, bool):
+            out.append(f"data.video.cap_pixels_per_frame={self.cap_pixels_per_frame!r} must be true, false or null")
+        for lo, hi in (("min_frames", "max_frames"), ("min_pixels", "max_pixels")):
+            a, b = getattr(self, lo), getattr(self, hi)
+            if isinstance(a, int) and isinstance(b, int) and a > b:
+                out.append(f"data.video.{lo}={a} is above data.video.{hi}={b}")
+        return out
+
+    def identity(self) -> dict[str, Any]:
+        """The keys set (a cache written before they existed keeps its hash)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass
 class DataConfig:
     """The chat dataset and how its conversations become tokens and loss masks."""
 
@@ -326,9 +373,12 @@ class DataConfig:
     image: ImageConfig = field(default_factory=ImageConfig)
     """Rows with images (OpenAI image parts, or <image> placeholders and an images list; relative paths resolve
     against the data file's folder): the processor's pixel limits."""
+    video: VideoConfig = field(default_factory=VideoConfig)
+    """Rows with videos (OpenAI video_url/video parts, or <video> placeholders and a videos list): the video
+    processor's frame sampling and pixel limits, and what is decoded at all."""
 
     def problems(self) -> list[str]:
-        out = self.image.problems()
+        out = self.image.problems() + self.video.problems()
         if self.num_workers is not None and self.num_workers < 0:
             out.append(f"data.num_workers={self.num_workers} must be >= 0 (0 tokenizes in this process) or null")
         if self.on_nonfinite not in ON_NONFINITE:

@@ -144,14 +144,18 @@ class Plan:
     media: MediaSpec | None = None  # an image-text target: rows with images go through its processor
 
     def manifest(self, layout: Layout, counts: Counts, created_at: str = "",
-                 image_samples: Any = None) -> Manifest:
+                 image_samples: Any = None, video_samples: Any = None) -> Manifest:
         """The cache's manifest for this plan (incomplete until the run marks it complete); ``image_samples``: the
-        ``images/sample`` table of an image cache (its media section counts it)."""
+        ``images/sample`` table of an image cache (its media section counts it); ``video_samples``: the
+        ``videos/sample`` table where a sample keeps a video."""
         t, m = self.target, self.media
+        videos = video_samples is not None and len(video_samples) > 0
         media = None if m is None else MediaInfo(
             m.image_token_id, list(m.vision_token_ids), m.position_axes,
             len(np.unique(image_samples)) if image_samples is not None else 0,
-            len(image_samples) if image_samples is not None else 0, m.spatial_merge_size)
+            len(image_samples) if image_samples is not None else 0, m.spatial_merge_size,
+            m.video_token_id if videos else None, len(np.unique(video_samples)) if videos else None,
+            len(video_samples) if videos else None)
         return Manifest(
             config_hash=self.config_hash, identity=self.identity, config=self.cfg.to_dict(),
             target_model=t.path, target_model_type=t.model_type, target_vocab_size=t.vocab_size,
@@ -209,7 +213,7 @@ def prepare(cfg: PrecomputeConfig, fingerprint: bool = True, world: int | None =
     if target is not None:
         problems += sharding.layout_problems(cfg.parallel, target.model_type, target.extra,
                                              cfg.parallel.group if world is None else world)
-        media = media_spec_for(target.local_dir, cfg.data.image)
+        media = media_spec_for(target.local_dir, cfg.data.image, cfg.data.video)
         if media is not None and data_sha:
             images = images_sha256(cfg.data, data_root(str(cfg.data.path)))
         if images and media is not None and template is not None:
@@ -377,6 +381,7 @@ def cache_identity(cfg: PrecomputeConfig, target: TargetInfo, tokenizer: Any, te
             # only when there are images / a limit is set, so every text cache keeps its hash
             **({"images_sha256": images_sha} if images_sha else {}),
             **({"image": cfg.data.image.identity()} if cfg.data.image.identity() else {}),
+            **({"video": cfg.data.video.identity()} if cfg.data.video.identity() else {}),
         },
         "seq_length": cfg.seq_length,
         "layer_ids": layer_ids,

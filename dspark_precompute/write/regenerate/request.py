@@ -58,11 +58,14 @@ def history_message(m: dict[str, Any], images: InlineImages | None = None) -> di
     """A message as the next request's history sends it: role, content, tool calls and ids (no reasoning); an
     image part goes as OpenAI's ``image_url`` with the image inline (a ``data:`` URL: a server reads no local
     path unless started to, and a ``data:`` URL is what vLLM's and OpenAI's chat APIs both accept), its bytes
-    from ``images`` where it holds them."""
+    from ``images`` where it holds them; a video part goes as vLLM's ``video_url`` the same way (a ``data:video/...``
+    URL of the file's bytes)."""
     content = m.get("content", "")
     if isinstance(content, list):
         part = image_url_part if images is None else images.part
-        content = [part(p["image"]) if p.get("type") == "image" else p for p in content]
+        video = video_url_part if images is None else images.video_part
+        content = [part(p["image"]) if p.get("type") == "image" else video(p["video"]) if p.get("type") == "video"
+                   else p for p in content]
     out: dict[str, Any] = {"role": m["role"], "content": content}
     for key in ("tool_calls", "tool_call_id", "name"):
         if m.get(key) is not None:
@@ -82,6 +85,17 @@ def image_url_part(source: str, data: bytes | None = None) -> dict[str, Any]:
     data = Path(source).read_bytes() if data is None else data
     mime = next((t for magic, t in _MAGIC if data.startswith(magic)), "application/octet-stream")
     return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
+
+
+_VIDEO_MAGIC = ((4, b"ftyp", "video/mp4"), (8, b"AVI ", "video/x-msvideo"), (0, b"\x1a\x45\xdf\xa3", "video/webm"))
+
+
+def video_url_part(source: str, data: bytes | None = None) -> dict[str, Any]:
+    """A video (an absolute path, as a normalized row names it) as a ``video_url`` part with the file inline (what
+    vLLM's OpenAI-compatible chat API takes for a video); ``data``: the file's bytes, already read."""
+    data = Path(source).read_bytes() if data is None else data
+    mime = next((t for at, magic, t in _VIDEO_MAGIC if data[at:at + len(magic)] == magic), "application/octet-stream")
+    return {"type": "video_url", "video_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
 
 
 INLINE_BYTES = 256 << 20  # the most image bytes one regeneration keeps between hashing them and sending them
@@ -123,6 +137,17 @@ class InlineImages:
             data = Path(source).read_bytes()
             self._keep(source, data)
         return image_url_part(source, data)
+
+    def video_part(self, source: str) -> dict[str, Any]:
+        """:func:`video_url_part` of ``source``, from the bytes kept where they still are."""
+        with self._lock:
+            data = self._bytes.get(source)
+            if data is not None:
+                self._bytes.move_to_end(source)
+        if data is None:
+            data = Path(source).read_bytes()
+            self._keep(source, data)
+        return video_url_part(source, data)
 
     def _keep(self, where: str, data: bytes) -> None:
         if len(data) > self.budget:

@@ -26,7 +26,7 @@ from dspark_precompute.write.regenerate.request import InlineImages, Sampling
 from dspark_precompute.write.regenerate.splice import Spliced, empty_answer, splice
 from dspark_precompute.write.regenerate.store import ResumeStore, atomic_write, canonical, row_key
 from dspark_precompute.write.samples.files import resolve_source
-from dspark_precompute.write.samples.images import data_root, image_base, image_sources
+from dspark_precompute.write.samples.images import data_root, image_base, image_sources, video_sources
 from dspark_precompute.write.samples.images import resolve_source as resolve_source_of_image
 from dspark_precompute.write.samples.media import media_spec_for
 from dspark_precompute.write.samples.normalize import Conversation, Reject, normalize
@@ -186,25 +186,34 @@ def asks_images(cfg: PrecomputeConfig) -> bool:
     path = Path(cfg.model.path).expanduser()
     if cfg.model.path == TINY:
         return False
-    return media_spec_for(path, cfg.data.image) is not None if path.is_dir() else True
+    return media_spec_for(path, cfg.data.image, cfg.data.video) is not None if path.is_dir() else True
 
 
 def _with_images(conv: Conversation, base: Path | None, raw: Any, images: InlineImages
                  ) -> tuple[Conversation | Reject, str]:
     """The conversation with every image named absolutely (the regenerated file lives elsewhere; the capture reads
     the images from it again), and the images' content hashes (part of the row's key: a changed image is asked
-    again); a missing image makes the row invalid, as the capture would reject it."""
+    again); a missing image makes the row invalid, as the capture would reject it. Videos alike (their hashes
+    follow the images', marked, so a row of images keeps its key)."""
     sources = [resolve_source_of_image(src, base) for src in image_sources(conv.messages)]
     hashes = [images.sha256(src) for src in sources]
     missing = [src for src, h in zip(sources, hashes, strict=True) if h.startswith("missing:")]
     if missing:
         return Reject(raw.row, RejectReason.IMAGE_MISSING, f"image {missing[0][:200]!r} cannot be read",
                       raw.line, raw.file_row, raw.file), ""
-    it = iter(sources)
-    messages = [{**m, "content": [{"type": "image", "image": next(it)} if p.get("type") == "image" else p
+    clips = [resolve_source_of_image(src, base) for src in video_sources(conv.messages)]
+    clip_hashes = [images.sha256(src) for src in clips]
+    missing = [src for src, h in zip(clips, clip_hashes, strict=True) if h.startswith("missing:")]
+    if missing:
+        return Reject(raw.row, RejectReason.VIDEO_MISSING, f"video {missing[0][:200]!r} cannot be read",
+                      raw.line, raw.file_row, raw.file), ""
+    it, vit = iter(sources), iter(clips)
+    messages = [{**m, "content": [{"type": "image", "image": next(it)} if p.get("type") == "image" else
+                                  {"type": "video", "video": next(vit)} if p.get("type") == "video" else p
                                   for p in m["content"]]} if isinstance(m.get("content"), list) else m
                 for m in conv.messages]
-    return Conversation(messages, conv.tools, media=True), "\0" + "\0".join(hashes)
+    videos = "\0video\0" + "\0".join(clip_hashes) if clip_hashes else ""
+    return Conversation(messages, conv.tools, media=True), "\0" + "\0".join(hashes) + videos
 
 
 def _select(cfg: PrecomputeConfig, store: ResumeStore, images: InlineImages) -> _Selection:

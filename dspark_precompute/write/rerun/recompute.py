@@ -41,6 +41,9 @@ from dspark_precompute.contract.spec import (
     LOSS_MASK,
     POSITION_IDS,
     SAMPLE_ARRAYS,
+    VIDEO_GRID,
+    VIDEO_SAMPLE,
+    VIDEO_SHA256,
 )
 from dspark_precompute.contract.store import CacheStore
 from dspark_precompute.contract.vocab import StorageDtype
@@ -51,7 +54,13 @@ from dspark_precompute.write.config.schema import TINY, PrecomputeConfig
 from dspark_precompute.write.plan.prepare import Plan, prepare, row_encoder
 from dspark_precompute.write.samples.chat import Encoded
 from dspark_precompute.write.samples.files import resolve_source as resolve_data_source
-from dspark_precompute.write.samples.images import SampleImages, content_sha256, image_base, image_sources
+from dspark_precompute.write.samples.images import (
+    SampleImages,
+    content_sha256,
+    image_base,
+    image_sources,
+    video_sources,
+)
 from dspark_precompute.write.samples.images import resolve_source as resolve_image
 from dspark_precompute.write.samples.media import MediaEncoder, MediaInputs, media_spec_for
 from dspark_precompute.write.samples.normalize import Reject, normalize
@@ -346,7 +355,7 @@ def open_sampled(out: CheckResult, path: str | Path, n: int, *, seed: int, devic
     picked = sample_positions(run.lengths, run.readable, n, seed)
     feed: ImageFeed | None = None
     if run.m.media is not None:  # an image cache: the vision tower runs on the image samples' pixels
-        if not has_images_table(run.opened.tables):
+        if not has_images_table(run.opened.tables, bool(run.m.media.videos)):
             out.add(no_images_table(what))
             return None
         found.info.load_vision()
@@ -367,7 +376,8 @@ def sampled_feed(run: StoredRun, found: FoundTarget, picked: list[tuple[int, int
         return ImageFeed.of_run(run, found), picked
     except (DsparkError, OSError) as exc:
         why = str(exc).rstrip(".")
-    images = set(np.unique(run.opened.tables[IMAGE_SAMPLE]).tolist())
+    images = set(np.unique(run.opened.tables[IMAGE_SAMPLE]).tolist()) | set(
+        np.unique(run.opened.tables.get(VIDEO_SAMPLE, np.zeros(0, dtype=np.int64))).tolist())
     hit = sorted({s for s, _ in picked if s in images})
     if hit:
         listed = ", ".join(str(s) for s in hit[:8]) + (", ..." if len(hit) > 8 else "")
@@ -426,7 +436,7 @@ def rebuild_plan(run: StoredRun, moved: bool, out: RecomputeResult) -> tuple[Pre
         out.add(f"the target, tokenizer or data named in the manifest changed since the cache was written "
                 f"({listed_differences(diffs)}); recomputing would compare against a different run")
         return None
-    if plan.media is not None and not has_images_table(run.opened.tables):
+    if plan.media is not None and not has_images_table(run.opened.tables, bool(run.m.media and run.m.media.videos)):
         out.add(no_images_table("recompute"))
         return None
     return cfg, plan
@@ -442,9 +452,13 @@ class StoredImages:
     sha256: list[str]
 
     @classmethod
-    def of(cls, tables: dict[str, np.ndarray]) -> StoredImages:
-        return cls(tables[IMAGE_SAMPLE].astype(np.int64), tables[IMAGE_GRID].astype(np.int64).reshape(-1, 3),
-                   [bytes(row).hex() for row in tables[IMAGE_SHA256]])
+    def of(cls, tables: dict[str, np.ndarray], videos: bool = False) -> StoredImages:
+        """The images table, or (``videos``) the videos table, empty where the cache has none."""
+        names = (VIDEO_SAMPLE, VIDEO_GRID, VIDEO_SHA256) if videos else (IMAGE_SAMPLE, IMAGE_GRID, IMAGE_SHA256)
+        if videos and not all(n in tables for n in names):
+            return cls(np.zeros(0, dtype=np.int64), np.zeros((0, 3), dtype=np.int64), [])
+        return cls(tables[names[0]].astype(np.int64), tables[names[1]].astype(np.int64).reshape(-1, 3),
+                   [bytes(row).hex() for row in tables[names[2]]])
 
     def span(self, s: int) -> tuple[int, int]:
         """Sample ``s``'s rows of the table: ``[lo, hi)`` (empty for a text sample)."""
@@ -452,14 +466,16 @@ class StoredImages:
         return int(lo), int(hi)
 
 
-def has_images_table(tables: dict[str, np.ndarray]) -> bool:
+def has_images_table(tables: dict[str, np.ndarray], videos: bool = False) -> bool:
     """Whether the images table (each image's sample, grid and sha256) could be read: a rerun feeds nothing else."""
-    return all(name in tables for name in (IMAGE_SAMPLE, IMAGE_GRID, IMAGE_SHA256))
+    names = (IMAGE_SAMPLE, IMAGE_GRID, IMAGE_SHA256) + ((VIDEO_SAMPLE, VIDEO_GRID, VIDEO_SHA256) if videos else ())
+    return all(name in tables for name in names)  # ``videos``: a cache with videos needs its videos table too
 
 
 def no_images_table(what: str) -> str:
     """The problem of an image cache whose images table cannot be read, for ``what`` (the check)."""
-    return (f"the cache holds rows with images but its images table (images/sample, images/grid_thw, images/sha256) "
+    return (f"the cache holds rows with images (or videos) but its images table (images/sample, images/grid_thw, "
+            "images/sha256) or videos table "
             f"cannot be read, so their images cannot be fed again and {what} stops; run `dspark-cache verify` "
             "alone to see the damage")
 
@@ -482,6 +498,7 @@ class ImageFeed:
     def __init__(self, tables: dict[str, np.ndarray], source_row: np.ndarray, rows: list[RawRow], data_format: str,
                  root: str | None, media: MediaEncoder) -> None:
         self.images = StoredImages.of(tables)
+        self.videos = StoredImages.of(tables, videos=True)  # a cache with videos: its videos table
         self.source_row, self.rows, self.data_format, self.root, self.media = source_row, rows, data_format, root, \
             media
         self._refs: dict[int, SampleImages | str | None] = {}
@@ -491,7 +508,7 @@ class ImageFeed:
         """The feed of a check that needs no plan (the stored ids are its inputs): the recorded config's rows and
         encoder, with the found target's processor; raises when they cannot be read."""
         cfg = from_dict(run.cfgd)
-        spec = media_spec_for(found.info.local_dir, cfg.data.image)
+        spec = media_spec_for(found.info.local_dir, cfg.data.image, cfg.data.video)
         if spec is None:
             raise TargetError(f"model.path={cfg.model.path} has no image processor (preprocessor_config.json and a "
                               "vision_config) to read the images with")
@@ -501,9 +518,10 @@ class ImageFeed:
         return cls(run.opened.tables, run.source_row, rows, cfg.data.format, encoder.data_root, chat.media)
 
     def holds(self, s: int) -> bool:
-        """Whether sample ``s`` holds images (the images table lists one)."""
+        """Whether sample ``s`` holds images or videos (the images or videos table lists one)."""
         lo, hi = self.images.span(s)
-        return hi > lo
+        vlo, vhi = self.videos.span(s)
+        return hi > lo or vhi > vlo
 
     def sample_images(self, t: int) -> SampleImages | str | None:
         """Sample ``t``'s images as the capture read them, each checked against its recorded sha256: None for a text
@@ -514,23 +532,29 @@ class ImageFeed:
 
     def _check_images(self, t: int) -> SampleImages | str | None:
         lo, hi = self.images.span(t)
-        if lo == hi:
+        vlo, vhi = self.videos.span(t)
+        if lo == hi and vlo == vhi:
             return None
         raw = self.rows[int(self.source_row[t])]
         conv = normalize(raw, self.data_format, media=True)
-        named = [] if isinstance(conv, Reject) else image_sources(conv.messages)
         base = image_base(self.root, raw.file)
-        where = [resolve_image(x, base) for x in named][:hi - lo]
-        if len(where) < hi - lo:
-            return f"source row {raw.row} names {len(named)} image(s), the images table {hi - lo}"
-        for k, (w, want) in enumerate(zip(where, self.images.sha256[lo:hi], strict=True)):
-            now = content_sha256(w)
-            if now.startswith("missing:"):
-                return f"image {k} ({_shown(w)}) cannot be read ({now.removeprefix('missing:')})"
-            if now != want:
-                return (f"image {k} ({_shown(w)}) changed since the cache was written (sha256 recorded "
-                        f"{want[:16]}..., now {now[:16]}...)")
-        return SampleImages(tuple(where), tuple(self.images.sha256[lo:hi]), self.images.grid[lo:hi])
+        found: list[list[str]] = []
+        for kind, table, a, b, names in (("image", self.images, lo, hi, image_sources),
+                                         ("video", self.videos, vlo, vhi, video_sources)):
+            named = [] if isinstance(conv, Reject) else names(conv.messages)
+            where = [resolve_image(x, base) for x in named][:b - a]
+            if len(where) < b - a:
+                return f"source row {raw.row} names {len(named)} {kind}(s), the {kind}s table {b - a}"
+            for k, (w, want) in enumerate(zip(where, table.sha256[a:b], strict=True)):
+                now = content_sha256(w)
+                if now.startswith("missing:"):
+                    return f"{kind} {k} ({_shown(w)}) cannot be read ({now.removeprefix('missing:')})"
+                if now != want:
+                    return (f"{kind} {k} ({_shown(w)}) changed since the cache was written (sha256 recorded "
+                            f"{want[:16]}..., now {now[:16]}...)")
+            found.append(where)
+        return SampleImages(tuple(found[0]), tuple(self.images.sha256[lo:hi]), self.images.grid[lo:hi],
+                            tuple(found[1]), tuple(self.videos.sha256[vlo:vhi]), self.videos.grid[vlo:vhi])
 
     def inputs(self, batch: np.ndarray, ids_of: dict[int, np.ndarray], width: int) -> dict[str, Any] | None:
         """The forward's image inputs of ``batch`` (right-padded to ``width``; ``ids_of``: each sample's ids), as
@@ -541,8 +565,9 @@ class ImageFeed:
             return None
         pixels = MediaInputs(refs, self.media).of_batch(batch, ids_of, width)
         assert pixels is not None  # a sample of the batch holds images
-        want = np.concatenate([refs[int(t)].grid_thw for t in batch if int(t) in refs])
-        got = pixels["image_grid_thw"].numpy().astype(np.int64).reshape(-1, 3)
+        want = np.concatenate([np.asarray(refs[int(t)].grid_thw).reshape(-1, 3) for t in batch if int(t) in refs])
+        got = pixels["image_grid_thw"].numpy().astype(np.int64).reshape(-1, 3) if "image_grid_thw" in pixels \
+            else np.zeros((0, 3), dtype=np.int64)  # the videos' grids: checked by MediaEncoder.pixel_inputs
         if not np.array_equal(got, want):
             raise DataError(f"the processor gives the images grids {got.tolist()}, the images table recorded "
                             f"{want.tolist()} (data.image.* or the checkpoint's preprocessor_config.json changed)")

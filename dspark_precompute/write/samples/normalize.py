@@ -17,6 +17,7 @@ from dspark_precompute.write.samples.images import (
     content_parts,
     has_media,
     split_placeholders,
+    video_problem,
 )
 from dspark_precompute.write.samples.rows import RawRow
 
@@ -42,7 +43,7 @@ Reason = RejectReason  # the reject codes are part of the format: contract/vocab
 class Conversation:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
-    media: bool = False  # some content is a list of parts holding images (write/samples/images.py)
+    media: bool = False  # some content is a list of parts holding images or videos (write/samples/images.py)
 
 
 _MESSAGE_CAP = 2000  # a reject keeps at most this much of its message (values can be huge)
@@ -182,9 +183,11 @@ def _row_media(rec: dict[str, Any]) -> _Media:
     images, videos = rec.get("images") or [], rec.get("videos") or []
     if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
         raise _RowProblem(Reason.IMAGE_MISSING, f"'images' is a JSON {_json_type(images)}, expected a list of paths")
-    if not isinstance(videos, list):
-        raise _RowProblem(Reason.VIDEO_UNSUPPORTED, "'videos' is not a list")
-    return _Media(images, videos, [0])
+    if videos and (problem := video_problem()) is not None:
+        raise _RowProblem(Reason.VIDEO_UNSUPPORTED, f"the row has a 'videos' list: {problem}")
+    if not isinstance(videos, list) or not all(isinstance(x, str) for x in videos):
+        raise _RowProblem(Reason.VIDEO_MISSING, f"'videos' is a JSON {_json_type(videos)}, expected a list of paths")
+    return _Media(images, videos, [0, 0])
 
 
 def _normalize_message(m: Any, i: int, sharegpt: bool, media: _Media | None = None) -> dict[str, Any]:
@@ -248,8 +251,9 @@ def normalize(raw: RawRow, fmt: str = "auto", media: bool = False) -> Conversati
         if found is not None and found.used[0] != len(found.images):
             raise _RowProblem(Reason.IMAGE_MISSING, f"the row's 'images' list holds {len(found.images)} images but "
                                                     f"its text has {found.used[0]} <image> placeholders")
-        if found is not None and found.videos:
-            raise _RowProblem(Reason.VIDEO_UNSUPPORTED, f"the row has a 'videos' list: {VIDEO_REFUSAL}")
+        if found is not None and found.used[1] != len(found.videos):
+            raise _RowProblem(Reason.VIDEO_MISSING, f"the row's 'videos' list holds {len(found.videos)} videos but "
+                                                    f"its text has {found.used[1]} <video> placeholders")
         if not any(m["role"] == "assistant" for m in messages):
             raise _RowProblem(Reason.NO_ASSISTANT_TURN, "the conversation has no assistant message to supervise")
         tools = rec.get("tools")

@@ -31,6 +31,7 @@ from dspark_precompute.contract.spec import (
     MAX_TABLE_CHUNK_ROWS,
     POSITION_IDS,
     UNIT_ARRAYS,
+    VIDEO_ARRAYS,
 )
 from dspark_precompute.contract.store import CacheStore, fsync_dir
 from dspark_precompute.faults import fault_point
@@ -71,8 +72,9 @@ def _width_name(s: ArraySpec) -> str:
 
 def _table_dims(name: str, values: np.ndarray) -> tuple[str, ...]:
     """A table's dimension names: ``unit``, ``sample`` or (the images/* tables) ``image`` and its row."""
-    if name in IMAGE_ARRAYS:
-        return ("image",) if values.ndim == 1 else ("image", "thw" if values.shape[1] == 3 else "byte")
+    if name in IMAGE_ARRAYS or name in VIDEO_ARRAYS:
+        row = "image" if name in IMAGE_ARRAYS else "video"
+        return (row,) if values.ndim == 1 else (row, "thw" if values.shape[1] == 3 else "byte")
     return ("unit",) if name in UNIT_ARRAYS else ("sample",)
 
 

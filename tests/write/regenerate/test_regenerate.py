@@ -522,3 +522,23 @@ def test_the_kept_image_bytes_stay_within_the_budget_and_a_dropped_image_is_read
         assert url.startswith("data:image/png;base64,") and base64.b64decode(url.split(",", 1)[1]) == p.read_bytes()
     assert images.held <= 250
     assert images.sha256(str(tmp_path / "none.png")).startswith("missing:")
+
+
+def test_a_video_part_is_sent_as_a_video_url_with_the_files_bytes_and_its_mime_type(tmp_path):
+    """What vLLM's OpenAI-compatible API takes for a video (the capture side's tests: test_media_video.py)."""
+    import base64
+
+    from dspark_precompute.write.regenerate.request import InlineImages, history_message
+
+    mp4 = tmp_path / "a.mp4"
+    mp4.write_bytes(b"\0\0\0\x20ftypisom" + bytes(range(40)))
+    avi = tmp_path / "b.avi"
+    avi.write_bytes(b"RIFF\x10\0\0\0AVI LIST" + bytes(20))
+    m = {"role": "user", "content": [{"type": "video", "video": str(mp4)}, {"type": "text", "text": "and"},
+                                     {"type": "video", "video": str(avi)}]}
+    for images in (None, InlineImages()):
+        parts = history_message(m, images)["content"]
+        assert [p["type"] for p in parts] == ["video_url", "text", "video_url"]
+        urls = [p["video_url"]["url"] for p in parts if p["type"] == "video_url"]
+        assert urls[0].startswith("data:video/mp4;base64,") and urls[1].startswith("data:video/x-msvideo;base64,")
+        assert base64.b64decode(urls[0].split(",", 1)[1]) == mp4.read_bytes()
