@@ -17,13 +17,19 @@ def test_a_tiny_image_text_checkpoint_loads_as_transformers_own_image_text_model
     assert config["architectures"] == [type(built).__name__]
     assert type(built).__name__.endswith("ForConditionalGeneration")
     loaded = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    want = built.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)  # every weight, bit for bit
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         a = loaded(input_ids=ids, output_hidden_states=True).hidden_states
         b = built(input_ids=ids, output_hidden_states=True).hidden_states
     assert len(a) == len(b) == 5
+    # Within fp32 rounding, not bit for bit: the loaded weights are views of the safetensors file, 24 bytes off a
+    # 64-byte boundary, and on an AMD EPYC MKL's kernels round the MoE experts' products differently there
+    # (the same weights copied to aligned memory give the built model's bits)
     for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y)
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
 
 
 def test_the_tiny_chat_template_renders_an_image_part_as_the_vision_markers(tmp_path):
