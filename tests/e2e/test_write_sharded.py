@@ -83,6 +83,7 @@ def test_a_fault_on_one_rank_stops_both_at_the_next_forward_keeps_every_submitte
     assert_same_cache(ref, str(tmp_path / "fsdp2"))
 
 
+@pytest.mark.slow  # the default lane's 10 minutes; its image-text sibling under fsdp=2 ep=2 is slow too
 def test_an_expert_parallel_moe_writes_a_cache_bit_identical_to_one_copy(tmp_path):
     moe = ("model.random.model_type=qwen3_moe",)
     ref = one_copy(tmp_path, *moe)
@@ -258,6 +259,7 @@ def image_text_checkpoint(tmp_path: Path, model_type: str) -> str:
     return f"model.path={src}"
 
 
+@pytest.mark.slow  # the default lane's 10 minutes (649 s in .ci/run on 2026-12-07 with it)
 def test_an_image_text_moe_under_fsdp_and_ep_matches_its_one_copy_run_and_holds_half_the_language_model(tmp_path):
     path = image_text_checkpoint(tmp_path, "qwen3_5_moe")
     ref = one_copy(tmp_path, path)
@@ -380,6 +382,8 @@ try:
 except TargetError as exc:
     assert "model.visual.merger.weight stays sharded" in str(exc), exc
     open(f"held.{dist.get_rank()}", "w").close()  # a file per rank: two ranks' prints to one pipe interleave
+dist.barrier()  # as Ranks.close does: a rank that tears down gloo while its peer still talks aborts that peer
+dist.destroy_process_group()
 """
 
 
