@@ -129,17 +129,14 @@ class InlineImages:
         """:func:`image_url_part` of ``source``, from the bytes kept where they still are."""
         if source.startswith("data:"):
             return image_url_part(source)
-        with self._lock:
-            data = self._bytes.get(source)
-            if data is not None:
-                self._bytes.move_to_end(source)
-        if data is None:
-            data = Path(source).read_bytes()
-            self._keep(source, data)
-        return image_url_part(source, data)
+        return image_url_part(source, self._data(source))
 
     def video_part(self, source: str) -> dict[str, Any]:
         """:func:`video_url_part` of ``source``, from the bytes kept where they still are."""
+        return video_url_part(source, self._data(source))
+
+    def _data(self, source: str) -> bytes:
+        """A file's bytes: the ones kept (marked most recent), else read now and kept."""
         with self._lock:
             data = self._bytes.get(source)
             if data is not None:
@@ -147,7 +144,7 @@ class InlineImages:
         if data is None:
             data = Path(source).read_bytes()
             self._keep(source, data)
-        return video_url_part(source, data)
+        return data
 
     def _keep(self, where: str, data: bytes) -> None:
         if len(data) > self.budget:
